@@ -1,0 +1,471 @@
+package reconcile
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/a73x/eitri/agent/state"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+)
+
+// Phases and power states as the wire spells them.
+const (
+	phaseCreating = "creating"
+	phaseReady    = "ready"
+	phaseStopped  = "stopped"
+	phaseFailed   = "failed"
+	phaseDeleting = "deleting"
+
+	powerRunning = "running"
+	powerStopped = "stopped"
+)
+
+// Narration, in the order a create says it.
+const (
+	sayWaitingForSlot = "waiting for a create slot on this host"
+	sayDownloading    = "downloading image"
+	sayPreparingDisk  = "preparing root disk"
+	sayBuildingSeed   = "building the cloud-init seed"
+	sayBooting        = "booting"
+	sayWaitingForIP   = "waiting for an address"
+)
+
+// publisher lands a row mid-pass. Nil means nobody is collecting; narration
+// is then skipped.
+type publisher func(*eitriv1.ActualVM)
+
+// outcome is what one pass leaves behind.
+type outcome struct {
+	row  *eitriv1.ActualVM
+	quar *eitriv1.QuarantinedVM
+	// skip: the pass could not run (unreadable record, engine closing); the
+	// VM keeps its last row.
+	skip bool
+	// gone: nothing of the VM is left on this host; destroyed says it was
+	// this engine that destroyed it (reported in Destroyed).
+	gone, destroyed bool
+}
+
+// permanentError is how building blocks mark an error that retrying cannot
+// fix, without importing this package.
+type permanentError interface{ Permanent() bool }
+
+func isPermanent(err error) bool {
+	var p permanentError
+	return errors.As(err, &p) && p.Permanent()
+}
+
+// pass is one VM's complete unit of work: load its record and drive it toward
+// d (nil: no snapshot names it). Bounded by VMTimeout.
+func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, prev *eitriv1.ActualVM, pub publisher) outcome {
+	ctx, cancel := e.passContext(parent)
+	defer cancel()
+
+	rec, ok, err := e.cfg.St.LoadVM(id)
+	if err != nil {
+		// Never "absent": acting on an unreadable record could create a VM on
+		// top of a running one. Keep the last row until the store recovers.
+		e.log.Error("cannot read VM record; skipping", "vm", id, "err", err)
+		return outcome{skip: true}
+	}
+	if d == nil {
+		return e.quarantine(ctx, id, rec, ok)
+	}
+	if ok && !rec.QuarantinedAt.IsZero() {
+		// Named again: adopt what is here rather than recreate it.
+		rec.QuarantinedAt = time.Time{}
+		if err := e.cfg.St.SaveVM(id, rec); err != nil {
+			e.log.Error("saving adopted VM record", "vm", id, "err", err)
+		}
+		e.log.Info("VM is wanted again; adopted from quarantine", "vm", id)
+	}
+	if d.GetDeleted() {
+		return e.deleting(ctx, d, rec, ok)
+	}
+	if !ok || rec.BootID == "" {
+		return e.create(ctx, d, rec, ok, pub)
+	}
+	return e.converge(ctx, d, rec, prev)
+}
+
+// create builds a VM from nothing (or finishes an unfinished create): host
+// key, preflight, create slot, image, root disk, seed, boot. It narrates each
+// step through pub while its ctx is live.
+func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, ok bool, pub publisher) outcome {
+	id := d.GetVmId()
+	if ok && rec.Failed {
+		return outcome{row: newRow(id, rec, powerStopped, phaseFailed, rec.LastError, "")}
+	}
+	if ctx.Err() != nil {
+		// Never start an attempt on a dead context.
+		return outcome{skip: true}
+	}
+	rec.Spec = specFrom(d) // an unfinished create follows the newest spec
+	if rec.HostPubKey == "" {
+		pubKey, privKey, err := state.NewHostKey()
+		if err != nil {
+			return e.failCreate(ctx, rec, err)
+		}
+		rec.HostPubKey, rec.HostPrivKey = pubKey, privKey
+	}
+	if err := e.cfg.St.SaveVM(id, rec); err != nil {
+		// Without a durable record the host key would change on every try;
+		// this is the store's fault, not the VM's, so no attempt is spent.
+		e.log.Error("saving VM record", "vm", id, "err", err)
+		return outcome{row: newRow(id, rec, powerStopped, phaseCreating, err.Error(), "cannot save the VM record")}
+	}
+
+	// say publishes the row this VM would report anyway (creating, not
+	// running, no error) with what it is doing now. It carries the host key
+	// because the key is level-triggered: a row without it would tell the
+	// control plane to forget it. A pass whose ctx is done says nothing,
+	// which keeps a download still draining on someone else's goroutine
+	// from calling into a pass that gave up on it.
+	say := func(detail string) {
+		if pub == nil || ctx.Err() != nil {
+			return
+		}
+		pub(newRow(id, rec, powerStopped, phaseCreating, "", detail))
+	}
+
+	// Preflight comes before the slot queue and the download: a create that
+	// can only be refused should cost nothing and wait for nothing.
+	if err := e.cfg.Hyper.Preflight(ctx, rec.Spec); err != nil {
+		return e.failCreate(ctx, rec, err)
+	}
+
+	say(sayWaitingForSlot)
+	release, err := e.acquireCreateSlot(ctx)
+	if err != nil {
+		return e.failCreate(ctx, rec, err)
+	}
+	defer release() // held through Boot, which is I/O heavy in the guest
+
+	say(sayDownloading)
+	base, err := e.cfg.Images(ctx, rec.Spec.ImageURL, rec.Spec.ImageSHA256, func(done, total int64) {
+		say(downloadDetail(done, total))
+	})
+	if err != nil {
+		return e.failCreate(ctx, rec, err)
+	}
+
+	say(sayPreparingDisk)
+	if err := e.cfg.Hyper.PrepareRootDisk(ctx, rec.Spec, base); err != nil {
+		return e.failCreate(ctx, rec, err)
+	}
+
+	say(sayBuildingSeed)
+	seedPath := e.cfg.St.SeedPath(id)
+	if err := e.cfg.Seed(seedPath, SeedParams{
+		InstanceID:       id,
+		Hostname:         rec.Spec.Name,
+		SSHAuthorizedKey: rec.Spec.SSHAuthorizedKey,
+		HostPrivKey:      rec.HostPrivKey,
+		HostPubKey:       rec.HostPubKey,
+	}); err != nil {
+		return e.failCreate(ctx, rec, err)
+	}
+
+	if wantRunning(d) {
+		say(sayBooting)
+		if err := e.cfg.Hyper.Boot(ctx, rec.Spec, seedPath); err != nil {
+			return e.failCreate(ctx, rec, err)
+		}
+	}
+
+	// Disk and seed are complete: from here on this VM is converged, never
+	// rebuilt.
+	rec.BootID = newBootID()
+	rec.CreateAttempts = 0
+	rec.LastError = ""
+	if err := e.cfg.St.SaveVM(id, rec); err != nil {
+		e.log.Error("saving created VM record", "vm", id, "err", err)
+	}
+	e.log.Info("VM created", "vm", id)
+	return e.observe(ctx, d, rec, "")
+}
+
+// failCreate settles a failed create attempt. A failure of the pass's own
+// context (VMTimeout, or shutdown) is refunded: waiting is not the VM's
+// fault. A permanent error fails at once; anything else spends one attempt.
+func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) outcome {
+	id := rec.Spec.ID
+	if e.ctx.Err() != nil {
+		return outcome{skip: true} // the engine is closing; record nothing
+	}
+	rec.LastError = err.Error()
+	detail := ""
+	switch {
+	case ctx.Err() != nil:
+		detail = "timed out, will retry"
+		e.log.Warn("create timed out; attempt refunded", "vm", id, "err", err)
+	default:
+		rec.CreateAttempts++
+		if isPermanent(err) || rec.CreateAttempts >= e.cfg.MaxCreateAttempts {
+			rec.Failed = true
+			e.log.Error("create failed", "vm", id, "attempts", rec.CreateAttempts, "err", err)
+		} else {
+			detail = fmt.Sprintf("attempt %d of %d failed, will retry", rec.CreateAttempts, e.cfg.MaxCreateAttempts)
+			e.log.Warn("create attempt failed", "vm", id, "attempts", rec.CreateAttempts, "err", err)
+		}
+	}
+	if serr := e.cfg.St.SaveVM(id, rec); serr != nil {
+		e.log.Error("saving VM record", "vm", id, "err", serr)
+	}
+	if rec.Failed {
+		return outcome{row: newRow(id, rec, powerStopped, phaseFailed, rec.LastError, "")}
+	}
+	return outcome{row: newRow(id, rec, powerStopped, phaseCreating, rec.LastError, detail)}
+}
+
+func (e *Engine) acquireCreateSlot(ctx context.Context) (release func(), err error) {
+	select {
+	case e.slots <- struct{}{}:
+		return func() { <-e.slots }, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// converge drives an existing VM's power toward desired and refreshes its
+// address.
+func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, prev *eitriv1.ActualVM) outcome {
+	id := d.GetVmId()
+	running, err := e.cfg.Hyper.Power(ctx, id)
+	if err != nil {
+		return outcome{row: unknownPowerRow(id, rec, prev, err)}
+	}
+	var lastErr string
+	switch {
+	case wantRunning(d) && !running:
+		if err := e.cfg.Hyper.Boot(ctx, rec.Spec, e.cfg.St.SeedPath(id)); err != nil {
+			lastErr = err.Error()
+			e.log.Warn("boot failed", "vm", id, "err", err)
+		} else {
+			e.log.Info("VM booted", "vm", id)
+		}
+	case !wantRunning(d) && running:
+		if err := e.cfg.Hyper.Shutdown(ctx, id); err != nil {
+			lastErr = err.Error()
+			e.log.Warn("shutdown failed", "vm", id, "err", err)
+		} else {
+			e.log.Info("VM shut down", "vm", id)
+		}
+	default:
+		return e.observeKnown(ctx, d, rec, running, "")
+	}
+	return e.observe(ctx, d, rec, lastErr)
+}
+
+// observe reads power and address and builds the VM's settled row.
+func (e *Engine) observe(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, lastErr string) outcome {
+	running, err := e.cfg.Hyper.Power(ctx, d.GetVmId())
+	if err != nil {
+		return outcome{row: unknownPowerRow(d.GetVmId(), rec, nil, err)}
+	}
+	return e.observeKnown(ctx, d, rec, running, lastErr)
+}
+
+func (e *Engine) observeKnown(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, running bool, lastErr string) outcome {
+	id := d.GetVmId()
+	rec = e.refreshAddress(ctx, id, rec)
+	if !running {
+		return outcome{row: newRow(id, rec, powerStopped, phaseStopped, lastErr, "")}
+	}
+	if rec.IP == "" {
+		return outcome{row: newRow(id, rec, powerRunning, phaseCreating, lastErr, sayWaitingForIP)}
+	}
+	return outcome{row: newRow(id, rec, powerRunning, phaseReady, lastErr, "")}
+}
+
+// refreshAddress records a newly learned guest address.
+func (e *Engine) refreshAddress(ctx context.Context, id string, rec state.Record) state.Record {
+	addr, ok := e.cfg.Hyper.Address(ctx, id)
+	if !ok || !addr.IsValid() || addr.String() == rec.IP {
+		return rec
+	}
+	rec.IP = addr.String()
+	if err := e.cfg.St.SaveVM(id, rec); err != nil {
+		e.log.Error("saving VM address", "vm", id, "err", err)
+	}
+	return rec
+}
+
+// deleting handles a soft-deleted VM: stopped at once, disk kept until its
+// destroy time, then destroyed for good.
+func (e *Engine) deleting(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, ok bool) outcome {
+	id := d.GetVmId()
+	if !ok {
+		// Nothing recorded: clear any leftovers and say it is gone.
+		if err := e.cfg.Hyper.Destroy(ctx, id); err != nil {
+			return outcome{row: newRow(id, rec, "", phaseDeleting, err.Error(), "")}
+		}
+		return outcome{gone: true, destroyed: true}
+	}
+	var destroyAt time.Time // zero: destroy now
+	if u := d.GetDestroyAtUnix(); u > 0 {
+		destroyAt = time.Unix(u, 0)
+	}
+	if !rec.DestroyAt.Equal(destroyAt) {
+		rec.DestroyAt = destroyAt
+		if err := e.cfg.St.SaveVM(id, rec); err != nil {
+			e.log.Error("saving VM record", "vm", id, "err", err)
+		}
+	}
+	running, lastErr := e.stop(ctx, id)
+	if !e.cfg.Now().Before(destroyAt) {
+		err := e.destroy(ctx, id)
+		if err == nil {
+			return outcome{gone: true, destroyed: true}
+		}
+		lastErr = err.Error()
+	}
+	return outcome{row: newRow(id, rec, powerWord(running), phaseDeleting, lastErr, "")}
+}
+
+// quarantine handles a VM no snapshot names: kept stopped for
+// QuarantineGrace from when it was first noticed, then destroyed.
+func (e *Engine) quarantine(ctx context.Context, id string, rec state.Record, ok bool) outcome {
+	if !ok {
+		return outcome{gone: true}
+	}
+	if rec.QuarantinedAt.IsZero() {
+		rec.QuarantinedAt = e.cfg.Now()
+		if err := e.cfg.St.SaveVM(id, rec); err != nil {
+			e.log.Error("saving quarantined VM record", "vm", id, "err", err)
+		}
+		e.log.Warn("desired state no longer names this VM; quarantined", "vm", id,
+			"destroy_at", rec.QuarantinedAt.Add(e.cfg.QuarantineGrace))
+	}
+	destroyAt := rec.QuarantinedAt.Add(e.cfg.QuarantineGrace)
+	_, _ = e.stop(ctx, id)
+	if !e.cfg.Now().Before(destroyAt) && e.destroy(ctx, id) == nil {
+		return outcome{gone: true, destroyed: true}
+	}
+	spec, err := json.Marshal(rec.Spec)
+	if err != nil {
+		spec = nil
+	}
+	return outcome{quar: &eitriv1.QuarantinedVM{
+		VmId:          id,
+		Name:          rec.Spec.Name,
+		VmspecJson:    spec,
+		DestroyAtUnix: destroyAt.Unix(),
+	}}
+}
+
+// stop shuts the VM down if it is running and reports the power it ends in.
+func (e *Engine) stop(ctx context.Context, id string) (running bool, lastErr string) {
+	running, err := e.cfg.Hyper.Power(ctx, id)
+	if err != nil {
+		return false, err.Error()
+	}
+	if !running {
+		return false, ""
+	}
+	if err := e.cfg.Hyper.Shutdown(ctx, id); err != nil {
+		e.log.Warn("shutdown failed", "vm", id, "err", err)
+		return true, err.Error()
+	}
+	running, err = e.cfg.Hyper.Power(ctx, id)
+	if err != nil {
+		return false, err.Error()
+	}
+	return running, ""
+}
+
+// destroy removes the VM and its record; on error something is left behind
+// and the next pass tries again.
+func (e *Engine) destroy(ctx context.Context, id string) error {
+	if err := e.cfg.Hyper.Destroy(ctx, id); err != nil {
+		e.log.Error("destroy failed", "vm", id, "err", err)
+		return err
+	}
+	if err := e.cfg.St.DeleteVM(id); err != nil {
+		e.log.Error("deleting VM record", "vm", id, "err", err)
+		return err
+	}
+	e.log.Info("VM destroyed", "vm", id)
+	return nil
+}
+
+// newRow builds a report row. Every row carries the guest's public host key
+// for as long as the VM exists.
+func newRow(id string, rec state.Record, power, phase, lastErr, detail string) *eitriv1.ActualVM {
+	return &eitriv1.ActualVM{
+		VmId:          id,
+		Power:         power,
+		Phase:         phase,
+		Ip:            rec.IP,
+		LastError:     lastErr,
+		SshHostPubkey: rec.HostPubKey,
+		StatusDetail:  detail,
+	}
+}
+
+// unknownPowerRow is the row for a VM whose power could not be read: the last
+// known power and phase stand (absent if none was known), with the error.
+func unknownPowerRow(id string, rec state.Record, prev *eitriv1.ActualVM, err error) *eitriv1.ActualVM {
+	power, phase := "", phaseStopped
+	if prev != nil && prev.GetPhase() != "" {
+		power, phase = prev.GetPower(), prev.GetPhase()
+	}
+	detail := ""
+	if phase == phaseCreating {
+		detail = prev.GetStatusDetail()
+	}
+	return newRow(id, rec, power, phase, err.Error(), detail)
+}
+
+func powerWord(running bool) string {
+	if running {
+		return powerRunning
+	}
+	return powerStopped
+}
+
+func wantRunning(d *eitriv1.VMDesired) bool { return d.GetPowerState() == powerRunning }
+
+func specFrom(d *eitriv1.VMDesired) state.VMSpec {
+	return state.VMSpec{
+		ID:               d.GetVmId(),
+		Name:             d.GetName(),
+		ImageURL:         d.GetImageUrl(),
+		ImageSHA256:      d.GetImageSha256(),
+		VCPUs:            d.GetVcpus(),
+		MemMB:            d.GetMemMb(),
+		DiskGB:           d.GetDiskGb(),
+		SSHAuthorizedKey: d.GetSshAuthorizedKey(),
+	}
+}
+
+func newBootID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// downloadDetail words a download's progress. Both numbers share one unit,
+// chosen from the larger, so they read as a fraction; with no known total
+// only the part done is said.
+func downloadDetail(done, total int64) string {
+	div, unit := sizeUnit(max(done, total))
+	if total <= 0 {
+		return fmt.Sprintf("%s %.1f %s", sayDownloading, float64(done)/div, unit)
+	}
+	return fmt.Sprintf("%s %.1f/%.1f %s", sayDownloading, float64(done)/div, float64(total)/div, unit)
+}
+
+// sizeUnit is GiB from one GiB up, else MiB: images are never small enough
+// for smaller units to read as anything but a stall.
+func sizeUnit(n int64) (float64, string) {
+	if n >= 1<<30 {
+		return 1 << 30, "GiB"
+	}
+	return 1 << 20, "MiB"
+}

@@ -1,0 +1,138 @@
+package reconcile
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"google.golang.org/protobuf/proto"
+)
+
+// worker owns one VM: it alone runs passes for it, one at a time, always
+// against the newest desired state it has been handed.
+type worker struct {
+	eng  *Engine
+	id   string
+	kick chan struct{} // capacity 1: "desired changed, run a pass"
+
+	mu sync.Mutex
+	// desired is the newest desired state; nil means no snapshot names this
+	// VM (quarantine).
+	desired *eitriv1.VMDesired
+	// seq rises whenever desired changes; retire uses it to notice a
+	// snapshot that landed while a pass was deciding the VM was gone.
+	seq uint64
+	// pending: a kick has been sent that no pass has picked up yet.
+	pending bool
+	// busy: a pass is in flight (with mu released).
+	busy bool
+	// gen names the pass in flight; a mid-pass publish must carry it.
+	gen uint64
+	// row and quar are this VM's contribution to the report. Published rows
+	// are never modified, only replaced.
+	row     *eitriv1.ActualVM
+	quar    *eitriv1.QuarantinedVM
+	retired bool
+	passes  uint64 // passes started, for tests and debugging
+}
+
+func newWorker(e *Engine, id string) *worker {
+	return &worker{eng: e, id: id, kick: make(chan struct{}, 1)}
+}
+
+// setDesired hands the worker new desired state and wakes it if that state
+// differs from what it had. The first call always wakes it.
+func (w *worker) setDesired(d *eitriv1.VMDesired) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.seq > 0 && proto.Equal(w.desired, d) && (w.desired == nil) == (d == nil) {
+		return
+	}
+	w.desired = d
+	w.seq++
+	w.pending = true
+	select {
+	case w.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (w *worker) run() {
+	defer w.eng.wg.Done()
+	tick := time.NewTicker(w.eng.cfg.ResyncInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-w.eng.ctx.Done():
+			return
+		case <-w.kick:
+		case <-tick.C:
+		}
+
+		w.mu.Lock()
+		d, seq, prev := w.desired, w.seq, w.row
+		w.pending = false
+		w.busy = true
+		w.gen++
+		w.passes++
+		gen := w.gen
+		w.mu.Unlock()
+
+		// The pass runs with w.mu released: Fill and Apply never wait on it.
+		out := w.eng.pass(w.eng.ctx, w.id, d, prev, func(row *eitriv1.ActualVM) { w.publish(gen, row) })
+
+		w.mu.Lock()
+		changed := false
+		if !out.skip {
+			changed = !rowsEqual(w.row, out.row) || !proto.Equal(w.quar, out.quar) || (w.quar == nil) != (out.quar == nil)
+			w.row, w.quar = out.row, out.quar
+		}
+		// Clearing busy in the same critical section that lands the result
+		// closes this pass to late publishes.
+		w.busy = false
+		w.mu.Unlock()
+		if changed {
+			w.eng.notify()
+		}
+
+		if out.gone && w.eng.retire(w, seq, out.destroyed) {
+			return
+		}
+	}
+}
+
+// publish lands a row from inside a pass, so the report can describe work
+// that has not finished. It lands only while the pass that produced it (gen)
+// is still the one in flight: narration can come from goroutines the pass
+// does not own (a shared image download), and a line arriving after its pass
+// ended, or from an older pass while a newer runs, must not overwrite the
+// settled row. Narration is commentary, never state.
+func (w *worker) publish(gen uint64, row *eitriv1.ActualVM) {
+	w.mu.Lock()
+	if !w.busy || gen != w.gen || w.retired {
+		w.mu.Unlock()
+		return
+	}
+	changed := !rowsEqual(w.row, row)
+	w.row = row
+	w.mu.Unlock()
+	if changed {
+		w.eng.notify()
+	}
+}
+
+// idle reports that no pass is running or queued (tests poll it).
+func (w *worker) idle() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return !w.busy && !w.pending
+}
+
+// passContext bounds one pass by VMTimeout.
+func (e *Engine) passContext(parent context.Context) (context.Context, context.CancelFunc) {
+	if e.cfg.VMTimeout > 0 {
+		return context.WithTimeout(parent, e.cfg.VMTimeout)
+	}
+	return context.WithCancel(parent)
+}
