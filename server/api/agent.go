@@ -1,0 +1,87 @@
+package api
+
+import (
+	"context"
+	"errors"
+
+	"connectrpc.com/connect"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/auth"
+)
+
+type agentService struct{ handlers }
+
+func (s agentService) Enroll(ctx context.Context, r *connect.Request[eitriv1.EnrollRequest]) (*connect.Response[eitriv1.EnrollResponse], error) {
+	resp, err := s.f.Enroll(ctx, r.Msg)
+	return reply(s.handlers, resp, err)
+}
+
+// Sync runs one host's stream: snapshots out whenever its desired state
+// changes (and once on connect), complete reports in.
+func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.SyncRequest, eitriv1.SyncResponse]) error {
+	cred := auth.Secret(st.RequestHeader())
+	if cred == "" {
+		return connect.NewError(connect.CodeUnauthenticated, errors.New("missing host credential"))
+	}
+	hostID, err := s.f.HostByCredential(ctx, cred)
+	if err != nil {
+		return s.toConnect(err)
+	}
+	first, err := st.Receive()
+	if err != nil {
+		return err
+	}
+	hello := first.GetHello()
+	if hello == nil {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("the first message on a Sync stream must be hello"))
+	}
+	hello.HostId = hostID // the credential, not the message, says who this is
+
+	sess := s.f.OpenSession(ctx, hostID, hello)
+	defer sess.Close()
+
+	// Receive in its own goroutine: a blocked Receive cannot watch for the
+	// session being replaced. Returning from the handler unblocks it.
+	reports := make(chan *eitriv1.ActualStateReport)
+	recvErr := make(chan error, 1)
+	go func() {
+		for {
+			msg, err := st.Receive()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			if rep := msg.GetReport(); rep != nil {
+				select {
+				case reports <- rep:
+				case <-sess.Context().Done():
+					return
+				}
+			}
+		}
+	}()
+
+	for {
+		select {
+		case <-sess.Context().Done():
+			cause := context.Cause(sess.Context())
+			return connect.NewError(connect.CodeAborted, cause)
+		case err := <-recvErr:
+			if errors.Is(err, context.Canceled) {
+				return nil
+			}
+			return nil // the agent hung up; it reconnects with a full report
+		case rep := <-reports:
+			sess.Apply(ctx, rep)
+		case <-sess.Kicks():
+			snap, err := sess.Snapshot(ctx)
+			if err != nil {
+				return s.toConnect(err)
+			}
+			if err := st.Send(&eitriv1.SyncResponse{Msg: &eitriv1.SyncResponse_Snapshot{Snapshot: snap}}); err != nil {
+				return err
+			}
+		}
+	}
+}

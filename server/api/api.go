@@ -1,0 +1,259 @@
+// Package api is the Connect surface of the control plane. Handlers are
+// thin: decode, call the fleet (which validates and authorizes), map errors
+// to Connect codes.
+package api
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"strings"
+
+	"connectrpc.com/connect"
+	"github.com/go-chi/chi/v5"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/server/watch"
+)
+
+// Mount registers every service on r, each under its /package.Service/
+// prefix.
+func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
+	opts := []connect.HandlerOption{
+		connect.WithCodec(jsonCodec{name: "json"}),
+		connect.WithCodec(jsonCodec{name: "json; charset=utf-8"}),
+		connect.WithInterceptors(auth.Interceptor{
+			Resolve: f.Resolve,
+			Skip: func(procedure string) bool {
+				return strings.HasPrefix(procedure, "/"+eitriv1connect.AgentServiceName+"/")
+			},
+		}),
+	}
+	h := handlers{f: f, log: log}
+	for _, mount := range []func() (string, http.Handler){
+		func() (string, http.Handler) { return eitriv1connect.NewVMServiceHandler(vmService{h}, opts...) },
+		func() (string, http.Handler) {
+			return eitriv1connect.NewExposureServiceHandler(exposureService{h}, opts...)
+		},
+		func() (string, http.Handler) { return eitriv1connect.NewHostServiceHandler(hostService{h}, opts...) },
+		func() (string, http.Handler) { return eitriv1connect.NewTokenServiceHandler(tokenService{h}, opts...) },
+		func() (string, http.Handler) { return eitriv1connect.NewAgentServiceHandler(agentService{h}, opts...) },
+	} {
+		path, handler := mount()
+		r.Handle(path+"*", handler)
+	}
+}
+
+type handlers struct {
+	f   *fleet.Fleet
+	log *slog.Logger
+}
+
+var codes = map[fleet.Kind]connect.Code{
+	fleet.Invalid:         connect.CodeInvalidArgument,
+	fleet.NotFound:        connect.CodeNotFound,
+	fleet.Conflict:        connect.CodeAlreadyExists,
+	fleet.Denied:          connect.CodePermissionDenied,
+	fleet.Precondition:    connect.CodeFailedPrecondition,
+	fleet.Unauthenticated: connect.CodeUnauthenticated,
+}
+
+// toConnect maps a fleet error to its Connect code. Internal errors are
+// logged and not echoed, so no SQL text reaches a caller.
+func (h handlers) toConnect(err error) error {
+	if err == nil {
+		return nil
+	}
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ce
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return connect.NewError(connect.CodeCanceled, err)
+	}
+	if code, ok := codes[fleet.KindOf(err)]; ok {
+		return connect.NewError(code, err)
+	}
+	h.log.Error("internal error", "err", err)
+	return connect.NewError(connect.CodeInternal, errors.New("internal error (see the control plane's log)"))
+}
+
+func reply[T any](h handlers, msg *T, err error) (*connect.Response[T], error) {
+	if err != nil {
+		return nil, h.toConnect(err)
+	}
+	return connect.NewResponse(msg), nil
+}
+
+// stream sends the starting list, then every change, until the client goes.
+func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], first *R, send func(*R) error, wrap func(watch.Event[T]) *R) error {
+	defer w.Close()
+	if err := send(first); err != nil {
+		return err
+	}
+	for {
+		evs, err := w.Next(ctx)
+		if err != nil {
+			return nil // the client went away
+		}
+		for _, ev := range evs {
+			if err := send(wrap(ev)); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+type vmService struct{ handlers }
+
+func (s vmService) CreateVM(ctx context.Context, r *connect.Request[eitriv1.CreateVMRequest]) (*connect.Response[eitriv1.CreateVMResponse], error) {
+	vm, err := s.f.CreateVM(ctx, r.Msg)
+	return reply(s.handlers, &eitriv1.CreateVMResponse{Vm: vm}, err)
+}
+
+func (s vmService) GetVM(ctx context.Context, r *connect.Request[eitriv1.GetVMRequest]) (*connect.Response[eitriv1.GetVMResponse], error) {
+	vm, err := s.f.GetVM(ctx, r.Msg.GetId())
+	return reply(s.handlers, &eitriv1.GetVMResponse{Vm: vm}, err)
+}
+
+func (s vmService) ListVMs(ctx context.Context, _ *connect.Request[eitriv1.ListVMsRequest]) (*connect.Response[eitriv1.ListVMsResponse], error) {
+	vms, err := s.f.ListVMs(ctx)
+	return reply(s.handlers, &eitriv1.ListVMsResponse{Vms: vms}, err)
+}
+
+func (s vmService) StartVM(ctx context.Context, r *connect.Request[eitriv1.StartVMRequest]) (*connect.Response[eitriv1.StartVMResponse], error) {
+	vm, err := s.f.SetPower(ctx, r.Msg.GetId(), fleet.PowerRunning)
+	return reply(s.handlers, &eitriv1.StartVMResponse{Vm: vm}, err)
+}
+
+func (s vmService) StopVM(ctx context.Context, r *connect.Request[eitriv1.StopVMRequest]) (*connect.Response[eitriv1.StopVMResponse], error) {
+	vm, err := s.f.SetPower(ctx, r.Msg.GetId(), fleet.PowerStopped)
+	return reply(s.handlers, &eitriv1.StopVMResponse{Vm: vm}, err)
+}
+
+func (s vmService) DeleteVM(ctx context.Context, r *connect.Request[eitriv1.DeleteVMRequest]) (*connect.Response[eitriv1.DeleteVMResponse], error) {
+	vm, err := s.f.DeleteVM(ctx, r.Msg.GetId())
+	return reply(s.handlers, &eitriv1.DeleteVMResponse{Vm: vm}, err)
+}
+
+func (s vmService) RestoreVM(ctx context.Context, r *connect.Request[eitriv1.RestoreVMRequest]) (*connect.Response[eitriv1.RestoreVMResponse], error) {
+	vm, err := s.f.RestoreVM(ctx, r.Msg.GetId())
+	return reply(s.handlers, &eitriv1.RestoreVMResponse{Vm: vm}, err)
+}
+
+func (s vmService) ListVMEvents(ctx context.Context, r *connect.Request[eitriv1.ListVMEventsRequest]) (*connect.Response[eitriv1.ListVMEventsResponse], error) {
+	evs, err := s.f.ListVMEvents(ctx, r.Msg.GetVmId())
+	return reply(s.handlers, &eitriv1.ListVMEventsResponse{Events: evs}, err)
+}
+
+func (s vmService) WatchVMs(ctx context.Context, _ *connect.Request[eitriv1.WatchVMsRequest], out *connect.ServerStream[eitriv1.WatchVMsResponse]) error {
+	w, list, err := s.f.WatchVMs(ctx)
+	if err != nil {
+		return s.toConnect(err)
+	}
+	first := &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_Snapshot{Snapshot: &eitriv1.VMList{Vms: list}}}
+	return stream(ctx, s.handlers, w, first, out.Send, func(ev watch.Event[*eitriv1.VM]) *eitriv1.WatchVMsResponse {
+		if ev.Removed {
+			return &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_RemovedId{RemovedId: ev.ID}}
+		}
+		return &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_Changed{Changed: ev.Obj}}
+	})
+}
+
+type exposureService struct{ handlers }
+
+func (s exposureService) CreateExposure(ctx context.Context, r *connect.Request[eitriv1.CreateExposureRequest]) (*connect.Response[eitriv1.CreateExposureResponse], error) {
+	e, err := s.f.CreateExposure(ctx, r.Msg)
+	return reply(s.handlers, &eitriv1.CreateExposureResponse{Exposure: e}, err)
+}
+
+func (s exposureService) ListExposures(ctx context.Context, r *connect.Request[eitriv1.ListExposuresRequest]) (*connect.Response[eitriv1.ListExposuresResponse], error) {
+	list, err := s.f.ListExposures(ctx, r.Msg.GetVmId())
+	return reply(s.handlers, &eitriv1.ListExposuresResponse{Exposures: list}, err)
+}
+
+func (s exposureService) DeleteExposure(ctx context.Context, r *connect.Request[eitriv1.DeleteExposureRequest]) (*connect.Response[eitriv1.DeleteExposureResponse], error) {
+	err := s.f.DeleteExposure(ctx, r.Msg.GetId())
+	return reply(s.handlers, &eitriv1.DeleteExposureResponse{}, err)
+}
+
+func (s exposureService) WatchExposures(ctx context.Context, r *connect.Request[eitriv1.WatchExposuresRequest], out *connect.ServerStream[eitriv1.WatchExposuresResponse]) error {
+	w, list, err := s.f.WatchExposures(ctx, r.Msg.GetVmId())
+	if err != nil {
+		return s.toConnect(err)
+	}
+	first := &eitriv1.WatchExposuresResponse{Event: &eitriv1.WatchExposuresResponse_Snapshot{Snapshot: &eitriv1.ExposureList{Exposures: list}}}
+	return stream(ctx, s.handlers, w, first, out.Send, func(ev watch.Event[*eitriv1.Exposure]) *eitriv1.WatchExposuresResponse {
+		if ev.Removed {
+			return &eitriv1.WatchExposuresResponse{Event: &eitriv1.WatchExposuresResponse_RemovedId{RemovedId: ev.ID}}
+		}
+		return &eitriv1.WatchExposuresResponse{Event: &eitriv1.WatchExposuresResponse_Changed{Changed: ev.Obj}}
+	})
+}
+
+type hostService struct{ handlers }
+
+func (s hostService) ListHosts(ctx context.Context, _ *connect.Request[eitriv1.ListHostsRequest]) (*connect.Response[eitriv1.ListHostsResponse], error) {
+	hosts, err := s.f.ListHosts(ctx)
+	return reply(s.handlers, &eitriv1.ListHostsResponse{Hosts: hosts}, err)
+}
+
+func (s hostService) GetHost(ctx context.Context, r *connect.Request[eitriv1.GetHostRequest]) (*connect.Response[eitriv1.GetHostResponse], error) {
+	h, err := s.f.GetHost(ctx, r.Msg.GetId())
+	return reply(s.handlers, &eitriv1.GetHostResponse{Host: h}, err)
+}
+
+func (s hostService) CreateJoinToken(ctx context.Context, r *connect.Request[eitriv1.CreateJoinTokenRequest]) (*connect.Response[eitriv1.CreateJoinTokenResponse], error) {
+	if d := r.Msg.GetTtl(); d != nil {
+		if err := d.CheckValid(); err != nil {
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("ttl: "+err.Error()))
+		}
+	}
+	resp, err := s.f.CreateJoinToken(ctx, r.Msg.GetTtl().AsDuration())
+	return reply(s.handlers, resp, err)
+}
+
+func (s hostService) DecommissionHost(ctx context.Context, r *connect.Request[eitriv1.DecommissionHostRequest]) (*connect.Response[eitriv1.DecommissionHostResponse], error) {
+	err := s.f.DecommissionHost(ctx, r.Msg.GetId())
+	return reply(s.handlers, &eitriv1.DecommissionHostResponse{}, err)
+}
+
+func (s hostService) WatchHosts(ctx context.Context, _ *connect.Request[eitriv1.WatchHostsRequest], out *connect.ServerStream[eitriv1.WatchHostsResponse]) error {
+	w, list, err := s.f.WatchHosts(ctx)
+	if err != nil {
+		return s.toConnect(err)
+	}
+	first := &eitriv1.WatchHostsResponse{Event: &eitriv1.WatchHostsResponse_Snapshot{Snapshot: &eitriv1.HostList{Hosts: list}}}
+	return stream(ctx, s.handlers, w, first, out.Send, func(ev watch.Event[*eitriv1.Host]) *eitriv1.WatchHostsResponse {
+		if ev.Removed {
+			return &eitriv1.WatchHostsResponse{Event: &eitriv1.WatchHostsResponse_RemovedId{RemovedId: ev.ID}}
+		}
+		return &eitriv1.WatchHostsResponse{Event: &eitriv1.WatchHostsResponse_Changed{Changed: ev.Obj}}
+	})
+}
+
+type tokenService struct{ handlers }
+
+func (s tokenService) CreateToken(ctx context.Context, r *connect.Request[eitriv1.CreateTokenRequest]) (*connect.Response[eitriv1.CreateTokenResponse], error) {
+	if d := r.Msg.GetTtl(); d != nil {
+		if err := d.CheckValid(); err != nil {
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("ttl: "+err.Error()))
+		}
+	}
+	tok, secret, err := s.f.CreateToken(ctx, r.Msg.GetName(), r.Msg.GetTtl().AsDuration(), r.Msg.GetUserName())
+	return reply(s.handlers, &eitriv1.CreateTokenResponse{Token: tok, Secret: secret}, err)
+}
+
+func (s tokenService) ListTokens(ctx context.Context, _ *connect.Request[eitriv1.ListTokensRequest]) (*connect.Response[eitriv1.ListTokensResponse], error) {
+	toks, err := s.f.ListTokens(ctx)
+	return reply(s.handlers, &eitriv1.ListTokensResponse{Tokens: toks}, err)
+}
+
+func (s tokenService) RevokeToken(ctx context.Context, r *connect.Request[eitriv1.RevokeTokenRequest]) (*connect.Response[eitriv1.RevokeTokenResponse], error) {
+	err := s.f.RevokeToken(ctx, r.Msg.GetId())
+	return reply(s.handlers, &eitriv1.RevokeTokenResponse{}, err)
+}

@@ -1,0 +1,207 @@
+// Package fleet is the control plane's domain: it validates and authorizes
+// requests, places VMs, writes the store, derives what the API serves from
+// the durable rows and the hosts' live reports, and tells the watch hub and
+// the host streams what changed. The Connect handlers in server/api stay thin
+// around it.
+package fleet
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/registry"
+	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/server/watch"
+)
+
+// Kind classifies a domain error; the API maps each to a Connect code.
+type Kind int
+
+const (
+	Internal Kind = iota
+	Invalid
+	NotFound
+	Conflict
+	Denied
+	Precondition
+	Unauthenticated
+)
+
+// Error is a domain error with a message meant for the caller.
+type Error struct {
+	Kind Kind
+	Msg  string
+}
+
+func (e *Error) Error() string { return e.Msg }
+
+func errorf(k Kind, format string, args ...any) error {
+	return &Error{Kind: k, Msg: fmt.Sprintf(format, args...)}
+}
+
+// invalid names the field at fault, so a caller can fix the right input.
+func invalid(field, format string, args ...any) error {
+	return &Error{Kind: Invalid, Msg: field + ": " + fmt.Sprintf(format, args...)}
+}
+
+// KindOf returns err's kind (Internal for anything unclassified).
+func KindOf(err error) Kind {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Kind
+	}
+	return Internal
+}
+
+// Config tunes the fleet.
+type Config struct {
+	// PublicURL is what agents dial; it goes into join tokens.
+	PublicURL string
+	// CertFingerprint is the serving certificate's pin; empty for plain h2c
+	// (dev mode on loopback).
+	CertFingerprint string
+	// DeleteGrace is how long a deleted VM stays restorable (default 24h).
+	DeleteGrace time.Duration
+	// PortRange is where unset host ports are allocated from.
+	PortMin, PortMax uint16
+	Log              *slog.Logger
+	Now              func() time.Time
+}
+
+// Fleet is safe for concurrent use.
+type Fleet struct {
+	cfg Config
+	st  *store.Store
+	reg *registry.Registry
+	log *slog.Logger
+
+	VMs       *watch.Topic[*eitriv1.VM]
+	Hosts     *watch.Topic[*eitriv1.Host]
+	Exposures *watch.Topic[*eitriv1.Exposure]
+
+	mu       sync.Mutex
+	sessions map[string]*Session // host id → current stream
+	lastGen  map[string]uint64
+	touched  map[string]time.Time
+}
+
+// New returns a fleet over st.
+func New(cfg Config, st *store.Store) *Fleet {
+	if cfg.DeleteGrace == 0 {
+		cfg.DeleteGrace = 24 * time.Hour
+	}
+	if cfg.PortMin == 0 {
+		cfg.PortMin, cfg.PortMax = 30000, 32767
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return &Fleet{
+		cfg:       cfg,
+		st:        st,
+		reg:       registry.New(),
+		log:       cfg.Log,
+		VMs:       watch.NewTopic[*eitriv1.VM](),
+		Hosts:     watch.NewTopic[*eitriv1.Host](),
+		Exposures: watch.NewTopic[*eitriv1.Exposure](),
+		sessions:  make(map[string]*Session),
+		lastGen:   make(map[string]uint64),
+		touched:   make(map[string]time.Time),
+	}
+}
+
+func (f *Fleet) now() time.Time { return f.cfg.Now().UTC() }
+
+// Registry exposes the live state (for tests and diagnostics).
+func (f *Fleet) Registry() *registry.Registry { return f.reg }
+
+// storeErr maps store sentinels to domain errors; what names the object.
+func storeErr(err error, what string) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, store.ErrNotFound):
+		return errorf(NotFound, "%s not found", what)
+	case errors.Is(err, store.ErrConflict):
+		return &Error{Kind: Conflict, Msg: err.Error()}
+	default:
+		return err
+	}
+}
+
+// Bootstrap makes the first admin on an empty store, writes its token to
+// dataDir/admin.token (0600) and returns it; on a store that has users it
+// returns "".
+func (f *Fleet) Bootstrap(ctx context.Context, dataDir string) (string, error) {
+	n, err := f.st.CountUsers(ctx)
+	if err != nil || n > 0 {
+		return "", err
+	}
+	u := store.User{ID: newID("u"), Name: "admin", Admin: true, CreatedAt: f.now()}
+	if err := f.st.CreateUser(ctx, u); err != nil {
+		return "", err
+	}
+	secret := auth.NewSecret(auth.PrefixPAT)
+	if err := f.st.CreateToken(ctx, store.Token{
+		ID: newID("t"), UserID: u.ID, Name: "bootstrap", Kind: "pat",
+		Hash: auth.Hash(secret), CreatedAt: f.now(),
+	}); err != nil {
+		return "", err
+	}
+	path := filepath.Join(dataDir, "admin.token")
+	if err := os.WriteFile(path, []byte(secret+"\n"), 0o600); err != nil {
+		return "", fmt.Errorf("write %s: %w", path, err)
+	}
+	return secret, nil
+}
+
+// Resolve implements auth.Resolver over the token table.
+func (f *Fleet) Resolve(ctx context.Context, secret string) (auth.Principal, error) {
+	tok, user, err := f.st.TokenByHash(ctx, auth.Hash(secret))
+	if errors.Is(err, store.ErrNotFound) {
+		return auth.Principal{}, auth.ErrBadCredential
+	}
+	if err != nil {
+		return auth.Principal{}, err
+	}
+	now := f.now()
+	if tok.ExpiresAt != nil && !now.Before(*tok.ExpiresAt) {
+		return auth.Principal{}, auth.ErrBadCredential
+	}
+	// last_used_at is for people reading the token list; minute precision
+	// keeps it from turning every request into a write.
+	if tok.LastUsedAt == nil || now.Sub(*tok.LastUsedAt) > time.Minute {
+		_ = f.st.TouchToken(ctx, tok.ID, now)
+	}
+	return auth.Principal{UserID: user.ID, Name: user.Name, Admin: user.Admin, TokenID: tok.ID}, nil
+}
+
+func principal(ctx context.Context) (auth.Principal, error) {
+	p, ok := auth.FromContext(ctx)
+	if !ok {
+		return auth.Principal{}, errorf(Unauthenticated, "missing credentials")
+	}
+	return p, nil
+}
+
+func requireAdmin(ctx context.Context) (auth.Principal, error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return p, err
+	}
+	if !p.Admin {
+		return p, errorf(Denied, "only an admin may do this")
+	}
+	return p, nil
+}

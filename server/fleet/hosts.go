@@ -1,0 +1,239 @@
+package fleet
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/server/watch"
+)
+
+// JoinToken is what a join token carries besides its secret: where the
+// control plane is and which certificate it will present. The agent needs
+// nothing else to enroll.
+type JoinToken struct {
+	URL         string `json:"u"`
+	Fingerprint string `json:"f,omitempty"`
+	Secret      string `json:"s"`
+}
+
+// Encode renders the token as one pasteable string.
+func (t JoinToken) Encode() string {
+	b, _ := json.Marshal(t)
+	return auth.PrefixJoin + base64.RawURLEncoding.EncodeToString(b)
+}
+
+// DecodeJoinToken parses a token made by Encode.
+func DecodeJoinToken(s string) (JoinToken, error) {
+	var t JoinToken
+	raw, ok := strings.CutPrefix(strings.TrimSpace(s), auth.PrefixJoin)
+	if !ok {
+		return t, errors.New("not an eitri join token")
+	}
+	b, err := base64.RawURLEncoding.DecodeString(raw)
+	if err != nil {
+		return t, fmt.Errorf("join token: %w", err)
+	}
+	if err := json.Unmarshal(b, &t); err != nil || t.Secret == "" {
+		return t, errors.New("join token is damaged")
+	}
+	return t, nil
+}
+
+// CreateJoinToken mints a single-use token that enrolls one host.
+func (f *Fleet) CreateJoinToken(ctx context.Context, ttl time.Duration) (*eitriv1.CreateJoinTokenResponse, error) {
+	p, err := requireAdmin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if ttl == 0 {
+		ttl = time.Hour
+	}
+	if ttl < 0 || ttl > 7*24*time.Hour {
+		return nil, invalid("ttl", "must be between 1s and 168h, got %s", ttl)
+	}
+	secret := auth.NewSecret("")
+	now := f.now()
+	jt := store.JoinToken{ID: newID("j"), Hash: auth.Hash(secret), CreatedBy: p.UserID, CreatedAt: now, ExpiresAt: now.Add(ttl)}
+	if err := f.st.CreateJoinToken(ctx, jt); err != nil {
+		return nil, err
+	}
+	tok := JoinToken{URL: f.cfg.PublicURL, Fingerprint: f.cfg.CertFingerprint, Secret: secret}.Encode()
+	return &eitriv1.CreateJoinTokenResponse{
+		Token:     tok,
+		ExpiresAt: timestamppb.New(jt.ExpiresAt),
+		Command:   "eitri agent --join " + tok,
+	}, nil
+}
+
+// Enroll spends a join token on a new host and returns its credential.
+func (f *Fleet) Enroll(ctx context.Context, r *eitriv1.EnrollRequest) (*eitriv1.EnrollResponse, error) {
+	jt, err := DecodeJoinToken(r.GetJoinToken())
+	if err != nil {
+		return nil, invalid("join_token", "%v", err)
+	}
+	name := r.GetHostname()
+	if name == "" {
+		return nil, invalid("hostname", "required")
+	}
+	cred := auth.NewSecret(auth.PrefixHost)
+	now := f.now()
+	h := store.Host{ID: newID("h"), Name: name, CredentialHash: auth.Hash(cred), AgentVersion: r.GetAgentVersion(), CreatedAt: now}
+	switch err := f.st.ConsumeJoinToken(ctx, auth.Hash(jt.Secret), now, h); {
+	case errors.Is(err, store.ErrNotFound):
+		return nil, errorf(Unauthenticated, "join token is not known to this control plane")
+	case errors.Is(err, store.ErrJoinTokenUsed):
+		return nil, errorf(Unauthenticated, "join token was already used; create a new one")
+	case errors.Is(err, store.ErrJoinTokenExpired):
+		return nil, errorf(Unauthenticated, "join token has expired; create a new one")
+	case err != nil:
+		return nil, err
+	}
+	f.log.Info("host enrolled", "host", h.ID, "name", name)
+	f.publishHost(ctx, h.ID)
+	return &eitriv1.EnrollResponse{HostId: h.ID, HostCredential: cred}, nil
+}
+
+// HostByCredential authenticates an agent stream.
+func (f *Fleet) HostByCredential(ctx context.Context, cred string) (string, error) {
+	h, err := f.st.HostByCredentialHash(ctx, auth.Hash(cred))
+	if errors.Is(err, store.ErrNotFound) {
+		return "", errorf(Unauthenticated, "unknown host credential (was this host decommissioned?)")
+	}
+	if err != nil {
+		return "", err
+	}
+	return h.ID, nil
+}
+
+// ListHosts returns every host.
+func (f *Fleet) ListHosts(ctx context.Context) ([]*eitriv1.Host, error) {
+	if _, err := principal(ctx); err != nil {
+		return nil, err
+	}
+	hosts, err := f.st.ListHosts(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]*eitriv1.Host, 0, len(hosts))
+	for _, h := range hosts {
+		v, err := f.hostView(ctx, h)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// GetHost returns one host.
+func (f *Fleet) GetHost(ctx context.Context, id string) (*eitriv1.Host, error) {
+	if _, err := principal(ctx); err != nil {
+		return nil, err
+	}
+	if id == "" {
+		return nil, invalid("id", "required")
+	}
+	h, err := f.st.HostByID(ctx, id)
+	if err != nil {
+		return nil, storeErr(err, "host "+id)
+	}
+	return f.hostView(ctx, h)
+}
+
+// DecommissionHost removes an empty host from the fleet and closes its
+// stream; its credential stops working.
+func (f *Fleet) DecommissionHost(ctx context.Context, id string) error {
+	if _, err := requireAdmin(ctx); err != nil {
+		return err
+	}
+	if id == "" {
+		return invalid("id", "required")
+	}
+	if _, err := f.st.HostByID(ctx, id); err != nil {
+		return storeErr(err, "host "+id)
+	}
+	vms, err := f.st.ListVMsByHost(ctx, id)
+	if err != nil {
+		return err
+	}
+	if len(vms) > 0 {
+		return errorf(Precondition, "host %s still has %d VM(s); delete them first", id, len(vms))
+	}
+	if err := f.st.DeleteHost(ctx, id); err != nil {
+		if errors.Is(err, store.ErrConflict) {
+			return errorf(Precondition, "host %s still has VMs; delete them first", id)
+		}
+		return storeErr(err, "host "+id)
+	}
+	f.mu.Lock()
+	if s := f.sessions[id]; s != nil {
+		s.cancel(errors.New("host decommissioned"))
+	}
+	f.mu.Unlock()
+	f.Hosts.Publish(watch.Event[*eitriv1.Host]{ID: id, Removed: true})
+	return nil
+}
+
+func (f *Fleet) hostView(ctx context.Context, h store.Host) (*eitriv1.Host, error) {
+	alloc, err := f.allocated(ctx, h.ID)
+	if err != nil {
+		return nil, err
+	}
+	out := &eitriv1.Host{
+		Id: h.ID, Name: h.Name, Address: h.Address, AgentVersion: h.AgentVersion,
+		Accelerator: h.Accelerator, Allocated: alloc, CreatedAt: timestamppb.New(h.CreatedAt),
+	}
+	if h.LastSeenAt != nil {
+		out.LastSeenAt = timestamppb.New(*h.LastSeenAt)
+	}
+	if live, ok := f.reg.Host(h.ID); ok {
+		out.Connected = true
+		out.LastSeenAt = timestamppb.New(live.LastSeen)
+		if hello := live.Hello; hello != nil {
+			out.Address, out.AgentVersion, out.Accelerator = hello.GetAddress(), hello.GetAgentVersion(), hello.GetAccelerator()
+		}
+		out.Capacity = live.Report.GetCapacity()
+		out.Metrics = live.Report.GetMetrics()
+	}
+	return out, nil
+}
+
+func (f *Fleet) publishHost(ctx context.Context, id string) {
+	h, err := f.st.HostByID(ctx, id)
+	if errors.Is(err, store.ErrNotFound) {
+		f.Hosts.Publish(watch.Event[*eitriv1.Host]{ID: id, Removed: true})
+		return
+	}
+	if err != nil {
+		return
+	}
+	v, err := f.hostView(ctx, h)
+	if err != nil {
+		return
+	}
+	f.Hosts.Publish(watch.Event[*eitriv1.Host]{ID: id, Obj: v})
+}
+
+// WatchHosts subscribes and returns the current list to start from.
+func (f *Fleet) WatchHosts(ctx context.Context) (*watch.Watcher[*eitriv1.Host], []*eitriv1.Host, error) {
+	if _, err := principal(ctx); err != nil {
+		return nil, nil, err
+	}
+	w := f.Hosts.Subscribe(nil)
+	list, err := f.ListHosts(ctx)
+	if err != nil {
+		w.Close()
+		return nil, nil, err
+	}
+	return w, list, nil
+}

@@ -1,0 +1,252 @@
+package fleet
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/registry"
+	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/server/watch"
+)
+
+// ErrReplaced ends a stream that a newer stream from the same host replaced.
+var ErrReplaced = errors.New("replaced by a newer stream from the same host")
+
+// Session is one host's agent stream as the fleet sees it.
+type Session struct {
+	f      *Fleet
+	hostID string
+	conn   uint64
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	kicks  chan struct{}
+}
+
+// OpenSession registers a host's new stream, replacing any older one, and
+// queues the snapshot every (re)connect gets.
+func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.Hello) *Session {
+	now := f.now()
+	if err := f.st.UpdateHostHello(ctx, hostID, hello.GetAgentVersion(), hello.GetAddress(), hello.GetAccelerator(), now); err != nil {
+		f.log.Warn("record host hello", "host", hostID, "err", err)
+	}
+	sctx, cancel := context.WithCancelCause(ctx)
+	s := &Session{f: f, hostID: hostID, ctx: sctx, cancel: cancel, kicks: make(chan struct{}, 1)}
+	s.kicks <- struct{}{}
+
+	f.mu.Lock()
+	if old := f.sessions[hostID]; old != nil {
+		old.cancel(ErrReplaced)
+	}
+	var d registry.Diff
+	s.conn, d = f.reg.Connect(hostID, hello, now)
+	f.sessions[hostID] = s
+	f.mu.Unlock()
+
+	f.log.Info("host connected", "host", hostID, "agent_version", hello.GetAgentVersion())
+	f.publishDiff(ctx, hostID, d)
+	return s
+}
+
+// Context ends when the session is replaced or its host decommissioned.
+func (s *Session) Context() context.Context { return s.ctx }
+
+// Kicks signals that the host's desired state changed (coalesced).
+func (s *Session) Kicks() <-chan struct{} { return s.kicks }
+
+// Close forgets the stream's live state, unless a newer stream owns it.
+func (s *Session) Close() {
+	f := s.f
+	f.mu.Lock()
+	if f.sessions[s.hostID] == s {
+		delete(f.sessions, s.hostID)
+	}
+	d, ok := f.reg.Disconnect(s.hostID, s.conn)
+	f.mu.Unlock()
+	s.cancel(context.Canceled)
+	if ok {
+		ctx := context.WithoutCancel(s.ctx)
+		_ = f.st.TouchHost(ctx, s.hostID, f.now())
+		f.log.Info("host disconnected", "host", s.hostID)
+		f.publishDiff(ctx, s.hostID, d)
+	}
+}
+
+func (f *Fleet) kick(hostID string) {
+	f.mu.Lock()
+	s := f.sessions[hostID]
+	f.mu.Unlock()
+	if s == nil {
+		return
+	}
+	select {
+	case s.kicks <- struct{}{}:
+	default:
+	}
+}
+
+// Snapshot builds the host's complete desired state with a fresh, rising
+// generation. Generations are floored at the wall clock so they keep rising
+// across control plane restarts, which the agent relies on to ignore stale
+// snapshots.
+func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, error) {
+	f := s.f
+	vms, err := f.st.ListVMsByHost(ctx, s.hostID)
+	if err != nil {
+		return nil, err
+	}
+	exps, err := f.st.ListExposuresByHost(ctx, s.hostID)
+	if err != nil {
+		return nil, err
+	}
+	snap := &eitriv1.DesiredStateSnapshot{}
+	deleted := map[string]bool{}
+	for _, v := range vms {
+		d := &eitriv1.VMDesired{
+			VmId: v.ID, Name: v.Name, ImageUrl: v.ImageURL, ImageSha256: v.ImageSHA256,
+			Vcpus: v.VCPUs, MemMb: v.MemMB, DiskGb: v.DiskGB, PowerState: v.PowerState,
+			SshAuthorizedKey: v.SSHAuthorizedKey,
+		}
+		if v.DeletedAt != nil {
+			d.Deleted = true
+			deleted[v.ID] = true
+			if v.DestroyAt != nil {
+				d.DestroyAtUnix = v.DestroyAt.Unix()
+			}
+		}
+		snap.Vms = append(snap.Vms, d)
+	}
+	// Exposures follow their VM: a deleted VM's ports close with it.
+	for _, e := range exps {
+		if deleted[e.VMID] {
+			continue
+		}
+		snap.Exposures = append(snap.Exposures, &eitriv1.ExposureDesired{
+			Id: e.ID, VmId: e.VMID, GuestPort: uint32(e.GuestPort), HostPort: uint32(e.HostPort),
+			Protocol: e.Protocol, Scope: e.Scope, MaxSessions: e.MaxSessions,
+		})
+	}
+	f.mu.Lock()
+	gen := uint64(f.now().UnixNano())
+	if last := f.lastGen[s.hostID]; gen <= last {
+		gen = last + 1
+	}
+	f.lastGen[s.hostID] = gen
+	f.mu.Unlock()
+	snap.Generation = gen
+	return snap, nil
+}
+
+// Apply takes one complete report from the host.
+func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
+	f := s.f
+	now := f.now()
+	d, ok := f.reg.Apply(s.hostID, s.conn, rep, now)
+	if !ok {
+		return
+	}
+	// What people need after the host goes away (its last status, address,
+	// error and host key) is kept durably; narration and counters are not.
+	for _, id := range d.VMs {
+		row, _ := f.reg.VM(s.hostID, id)
+		if row == nil {
+			continue
+		}
+		f.persistRow(ctx, s.hostID, row)
+	}
+	for _, id := range rep.GetDestroyed() {
+		f.forgetDestroyed(ctx, s.hostID, id)
+	}
+	f.publishDiff(ctx, s.hostID, d)
+
+	f.mu.Lock()
+	last := f.touched[s.hostID]
+	stale := now.Sub(last) > 30*time.Second
+	if stale {
+		f.touched[s.hostID] = now
+	}
+	f.mu.Unlock()
+	if stale {
+		_ = f.st.TouchHost(ctx, s.hostID, now)
+	}
+}
+
+func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.ActualVM) {
+	var from string
+	_, changed, err := f.st.UpdateVM(ctx, row.GetVmId(), func(v *store.VM) error {
+		if v.HostID != hostID {
+			return errNotMine
+		}
+		from = v.Status
+		switch ph := row.GetPhase(); ph {
+		case "creating", "ready", "stopped", "failed":
+			v.Status = ph
+			if ph == "failed" {
+				v.LastError = row.GetLastError()
+			} else if ph == "ready" {
+				v.LastError = ""
+			}
+		}
+		if ip := row.GetIp(); ip != "" {
+			v.AssignedIP = ip
+		}
+		if k := row.GetSshHostPubkey(); k != "" {
+			v.SSHHostPubkey = k
+		}
+		return nil
+	})
+	if err != nil {
+		if !errors.Is(err, errNotMine) && !errors.Is(err, store.ErrNotFound) {
+			f.log.Warn("persist reported vm", "vm", row.GetVmId(), "err", err)
+		}
+		return
+	}
+	if changed && from != row.GetPhase() && row.GetPhase() != "deleting" {
+		msg := fmt.Sprintf("%s → %s", from, row.GetPhase())
+		if row.GetPhase() == "ready" && row.GetIp() != "" {
+			msg += " at " + row.GetIp()
+		}
+		if row.GetPhase() == "failed" && row.GetLastError() != "" {
+			msg += ": " + row.GetLastError()
+		}
+		f.event(ctx, row.GetVmId(), "status", msg)
+	}
+}
+
+var errNotMine = errors.New("vm belongs to another host")
+
+// forgetDestroyed drops a VM its host has destroyed for good — only one that
+// was deleted and placed there, so a confused agent cannot erase a VM
+// anybody still wants.
+func (f *Fleet) forgetDestroyed(ctx context.Context, hostID, id string) {
+	vm, err := f.st.GetVM(ctx, id)
+	if err != nil || vm.HostID != hostID || vm.DeletedAt == nil {
+		return
+	}
+	exps, _ := f.st.ListExposures(ctx, id)
+	if err := f.st.DeleteVM(ctx, id); err != nil {
+		f.log.Warn("forget destroyed vm", "vm", id, "err", err)
+		return
+	}
+	f.log.Info("vm destroyed", "vm", id, "host", hostID)
+	for _, e := range exps {
+		f.Exposures.Publish(watch.Event[*eitriv1.Exposure]{ID: e.ID, Removed: true})
+	}
+	f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Removed: true})
+	f.publishHost(ctx, hostID)
+	f.kick(hostID)
+}
+
+func (f *Fleet) publishDiff(ctx context.Context, hostID string, d registry.Diff) {
+	for _, id := range d.VMs {
+		f.publishVM(ctx, id)
+	}
+	for _, id := range d.Exposures {
+		f.publishExposure(ctx, id)
+	}
+	if d.Host {
+		f.publishHost(ctx, hostID)
+	}
+}

@@ -1,0 +1,420 @@
+package fleet
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"regexp"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/server/watch"
+)
+
+var (
+	dnsLabel = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`)
+	sha256Re = regexp.MustCompile(`^[0-9a-f]{64}$`)
+)
+
+// Power states people type.
+const (
+	PowerRunning = "running"
+	PowerStopped = "stopped"
+)
+
+func validateVM(r *eitriv1.CreateVMRequest) error {
+	switch {
+	case !dnsLabel.MatchString(r.GetName()):
+		return invalid("name", "%q is not a DNS label (lowercase letters, digits and '-', 1-63 characters, no leading or trailing '-')", r.GetName())
+	case r.GetImageUrl() == "":
+		return invalid("image_url", "required")
+	}
+	u, err := url.Parse(r.GetImageUrl())
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return invalid("image_url", "%q is not an http(s) URL", r.GetImageUrl())
+	}
+	switch {
+	case !sha256Re.MatchString(r.GetImageSha256()):
+		return invalid("image_sha256", "must be 64 lowercase hex characters")
+	case r.GetVcpus() < 1 || r.GetVcpus() > 256:
+		return invalid("vcpus", "must be between 1 and 256, got %d", r.GetVcpus())
+	case r.GetMemMb() < 64 || r.GetMemMb() > 4<<20:
+		return invalid("mem_mb", "must be between 64 and 4194304, got %d", r.GetMemMb())
+	case r.GetDiskGb() < 1 || r.GetDiskGb() > 64<<10:
+		return invalid("disk_gb", "must be between 1 and 65536, got %d", r.GetDiskGb())
+	}
+	switch r.GetPowerState() {
+	case "", PowerRunning, PowerStopped:
+	default:
+		return invalid("power_state", "must be %q or %q, got %q", PowerRunning, PowerStopped, r.GetPowerState())
+	}
+	for _, c := range r.GetSshAuthorizedKey() {
+		if c == '\n' || c == '\r' {
+			return invalid("ssh_authorized_key", "must be a single line")
+		}
+	}
+	return nil
+}
+
+// CreateVM validates, places and records a VM, then tells its host.
+func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitriv1.VM, error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := validateVM(r); err != nil {
+		return nil, err
+	}
+	hostID, err := f.place(ctx, r)
+	if err != nil {
+		return nil, err
+	}
+	power := r.GetPowerState()
+	if power == "" {
+		power = PowerRunning
+	}
+	now := f.now()
+	vm := store.VM{
+		ID: newID("vm"), OwnerID: p.UserID, HostID: hostID, Name: r.GetName(),
+		ImageURL: r.GetImageUrl(), ImageSHA256: r.GetImageSha256(),
+		VCPUs: r.GetVcpus(), MemMB: r.GetMemMb(), DiskGB: r.GetDiskGb(),
+		PowerState: power, Status: "pending", SSHAuthorizedKey: r.GetSshAuthorizedKey(),
+		CreatedAt: now, UpdatedAt: now,
+	}
+	if err := f.st.CreateVM(ctx, vm); err != nil {
+		if errors.Is(err, store.ErrConflict) {
+			return nil, errorf(Conflict, "name: you already have a VM named %q", vm.Name)
+		}
+		return nil, err
+	}
+	f.event(ctx, vm.ID, "created", fmt.Sprintf("created on host %s (%d vCPU, %d MiB, %d GiB)", hostID, vm.VCPUs, vm.MemMB, vm.DiskGB))
+	f.vmChanged(ctx, vm.HostID, vm.ID)
+	return f.vmView(vm), nil
+}
+
+// place picks the host: the one named, or the connected host with the most
+// free memory (then vCPUs) that fits.
+func (f *Fleet) place(ctx context.Context, r *eitriv1.CreateVMRequest) (string, error) {
+	fits := func(h store.Host) (free [3]int64, why string) {
+		live, ok := f.reg.Host(h.ID)
+		if !ok {
+			return free, "is not connected"
+		}
+		c := live.Report.GetCapacity()
+		if c == nil {
+			return free, "has not reported its capacity yet"
+		}
+		a, err := f.allocated(ctx, h.ID)
+		if err != nil {
+			return free, err.Error()
+		}
+		free = [3]int64{int64(c.GetVcpus() - a.GetVcpus()), c.GetMemMb() - a.GetMemMb(), c.GetDiskGb() - a.GetDiskGb()}
+		switch {
+		case int64(r.GetVcpus()) > free[0]:
+			return free, fmt.Sprintf("has %d of %d vCPUs free", max(free[0], 0), c.GetVcpus())
+		case r.GetMemMb() > free[1]:
+			return free, fmt.Sprintf("has %d of %d MiB memory free", max(free[1], 0), c.GetMemMb())
+		case r.GetDiskGb() > free[2]:
+			return free, fmt.Sprintf("has %d of %d GiB disk free", max(free[2], 0), c.GetDiskGb())
+		}
+		return free, ""
+	}
+	if id := r.GetHostId(); id != "" {
+		h, err := f.st.HostByID(ctx, id)
+		if errors.Is(err, store.ErrNotFound) {
+			return "", invalid("host_id", "no host %q", id)
+		} else if err != nil {
+			return "", err
+		}
+		if _, why := fits(h); why != "" {
+			return "", errorf(Precondition, "host %s %s", h.Name, why)
+		}
+		return h.ID, nil
+	}
+	hosts, err := f.st.ListHosts(ctx)
+	if err != nil {
+		return "", err
+	}
+	best, bestFree := "", [3]int64{-1, -1, -1}
+	for _, h := range hosts {
+		free, why := fits(h)
+		if why != "" {
+			continue
+		}
+		if free[1] > bestFree[1] || (free[1] == bestFree[1] && free[0] > bestFree[0]) {
+			best, bestFree = h.ID, free
+		}
+	}
+	if best == "" {
+		return "", errorf(Precondition, "no connected host has room for %d vCPU, %d MiB memory and %d GiB disk", r.GetVcpus(), r.GetMemMb(), r.GetDiskGb())
+	}
+	return best, nil
+}
+
+func (f *Fleet) allocated(ctx context.Context, hostID string) (*eitriv1.Allocated, error) {
+	vms, err := f.st.ListVMsByHost(ctx, hostID)
+	if err != nil {
+		return nil, err
+	}
+	a := &eitriv1.Allocated{}
+	for _, v := range vms {
+		a.Vcpus += v.VCPUs
+		a.MemMb += v.MemMB
+		a.DiskGb += v.DiskGB
+	}
+	return a, nil
+}
+
+// visible loads a VM the caller may see; another user's VM is NotFound, so
+// ids reveal nothing.
+func (f *Fleet) visible(ctx context.Context, id string) (store.VM, auth.Principal, error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return store.VM{}, p, err
+	}
+	if id == "" {
+		return store.VM{}, p, invalid("id", "required")
+	}
+	vm, err := f.st.GetVM(ctx, id)
+	if err != nil {
+		return store.VM{}, p, storeErr(err, "vm "+id)
+	}
+	if !p.Admin && vm.OwnerID != p.UserID {
+		return store.VM{}, p, errorf(NotFound, "vm %s not found", id)
+	}
+	return vm, p, nil
+}
+
+// GetVM returns one VM.
+func (f *Fleet) GetVM(ctx context.Context, id string) (*eitriv1.VM, error) {
+	vm, _, err := f.visible(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return f.vmView(vm), nil
+}
+
+// ListVMs returns the caller's VMs (all, for an admin).
+func (f *Fleet) ListVMs(ctx context.Context) ([]*eitriv1.VM, error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, err
+	}
+	owner := p.UserID
+	if p.Admin {
+		owner = ""
+	}
+	vms, err := f.st.ListVMs(ctx, owner)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]*eitriv1.VM, len(vms))
+	for i, v := range vms {
+		out[i] = f.vmView(v)
+	}
+	return out, nil
+}
+
+// SetPower records the desired power.
+func (f *Fleet) SetPower(ctx context.Context, id, power string) (*eitriv1.VM, error) {
+	if _, _, err := f.visible(ctx, id); err != nil {
+		return nil, err
+	}
+	vm, changed, err := f.st.UpdateVM(ctx, id, func(v *store.VM) error {
+		if v.DeletedAt != nil {
+			return errorf(Precondition, "vm %s is deleted; restore it first", id)
+		}
+		v.PowerState = power
+		return nil
+	})
+	if err != nil {
+		return nil, storeErr(err, "vm "+id)
+	}
+	if changed {
+		f.event(ctx, id, "power", "desired power set to "+power)
+		f.vmChanged(ctx, vm.HostID, id)
+	}
+	return f.vmView(vm), nil
+}
+
+// DeleteVM soft-deletes: the host stops the guest and destroys it at
+// destroy_at unless it is restored first.
+func (f *Fleet) DeleteVM(ctx context.Context, id string) (*eitriv1.VM, error) {
+	if _, _, err := f.visible(ctx, id); err != nil {
+		return nil, err
+	}
+	now := f.now()
+	vm, changed, err := f.st.UpdateVM(ctx, id, func(v *store.VM) error {
+		if v.DeletedAt != nil {
+			return nil // deleting twice is the same request
+		}
+		at := now.Add(f.cfg.DeleteGrace)
+		v.DeletedAt, v.DestroyAt = &now, &at
+		return nil
+	})
+	if err != nil {
+		return nil, storeErr(err, "vm "+id)
+	}
+	if changed {
+		f.event(ctx, id, "deleted", "deleted; restorable until "+vm.DestroyAt.Format("2006-01-02 15:04:05 MST"))
+		f.vmChanged(ctx, vm.HostID, id)
+		f.exposuresOfVMChanged(ctx, id)
+	}
+	return f.vmView(vm), nil
+}
+
+// RestoreVM undoes a delete that has not been carried out yet.
+func (f *Fleet) RestoreVM(ctx context.Context, id string) (*eitriv1.VM, error) {
+	if _, _, err := f.visible(ctx, id); err != nil {
+		return nil, err
+	}
+	vm, changed, err := f.st.UpdateVM(ctx, id, func(v *store.VM) error {
+		if v.DeletedAt == nil {
+			return errorf(Precondition, "vm %s is not deleted", id)
+		}
+		v.DeletedAt, v.DestroyAt = nil, nil
+		return nil
+	})
+	if err != nil {
+		return nil, storeErr(err, "vm "+id)
+	}
+	if changed {
+		f.event(ctx, id, "restored", "restored")
+		f.vmChanged(ctx, vm.HostID, id)
+		f.exposuresOfVMChanged(ctx, id)
+	}
+	return f.vmView(vm), nil
+}
+
+// ListVMEvents returns a VM's timeline.
+func (f *Fleet) ListVMEvents(ctx context.Context, id string) ([]*eitriv1.VMEvent, error) {
+	if _, _, err := f.visible(ctx, id); err != nil {
+		return nil, err
+	}
+	evs, err := f.st.ListVMEvents(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]*eitriv1.VMEvent, len(evs))
+	for i, e := range evs {
+		out[i] = &eitriv1.VMEvent{At: timestamppb.New(e.At), Kind: e.Kind, Message: e.Message}
+	}
+	return out, nil
+}
+
+func (f *Fleet) event(ctx context.Context, vmID, kind, msg string) {
+	if err := f.st.AddVMEvent(ctx, store.VMEvent{VMID: vmID, At: f.now(), Kind: kind, Message: msg}); err != nil {
+		f.log.Warn("record vm event", "vm", vmID, "err", err)
+	}
+}
+
+// vmView merges the durable row with its host's live report.
+func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
+	out := &eitriv1.VM{
+		Id: v.ID, Name: v.Name, HostId: v.HostID, OwnerId: v.OwnerID,
+		ImageUrl: v.ImageURL, ImageSha256: v.ImageSHA256,
+		Vcpus: v.VCPUs, MemMb: v.MemMB, DiskGb: v.DiskGB,
+		PowerState: v.PowerState, Status: v.Status, LastError: v.LastError,
+		AssignedIp: v.AssignedIP, CreatedAt: timestamppb.New(v.CreatedAt),
+		Deleted: v.DeletedAt != nil, SshAuthorizedKey: v.SSHAuthorizedKey,
+		SshHostPubkey: v.SSHHostPubkey,
+	}
+	if v.DestroyAt != nil {
+		out.DestroyAt = timestamppb.New(*v.DestroyAt)
+	}
+	row, reporting := f.reg.VM(v.HostID, v.ID)
+	if row != nil {
+		out.ActualPower = row.GetPower()
+		out.Phase = row.GetPhase()
+		out.StatusDetail = row.GetStatusDetail()
+		if row.GetIp() != "" {
+			out.AssignedIp = row.GetIp()
+		}
+		if row.GetLastError() != "" {
+			out.LastError = row.GetLastError()
+		}
+	}
+	out.Lifecycle = Lifecycle(v.DeletedAt != nil, v.Status, row, reporting)
+	return out
+}
+
+// Lifecycle derives the one word a person reads from the durable row and the
+// live report row (nil when the host is not reporting on the VM).
+func Lifecycle(deleted bool, status string, row *eitriv1.ActualVM, reporting bool) string {
+	if deleted {
+		return "deleting"
+	}
+	if row == nil {
+		// A connected host that has not picked the VM up yet, or a VM never
+		// reported on: pending. A VM its host has reported before but is not
+		// reporting now: nobody can say.
+		if reporting || status == "" || status == "pending" {
+			return "pending"
+		}
+		return "unknown"
+	}
+	switch row.GetPhase() {
+	case "failed":
+		return "failed"
+	case "creating":
+		return "creating"
+	case "deleting":
+		return "deleting"
+	case "ready":
+		if row.GetPower() == PowerRunning {
+			return "ready"
+		}
+		return "stopped"
+	case "stopped":
+		return "stopped"
+	}
+	return "pending"
+}
+
+// vmChanged rebuilds a VM once and hands it to every watcher, and tells its
+// host that its desired state moved.
+func (f *Fleet) vmChanged(ctx context.Context, hostID, id string) {
+	f.publishVM(ctx, id)
+	f.kick(hostID)
+}
+
+func (f *Fleet) publishVM(ctx context.Context, id string) {
+	vm, err := f.st.GetVM(ctx, id)
+	if errors.Is(err, store.ErrNotFound) {
+		f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Removed: true})
+		return
+	}
+	if err != nil {
+		f.log.Warn("publish vm", "vm", id, "err", err)
+		return
+	}
+	f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Owner: vm.OwnerID, Obj: f.vmView(vm)})
+}
+
+// WatchVMs subscribes the caller and returns the current list to start from.
+func (f *Fleet) WatchVMs(ctx context.Context) (*watch.Watcher[*eitriv1.VM], []*eitriv1.VM, error) {
+	p, err := principal(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	w := f.VMs.Subscribe(ownerFilter[*eitriv1.VM](p))
+	list, err := f.ListVMs(ctx)
+	if err != nil {
+		w.Close()
+		return nil, nil, err
+	}
+	return w, list, nil
+}
+
+func ownerFilter[T any](p auth.Principal) func(watch.Event[T]) bool {
+	if p.Admin {
+		return nil
+	}
+	// A removal carries no owner; letting it through reveals only an id
+	// the watcher may already hold, and a client ignores unknown ids.
+	return func(ev watch.Event[T]) bool { return ev.Removed || ev.Owner == p.UserID }
+}

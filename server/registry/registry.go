@@ -1,0 +1,174 @@
+// Package registry holds what each connected host last reported. It is never
+// persisted: it lives while the host's stream is up, and a host that is not
+// connected has no live facts at all (the API then serves them as absent).
+package registry
+
+import (
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+)
+
+// Live is one connected host's latest word. Its messages are replaced whole,
+// never mutated, so a copy handed out stays consistent.
+type Live struct {
+	HostID      string
+	Hello       *eitriv1.Hello
+	Report      *eitriv1.ActualStateReport // nil until the first report
+	ConnectedAt time.Time
+	LastSeen    time.Time
+
+	conn uint64
+	vms  map[string]*eitriv1.ActualVM
+	exps map[string]*eitriv1.ExposureActual
+}
+
+// Diff names what a registry change touched, so the watch hub can rebuild
+// exactly those objects.
+type Diff struct {
+	VMs       []string
+	Exposures []string
+	Host      bool
+}
+
+// Registry is safe for concurrent use.
+type Registry struct {
+	mu    sync.RWMutex
+	hosts map[string]*Live
+	seq   uint64
+}
+
+// New returns an empty registry.
+func New() *Registry { return &Registry{hosts: make(map[string]*Live)} }
+
+// Connect records a new stream for hostID and returns its connection token.
+// A newer stream replaces an older one; the old token then no longer applies
+// reports or disconnects anything.
+func (r *Registry) Connect(hostID string, hello *eitriv1.Hello, now time.Time) (uint64, Diff) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.seq++
+	var d Diff
+	if old, ok := r.hosts[hostID]; ok {
+		d = everything(old)
+	}
+	r.hosts[hostID] = &Live{HostID: hostID, Hello: hello, ConnectedAt: now, LastSeen: now, conn: r.seq}
+	d.Host = true
+	return r.seq, d
+}
+
+// Disconnect forgets hostID's live state if conn is still its current stream.
+func (r *Registry) Disconnect(hostID string, conn uint64) (Diff, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	l, ok := r.hosts[hostID]
+	if !ok || l.conn != conn {
+		return Diff{}, false
+	}
+	delete(r.hosts, hostID)
+	d := everything(l)
+	d.Host = true
+	return d, true
+}
+
+func everything(l *Live) Diff {
+	var d Diff
+	for id := range l.vms {
+		d.VMs = append(d.VMs, id)
+	}
+	for id := range l.exps {
+		d.Exposures = append(d.Exposures, id)
+	}
+	return d
+}
+
+// Apply replaces hostID's report with rep (complete, as every report is) and
+// returns which objects changed. ok is false when conn is not the host's
+// current stream.
+func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateReport, now time.Time) (Diff, bool) {
+	vms := make(map[string]*eitriv1.ActualVM, len(rep.GetVms()))
+	for _, v := range rep.GetVms() {
+		vms[v.GetVmId()] = v
+	}
+	exps := make(map[string]*eitriv1.ExposureActual, len(rep.GetExposures()))
+	for _, e := range rep.GetExposures() {
+		exps[e.GetId()] = e
+	}
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	l, ok := r.hosts[hostID]
+	if !ok || l.conn != conn {
+		return Diff{}, false
+	}
+	var d Diff
+	d.VMs = changed(l.vms, vms)
+	d.Exposures = changed(l.exps, exps)
+	old := l.Report
+	d.Host = old == nil ||
+		!proto.Equal(old.GetCapacity(), rep.GetCapacity()) ||
+		!proto.Equal(old.GetMetrics(), rep.GetMetrics())
+	// Replace rather than mutate: readers may hold the previous Live.
+	nl := *l
+	nl.Report, nl.vms, nl.exps, nl.LastSeen = rep, vms, exps, now
+	r.hosts[hostID] = &nl
+	return d, true
+}
+
+func changed[M proto.Message](old, cur map[string]M) []string {
+	var out []string
+	for id, v := range cur {
+		if o, ok := old[id]; !ok || !proto.Equal(o, v) {
+			out = append(out, id)
+		}
+	}
+	for id := range old {
+		if _, ok := cur[id]; !ok {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+// Host returns hostID's live state, if connected.
+func (r *Registry) Host(hostID string) (Live, bool) {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	l, ok := r.hosts[hostID]
+	if !ok {
+		return Live{}, false
+	}
+	return *l, true
+}
+
+// Connected reports whether hostID has a stream up.
+func (r *Registry) Connected(hostID string) bool {
+	_, ok := r.Host(hostID)
+	return ok
+}
+
+// VM returns the row hostID last reported for vmID. reporting is true when
+// the host is connected and has sent at least one report.
+func (r *Registry) VM(hostID, vmID string) (row *eitriv1.ActualVM, reporting bool) {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	l, ok := r.hosts[hostID]
+	if !ok || l.Report == nil {
+		return nil, false
+	}
+	return l.vms[vmID], true
+}
+
+// Exposure returns the row hostID last reported for exposure id, or nil.
+func (r *Registry) Exposure(hostID, id string) *eitriv1.ExposureActual {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	l, ok := r.hosts[hostID]
+	if !ok {
+		return nil
+	}
+	return l.exps[id]
+}

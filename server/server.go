@@ -1,0 +1,151 @@
+// Package server assembles the control plane: store, fleet, Connect API and
+// TLS, served on one port (Connect, gRPC and gRPC-Web; HTTP/2 over TLS, or
+// h2c on loopback in dev mode).
+package server
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+
+	"github.com/a73x/eitri/server/api"
+	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/server/pki"
+	"github.com/a73x/eitri/server/store"
+)
+
+// Config is how the control plane is started.
+type Config struct {
+	DataDir string
+	// PublicURL is what agents dial (goes into join tokens). Defaults from
+	// the listen address.
+	PublicURL string
+	// Plaintext serves h2c instead of TLS; for loopback dev mode only.
+	Plaintext bool
+	// TLSCert/TLSKey replace the self-made certificate.
+	TLSCert, TLSKey string
+	// TLSHosts are extra names/IPs for the self-made certificate.
+	TLSHosts    []string
+	DeleteGrace time.Duration
+	// Console serves the web console; nil serves a page saying how to build it.
+	Console http.Handler
+	Log     *slog.Logger
+}
+
+// Server is a started control plane.
+type Server struct {
+	Fleet *fleet.Fleet
+	Store *store.Store
+	// AdminToken is set on the very first start only.
+	AdminToken  string
+	Fingerprint string
+	handler     http.Handler
+	tls         *tls.Config
+	log         *slog.Logger
+}
+
+// New opens the store, prepares TLS and builds the handler.
+func New(ctx context.Context, cfg Config) (*Server, error) {
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+		return nil, err
+	}
+	s := &Server{log: cfg.Log}
+	if !cfg.Plaintext {
+		var cert tls.Certificate
+		var err error
+		if cfg.TLSCert != "" {
+			cert, err = pki.Load(cfg.TLSCert, cfg.TLSKey)
+		} else {
+			cert, err = pki.LoadOrCreate(filepath.Join(cfg.DataDir, "tls"), cfg.TLSHosts)
+		}
+		if err != nil {
+			return nil, err
+		}
+		s.Fingerprint = pki.Fingerprint(cert.Certificate[0])
+		s.tls = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2", "http/1.1"}}
+	}
+	st, err := store.Open(ctx, filepath.Join(cfg.DataDir, "eitri.db"))
+	if err != nil {
+		return nil, err
+	}
+	s.Store = st
+	s.Fleet = fleet.New(fleet.Config{
+		PublicURL: cfg.PublicURL, CertFingerprint: s.Fingerprint,
+		DeleteGrace: cfg.DeleteGrace, Log: cfg.Log,
+	}, st)
+	if s.AdminToken, err = s.Fleet.Bootstrap(ctx, cfg.DataDir); err != nil {
+		st.Close()
+		return nil, fmt.Errorf("create the first admin: %w", err)
+	}
+
+	r := chi.NewRouter()
+	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+	api.Mount(r, s.Fleet, cfg.Log)
+	console := cfg.Console
+	if console == nil {
+		console = http.HandlerFunc(noConsole)
+	}
+	r.Handle("/*", console)
+	s.handler = r
+	return s, nil
+}
+
+func noConsole(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(http.StatusNotFound)
+	_, _ = w.Write([]byte("<!doctype html><title>eitri</title><p>The console is not built into this binary. Run <code>make frontend</code> and rebuild, or use the API.</p>\n"))
+}
+
+// Handler is the whole HTTP surface (for tests).
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// TLSConfig is nil in plaintext mode.
+func (s *Server) TLSConfig() *tls.Config { return s.tls }
+
+// Serve serves on ln until ctx ends, then shuts down gracefully.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	srv := &http.Server{
+		Handler:           s.handler,
+		ReadHeaderTimeout: 10 * time.Second,
+		Protocols:         new(http.Protocols),
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+	}
+	srv.Protocols.SetHTTP1(true)
+	if s.tls != nil {
+		srv.Protocols.SetHTTP2(true)
+		srv.TLSConfig = s.tls
+		ln = tls.NewListener(ln, s.tls)
+	} else {
+		srv.Protocols.SetUnencryptedHTTP2(true)
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	shut, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	// Streams (watches, agents) never finish on their own; Close ends them.
+	if err := srv.Shutdown(shut); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+		s.log.Warn("shutdown", "err", err)
+	}
+	_ = srv.Close()
+	return nil
+}
+
+// Close releases the store.
+func (s *Server) Close() error { return s.Store.Close() }

@@ -1,0 +1,124 @@
+// Package watch fans per-object change events out to Watch* streams.
+//
+// A Topic never blocks its publisher: each watcher keeps at most one pending
+// event per object id (the latest), so a slow reader is coalesced to the
+// newest state of each object instead of growing a buffer or slowing the
+// agents whose reports caused the change.
+package watch
+
+import (
+	"context"
+	"sync"
+)
+
+// Event is one object's new state, or its removal. Obj is built once per
+// change and shared by every watcher, so it must not be mutated after
+// Publish.
+type Event[T any] struct {
+	ID      string
+	Owner   string // the object's owner; used by watcher filters
+	Obj     T
+	Removed bool
+}
+
+// Topic is one stream of change events (VMs, hosts or exposures).
+type Topic[T any] struct {
+	mu       sync.Mutex
+	watchers map[*Watcher[T]]struct{}
+}
+
+// NewTopic returns an empty topic.
+func NewTopic[T any]() *Topic[T] {
+	return &Topic[T]{watchers: make(map[*Watcher[T]]struct{})}
+}
+
+// Publish hands ev to every watcher whose filter accepts it. It returns
+// without waiting for any of them.
+func (t *Topic[T]) Publish(ev Event[T]) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for w := range t.watchers {
+		if w.filter == nil || w.filter(ev) {
+			w.offer(ev)
+		}
+	}
+}
+
+// Watchers reports how many watchers are subscribed (for tests and metrics).
+func (t *Topic[T]) Watchers() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.watchers)
+}
+
+// Subscribe registers a watcher. Subscribe before reading the current list,
+// so that no change made while the list is being read is missed: at worst an
+// object is sent twice, and every send is the object whole.
+func (t *Topic[T]) Subscribe(filter func(Event[T]) bool) *Watcher[T] {
+	w := &Watcher[T]{
+		topic:   t,
+		filter:  filter,
+		pending: make(map[string]int),
+		ready:   make(chan struct{}, 1),
+	}
+	t.mu.Lock()
+	t.watchers[w] = struct{}{}
+	t.mu.Unlock()
+	return w
+}
+
+// Watcher is one subscriber's coalescing queue.
+type Watcher[T any] struct {
+	topic  *Topic[T]
+	filter func(Event[T]) bool
+
+	mu sync.Mutex
+	// queue keeps first-arrival order; pending maps an id to its slot, so a
+	// newer event for the same object replaces the older one in place.
+	queue   []Event[T]
+	pending map[string]int
+	ready   chan struct{}
+}
+
+func (w *Watcher[T]) offer(ev Event[T]) {
+	w.mu.Lock()
+	if i, ok := w.pending[ev.ID]; ok {
+		w.queue[i] = ev
+	} else {
+		w.pending[ev.ID] = len(w.queue)
+		w.queue = append(w.queue, ev)
+	}
+	w.mu.Unlock()
+	select {
+	case w.ready <- struct{}{}:
+	default:
+	}
+}
+
+// Next blocks until at least one event is pending and returns all pending
+// events in order, or returns ctx's error.
+func (w *Watcher[T]) Next(ctx context.Context) ([]Event[T], error) {
+	for {
+		w.mu.Lock()
+		if len(w.queue) > 0 {
+			out := w.queue
+			w.queue = nil
+			clear(w.pending)
+			w.mu.Unlock()
+			return out, nil
+		}
+		w.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-w.ready:
+		}
+	}
+}
+
+// Close unsubscribes the watcher.
+func (w *Watcher[T]) Close() {
+	w.topic.mu.Lock()
+	delete(w.topic.watchers, w)
+	w.topic.mu.Unlock()
+}
