@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Compares agent/imagecache against the usual tools on one generated image,
+# in the same run on the same machine:
+#   download+verify  imagecache Ensure (raw)  vs  curl -o f && openssl dgst -sha256 f
+#   qcow2 -> raw     imagecache DecodeQcow2   vs  qemu-img convert -O raw
+# over a loopback HTTP server. Ratios are ours / theirs: below 1 is faster.
+# Needs curl, openssl, qemu-img (apt-get install qemu-utils). SIZE_MIB and
+# RUNS override the defaults (256, best of 3).
+set -euo pipefail
+
+SIZE_MIB=${SIZE_MIB:-256}
+RUNS=${RUNS:-3}
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+for bin in curl openssl qemu-img; do
+	command -v "$bin" >/dev/null || { echo "compare.sh: $bin not installed" >&2; exit 1; }
+done
+
+work=$(mktemp -d)
+server=
+cleanup() {
+	[[ -n $server ]] && kill "$server" 2>/dev/null || true
+	rm -rf "$work"
+}
+trap cleanup EXIT
+
+(cd "$root" && go build -o "$work/icbench" ./bench/imagecache/icbench)
+mkdir -p "$work/srv"
+
+# A disk-like image: a quarter random, half text, a quarter zeros.
+q=$((SIZE_MIB / 4))
+{
+	head -c "$((q << 20))" /dev/urandom
+	head -c "$((2 * q << 20))" < <(yes "eitri boots a tiny guest; a line of log text")
+	head -c "$(((SIZE_MIB - 3 * q) << 20))" /dev/zero
+} >"$work/srv/disk.raw"
+sha=$(openssl dgst -sha256 -r "$work/srv/disk.raw" | cut -d' ' -f1)
+qemu-img convert -f raw -O qcow2 "$work/srv/disk.raw" "$work/plain.qcow2"
+qemu-img convert -f raw -O qcow2 -c "$work/srv/disk.raw" "$work/zlib.qcow2"
+qemu-img convert -f raw -O qcow2 -c -o compression_type=zstd "$work/srv/disk.raw" "$work/zstd.qcow2"
+
+"$work/icbench" serve -dir "$work/srv" >"$work/url" &
+server=$!
+for _ in $(seq 50); do [[ -s $work/url ]] && break; sleep 0.1; done
+url="$(cat "$work/url")/disk.raw"
+
+now() { date +%s.%N; }
+# best CMD...: fastest wall time of RUNS runs, in seconds.
+best() {
+	local b=
+	for _ in $(seq "$RUNS"); do
+		local s e t
+		s=$(now)
+		"$@" >/dev/null
+		e=$(now)
+		t=$(awk -v s="$s" -v e="$e" 'BEGIN{printf "%.3f", e-s}')
+		if [[ -z $b ]] || awk -v t="$t" -v b="$b" 'BEGIN{exit !(t<b)}'; then b=$t; fi
+	done
+	echo "$b"
+}
+
+ours_fetch() { rm -rf "$work/cache"; "$work/icbench" fetch -dir "$work/cache" -url "$url" -sha "$sha"; }
+theirs_fetch() {
+	rm -f "$work/curl.raw"
+	curl -sf -o "$work/curl.raw" "$url" && openssl dgst -sha256 -r "$work/curl.raw" | grep -q "^$sha "
+}
+ours_decode() { rm -f "$work/out.raw"; "$work/icbench" decode -in "$1" -out "$work/out.raw"; }
+theirs_decode() { rm -f "$work/qemu.raw"; qemu-img convert -f qcow2 -O raw "$1" "$work/qemu.raw"; }
+
+row() { # name ours theirs
+	awk -v n="$1" -v o="$2" -v t="$3" -v mib="$SIZE_MIB" 'BEGIN{
+		printf "%-22s ours %7.3fs (%6.0f MiB/s)  theirs %7.3fs (%6.0f MiB/s)  ratio %.2f\n", n, o, mib/o, t, mib/t, o/t }'
+}
+
+echo "image: ${SIZE_MIB} MiB raw, sha256 $sha, best of $RUNS"
+for f in plain zlib zstd; do
+	awk -v n="$f.qcow2" -v b="$(stat -c %s "$work/$f.qcow2")" 'BEGIN{printf "  %-12s %6.1f MiB\n", n, b/1048576}'
+done
+o=$(best ours_fetch); t=$(best theirs_fetch); row "download+sha256" "$o" "$t"
+for f in plain zlib zstd; do
+	o=$(best ours_decode "$work/$f.qcow2"); t=$(best theirs_decode "$work/$f.qcow2")
+	cmp -s "$work/out.raw" "$work/qemu.raw" || { echo "decode of $f.qcow2 differs from qemu-img" >&2; exit 1; }
+	row "qcow2 $f -> raw" "$o" "$t"
+done
