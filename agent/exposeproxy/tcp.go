@@ -1,0 +1,150 @@
+package exposeproxy
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"syscall"
+	"time"
+)
+
+// acceptor is the part of *net.TCPListener the accept loop uses, so a test can
+// feed it errors a real listener only produces under descriptor exhaustion.
+type acceptor interface {
+	AcceptTCP() (*net.TCPConn, error)
+	Close() error
+}
+
+const (
+	acceptBackoffMin = 5 * time.Millisecond
+	acceptBackoffMax = time.Second
+)
+
+// serveTCP accepts callers for one binding until its listener is closed.
+func (p *Proxy) serveTCP(ex *exposure, b *binding, ln acceptor) {
+	defer p.wg.Done()
+	var (
+		capped  bool // inside a streak of refusals at the cap
+		starved bool // inside a streak of descriptor exhaustion
+		backoff time.Duration
+	)
+	for {
+		c, err := ln.AcceptTCP()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			if outOfDescriptors(err) {
+				// The pending connection stays in the backlog and Accept would
+				// fail again at once: without a pause this loop burns a core
+				// exactly when the host is already in trouble.
+				backoff = min(max(2*backoff, acceptBackoffMin), acceptBackoffMax)
+				if !starved {
+					starved = true
+					p.log.Warn("exposure out of file descriptors, backing off accept",
+						"exposure", ex.id, "err", err)
+				}
+				if !p.sleep(p.ctx, backoff) {
+					return
+				}
+				continue
+			}
+			reason := err.Error()
+			b.dead.Store(&reason)
+			ln.Close()
+			p.log.Warn("exposure listener failed", "exposure", ex.id, "err", err)
+			return
+		}
+		backoff, starved = 0, false
+
+		t := ex.tgt.Load()
+		// Count first, then compare: a burst of accepts cannot all read a
+		// stale count and slip past the cap together.
+		if ex.active.Add(1) > int64(t.max) {
+			ex.active.Add(-1)
+			ex.refused.Add(1)
+			p.log.Debug("exposure refused a connection at its cap",
+				"exposure", ex.id, "cap", t.max, "client", c.RemoteAddr())
+			c.Close()
+			if !capped {
+				capped = true
+				p.log.Warn("exposure at its connection cap, refusing callers",
+					"exposure", ex.id, "cap", t.max)
+			}
+			continue
+		}
+		capped = false
+		if !ex.track(c) {
+			ex.active.Add(-1)
+			c.Close()
+			continue
+		}
+		p.log.Debug("exposure connection opened", "exposure", ex.id, "client", c.RemoteAddr())
+		p.wg.Add(1)
+		go p.pipe(ex, c, t)
+	}
+}
+
+// outOfDescriptors reports an accept failure caused by the process or system
+// file table being full, which clears by itself once connections close.
+func outOfDescriptors(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
+}
+
+// pipe carries one accepted connection to the guest and back. A guest with no
+// address, or one that will not take the connection, closes the caller at
+// once and counts a drop: the caller saw the port accept and then go silent,
+// and the counter is the only record of why.
+func (p *Proxy) pipe(ex *exposure, client *net.TCPConn, t *target) {
+	defer p.wg.Done()
+	defer func() {
+		ex.untrack(client)
+		client.Close()
+		ex.active.Add(-1)
+	}()
+	ip, ok := p.cfg.Resolve(t.vmID)
+	if !ok {
+		ex.dropped.Add(1)
+		p.log.Debug("exposure dropped a connection, guest has no address",
+			"exposure", ex.id, "vm", t.vmID, "client", client.RemoteAddr())
+		return
+	}
+	to := netip.AddrPortFrom(ip, t.port)
+	d := net.Dialer{Timeout: p.cfg.DialTimeout}
+	gc, err := d.DialContext(p.ctx, "tcp", to.String())
+	if err != nil {
+		ex.dropped.Add(1)
+		p.log.Debug("exposure dropped a connection, guest dial failed",
+			"exposure", ex.id, "guest", to, "client", client.RemoteAddr(), "err", err)
+		return
+	}
+	guest := gc.(*net.TCPConn)
+	defer guest.Close()
+
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		halfCopy(guest, client)
+	}()
+	halfCopy(client, guest)
+	<-done
+	p.log.Debug("exposure connection closed", "exposure", ex.id, "client", client.RemoteAddr())
+}
+
+// halfCopy moves one direction until src says EOF, then passes the EOF on as
+// a half-close so request/response protocols that shut down their write side
+// still get their answer. *net.TCPConn.ReadFrom splices on Linux, so the bytes
+// never enter userspace. Any error tears down both halves, which also
+// unblocks the opposite direction.
+func halfCopy(dst, src *net.TCPConn) {
+	if _, err := dst.ReadFrom(src); err != nil {
+		dst.Close()
+		src.Close()
+		return
+	}
+	if err := dst.CloseWrite(); err != nil {
+		dst.Close()
+		src.Close()
+	}
+}
