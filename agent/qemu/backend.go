@@ -1,0 +1,645 @@
+// Package qemu is the agent's hypervisor backend: it prepares root disks and
+// runs each VM as a daemonized qemu-system-x86_64 process supervised over
+// QMP. The QEMU process belongs to the host, not to the agent: it outlives an
+// agent restart and the next agent adopts it again from its state directory.
+package qemu
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+const (
+	pidFileName    = "qemu.pid"
+	qmpSockName    = "qmp.sock"
+	serialFileName = "serial.log"
+
+	defaultShutdownGrace = 30 * time.Second
+	// quitGrace is how long QEMU gets to exit after QMP quit before SIGKILL.
+	quitGrace = 5 * time.Second
+	// maxUnixPath is sun_path's size minus the terminating NUL.
+	maxUnixPath = 107
+)
+
+// Config configures a Backend.
+type Config struct {
+	// Dir is the root of the per-VM state directories (Dir/<vm id>/).
+	Dir string
+	// Binary and ImgBinary default to qemu-system-x86_64 and qemu-img on PATH.
+	Binary, ImgBinary string
+	Log               *slog.Logger
+	// ShutdownGrace is how long a guest gets to power off after the ACPI
+	// power button before QEMU is told to quit. Default 30s.
+	ShutdownGrace time.Duration
+}
+
+// VM is what the backend needs to run one guest.
+type VM struct {
+	ID     string
+	VCPUs  int
+	MemMB  int64
+	DiskGB int64
+	// RootDisk is the boot disk (normally the overlay PrepareRootDisk made);
+	// SeedISO, when set, is attached read-only as a second disk.
+	RootDisk, SeedISO string
+	// Tap is the host tap device for the guest's NIC; empty means no NIC.
+	Tap string
+	MAC net.HardwareAddr
+}
+
+// Backend runs VMs as QEMU processes.
+type Backend struct {
+	cfg Config
+	log *slog.Logger
+
+	mu    sync.Mutex
+	locks map[string]*vmLocks
+}
+
+// vmLocks serializes work on one VM inside this process. Lifecycle changes
+// (start, shutdown, kill, destroy) exclude each other; QMP sessions are
+// serialized separately so Running answers while a shutdown is waiting.
+type vmLocks struct {
+	life sync.Mutex
+	qmp  sync.Mutex
+}
+
+// New makes a Backend rooted at cfg.Dir. A missing QEMU binary is not an
+// error here, so the agent can start and report it; operations that need the
+// binary fail with a permanent error instead.
+func New(cfg Config) (*Backend, error) {
+	if cfg.Dir == "" {
+		return nil, errors.New("qemu: Config.Dir is required")
+	}
+	dir, err := filepath.Abs(cfg.Dir)
+	if err != nil {
+		return nil, fmt.Errorf("qemu: state dir: %w", err)
+	}
+	cfg.Dir = dir
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("qemu: state dir: %w", err)
+	}
+	if cfg.Binary == "" {
+		cfg.Binary = defaultBinary
+	}
+	if cfg.ImgBinary == "" {
+		cfg.ImgBinary = defaultImgBinary
+	}
+	if cfg.ShutdownGrace <= 0 {
+		cfg.ShutdownGrace = defaultShutdownGrace
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	return &Backend{cfg: cfg, log: cfg.Log.With("component", "qemu"), locks: map[string]*vmLocks{}}, nil
+}
+
+// Accelerator is "kvm" when /dev/kvm can be opened read-write, else "tcg".
+func (b *Backend) Accelerator() string {
+	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
+	if err != nil {
+		return "tcg"
+	}
+	f.Close()
+	return "kvm"
+}
+
+// Preflight fails permanently when this host can never run a guest, so a
+// create can stop before downloading anything.
+func (b *Backend) Preflight() error {
+	if _, err := b.binary(); err != nil {
+		return err
+	}
+	_, err := b.imgBinary()
+	return err
+}
+
+// VMDir is the state directory of one VM. Put the VM's root disk and seed
+// here so Destroy removes them with everything else.
+func (b *Backend) VMDir(id string) string { return filepath.Join(b.cfg.Dir, id) }
+
+func (b *Backend) binary() (string, error) {
+	p, err := exec.LookPath(b.cfg.Binary)
+	if err != nil {
+		return "", permanent("%s not found: apt-get install qemu-system-x86", b.cfg.Binary)
+	}
+	return p, nil
+}
+
+func (b *Backend) imgBinary() (string, error) {
+	p, err := exec.LookPath(b.cfg.ImgBinary)
+	if err != nil {
+		return "", permanent("%s not found: apt-get install qemu-utils", b.cfg.ImgBinary)
+	}
+	return p, nil
+}
+
+func (b *Backend) lock(id string) *vmLocks {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	l, ok := b.locks[id]
+	if !ok {
+		l = &vmLocks{}
+		b.locks[id] = l
+	}
+	return l
+}
+
+var validID = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`)
+
+// checkID keeps ids usable as a single path component and a QEMU option value.
+func checkID(id string) error {
+	if !validID.MatchString(id) {
+		return permanent("qemu: invalid vm id %q", id)
+	}
+	return nil
+}
+
+func (b *Backend) pidPath(id string) string  { return filepath.Join(b.VMDir(id), pidFileName) }
+func (b *Backend) sockPath(id string) string { return filepath.Join(b.VMDir(id), qmpSockName) }
+func (b *Backend) serialPath(id string) string {
+	return filepath.Join(b.VMDir(id), serialFileName)
+}
+
+// optEscape escapes a value for QEMU's comma-separated option syntax.
+func optEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
+
+// PrepareRootDisk makes dst a qcow2 overlay of the raw base image with a
+// virtual size of sizeGB GiB.
+//
+// An overlay rather than a copy or reflink: creating it costs the same for a
+// 2 GiB and a 200 GiB base and works on any filesystem (reflinks need btrfs or
+// XFS), the base stays shared and untouched, and the guest's writes land only
+// in the overlay. The price is that the base must not change while overlays
+// use it; to keep an image cache's eviction from pulling it away, dst pins the
+// base with a hard link beside it (dst + ".base") when both are on one
+// filesystem.
+//
+// An existing dst is kept as is: it may already hold a guest's data.
+func (b *Backend) PrepareRootDisk(ctx context.Context, dst, base string, sizeGB int64) error {
+	if sizeGB <= 0 {
+		return permanent("qemu: root disk size must be positive, got %d GiB", sizeGB)
+	}
+	img, err := b.imgBinary()
+	if err != nil {
+		return err
+	}
+	if _, err := os.Stat(dst); err == nil {
+		b.log.Debug("root disk exists, keeping it", "path", dst)
+		return nil
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("qemu: root disk: %w", err)
+	}
+	base, err = filepath.Abs(base)
+	if err != nil {
+		return fmt.Errorf("qemu: base image: %w", err)
+	}
+	fi, err := os.Stat(base)
+	if err != nil {
+		return fmt.Errorf("qemu: base image: %w", err)
+	}
+	size := sizeGB << 30
+	if fi.Size() > size {
+		return permanent("qemu: disk of %d GiB is smaller than the image (%d bytes)", sizeGB, fi.Size())
+	}
+	if err := os.MkdirAll(filepath.Dir(dst), 0o700); err != nil {
+		return fmt.Errorf("qemu: root disk dir: %w", err)
+	}
+	dst, err = filepath.Abs(dst)
+	if err != nil {
+		return fmt.Errorf("qemu: root disk: %w", err)
+	}
+
+	backing := base
+	pin := dst + ".base"
+	_ = os.Remove(pin)
+	if err := os.Link(base, pin); err == nil {
+		backing = pin
+	} else {
+		b.log.Debug("cannot pin base image with a hard link; overlay references it directly", "base", base, "err", err)
+	}
+
+	tmp := dst + ".tmp"
+	_ = os.Remove(tmp)
+	cmd := exec.CommandContext(ctx, img, "create", "-q", "-f", "qcow2", "-F", "raw", "-b", backing, tmp, strconv.FormatInt(size, 10))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		_ = os.Remove(tmp)
+		if backing == pin {
+			_ = os.Remove(pin)
+		}
+		return fmt.Errorf("qemu-img create: %w: %s", err, bytes.TrimSpace(out))
+	}
+	if err := os.Rename(tmp, dst); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("qemu: root disk: %w", err)
+	}
+	b.log.Debug("root disk prepared", "path", dst, "base", base, "size_gb", sizeGB)
+	return nil
+}
+
+// Start boots vm unless its QEMU is already running, in which case it does
+// nothing: an agent restart or a repeated create must never boot a second
+// QEMU on the same disk.
+func (b *Backend) Start(ctx context.Context, vm VM) error {
+	if err := checkID(vm.ID); err != nil {
+		return err
+	}
+	if vm.VCPUs <= 0 || vm.MemMB <= 0 {
+		return permanent("qemu: vm %s: vcpus (%d) and memory (%d MiB) must be positive", vm.ID, vm.VCPUs, vm.MemMB)
+	}
+	if vm.RootDisk == "" {
+		return permanent("qemu: vm %s: no root disk", vm.ID)
+	}
+	if vm.Tap != "" && len(vm.MAC) != 6 {
+		return permanent("qemu: vm %s: a NIC needs a 6-byte MAC, got %q", vm.ID, vm.MAC.String())
+	}
+	bin, err := b.binary()
+	if err != nil {
+		return err
+	}
+	if len(b.sockPath(vm.ID)) > maxUnixPath {
+		return permanent("qemu: QMP socket path %s is longer than %d bytes; use a shorter state dir", b.sockPath(vm.ID), maxUnixPath)
+	}
+
+	l := b.lock(vm.ID)
+	l.life.Lock()
+	defer l.life.Unlock()
+
+	if pid, ok := b.alive(vm.ID); ok {
+		b.log.Debug("vm already running", "id", vm.ID, "pid", pid)
+		return nil
+	}
+	dir := b.VMDir(vm.ID)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("qemu: vm dir: %w", err)
+	}
+	_ = os.Remove(b.pidPath(vm.ID))
+	_ = os.Remove(b.sockPath(vm.ID))
+
+	rootFormat, err := diskFormat(vm.RootDisk)
+	if err != nil {
+		return fmt.Errorf("qemu: vm %s: root disk: %w", vm.ID, err)
+	}
+	if vm.SeedISO != "" {
+		if _, err := os.Stat(vm.SeedISO); err != nil {
+			return fmt.Errorf("qemu: vm %s: seed: %w", vm.ID, err)
+		}
+	}
+
+	accel := b.Accelerator()
+	args := b.args(vm, accel, rootFormat)
+	cmd := exec.CommandContext(ctx, bin, args...)
+	// With -daemonize the parent exits once the guest is set up; the child
+	// points its stdio at /dev/null. WaitDelay guards against a child that
+	// keeps our pipe open anyway.
+	cmd.WaitDelay = 5 * time.Second
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("qemu: start vm %s: %w: %s", vm.ID, err, bytes.TrimSpace(out))
+	}
+	pid, ok := b.alive(vm.ID)
+	if !ok {
+		return fmt.Errorf("qemu: vm %s exited right after start: %s", vm.ID, b.SerialTail(vm.ID, 20))
+	}
+	if _, err := b.status(ctx, vm.ID); err != nil {
+		// Half-started is worse than not started: the caller retries Start.
+		_ = syscall.Kill(pid, syscall.SIGKILL)
+		return fmt.Errorf("qemu: vm %s started but QMP does not answer: %w", vm.ID, err)
+	}
+	b.log.Info("vm started", "id", vm.ID, "pid", pid, "accel", accel, "vcpus", vm.VCPUs, "mem_mb", vm.MemMB, "tap", vm.Tap)
+	return nil
+}
+
+func (b *Backend) args(vm VM, accel, rootFormat string) []string {
+	cpu := "max"
+	if accel == "kvm" {
+		cpu = "host"
+	}
+	args := []string{
+		"-name", "guest=" + vm.ID,
+		"-machine", "q35,accel=" + accel,
+		"-cpu", cpu,
+		"-smp", strconv.Itoa(vm.VCPUs),
+		"-m", strconv.FormatInt(vm.MemMB, 10) + "M",
+		// No default devices (VGA, default NIC, monitor): everything the
+		// guest gets is listed below.
+		"-nodefaults", "-no-user-config",
+		"-display", "none",
+		"-rtc", "base=utc",
+		"-chardev", "file,id=serial0,path=" + optEscape(b.serialPath(vm.ID)),
+		"-serial", "chardev:serial0",
+		"-chardev", "socket,id=qmp,path=" + optEscape(b.sockPath(vm.ID)) + ",server=on,wait=off",
+		"-mon", "chardev=qmp,mode=control",
+		// The pidfile argument also identifies the process as this VM's
+		// QEMU when adopting it (see alive).
+		"-pidfile", b.pidPath(vm.ID),
+		"-daemonize",
+		"-drive", "if=none,id=root,format=" + rootFormat + ",discard=unmap,file=" + optEscape(vm.RootDisk),
+		"-device", "virtio-blk-pci,drive=root,bootindex=1",
+	}
+	if vm.SeedISO != "" {
+		args = append(args,
+			"-drive", "if=none,id=seed,format=raw,readonly=on,file="+optEscape(vm.SeedISO),
+			"-device", "virtio-blk-pci,drive=seed")
+	}
+	// Guests generate SSH host keys and cloud-init secrets at first boot;
+	// without an entropy source that can stall for minutes under TCG.
+	args = append(args, "-device", "virtio-rng-pci")
+	if vm.Tap != "" {
+		args = append(args,
+			"-netdev", "tap,id=net0,ifname="+optEscape(vm.Tap)+",script=no,downscript=no",
+			"-device", "virtio-net-pci,netdev=net0,mac="+vm.MAC.String())
+	} else {
+		args = append(args, "-nic", "none")
+	}
+	return args
+}
+
+// diskFormat tells qcow2 from raw by the qcow2 magic, so QEMU never has to
+// guess (guessing raw is refused for writable disks).
+func diskFormat(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	magic := make([]byte, 4)
+	if _, err := io.ReadFull(f, magic); err == nil && string(magic) == "QFI\xfb" {
+		return "qcow2", nil
+	}
+	return "raw", nil
+}
+
+// alive reports the pid of this VM's QEMU if it is running. The process is
+// identified by its command line naming this VM's pidfile, so a recycled pid
+// or a zombie (empty cmdline) never counts.
+func (b *Backend) alive(id string) (int, bool) {
+	data, err := os.ReadFile(b.pidPath(id))
+	if err != nil {
+		return 0, false
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	if err != nil || pid <= 0 {
+		return 0, false
+	}
+	return pid, b.isOurs(pid, id)
+}
+
+func (b *Backend) isOurs(pid int, id string) bool {
+	cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+	if err != nil {
+		return false
+	}
+	args := strings.Split(string(cmdline), "\x00")
+	want := b.pidPath(id)
+	for i := 0; i+1 < len(args); i++ {
+		if args[i] == "-pidfile" && args[i+1] == want {
+			return true
+		}
+	}
+	return false
+}
+
+// PID returns the pid of the VM's running QEMU.
+func (b *Backend) PID(id string) (int, bool) {
+	if checkID(id) != nil {
+		return 0, false
+	}
+	return b.alive(id)
+}
+
+func (b *Backend) status(ctx context.Context, id string) (qmpStatus, error) {
+	var st qmpStatus
+	err := b.qmp(ctx, id, func(q *qmpConn) error { return q.execute("query-status", nil, &st) })
+	return st, err
+}
+
+// qmp runs fn on a fresh QMP session with this VM.
+func (b *Backend) qmp(ctx context.Context, id string, fn func(*qmpConn) error) error {
+	l := b.lock(id)
+	l.qmp.Lock()
+	defer l.qmp.Unlock()
+	q, err := dialQMP(ctx, b.sockPath(id))
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	return fn(q)
+}
+
+// Adopt takes over a VM left running by an earlier agent process. It
+// reports false, with no error, when there is nothing to adopt (no pidfile,
+// or the process is gone or is not this VM's QEMU). A process that is this
+// VM's QEMU but does not answer QMP is an error, never "not running": the
+// caller must not boot a second QEMU on the same disk.
+func (b *Backend) Adopt(ctx context.Context, id string) (bool, error) {
+	if err := checkID(id); err != nil {
+		return false, err
+	}
+	pid, ok := b.alive(id)
+	if !ok {
+		return false, nil
+	}
+	st, err := b.status(ctx, id)
+	if err != nil {
+		return false, fmt.Errorf("qemu: adopt vm %s (pid %d): %w", id, pid, err)
+	}
+	b.log.Info("adopted running vm", "id", id, "pid", pid, "status", st.Status)
+	return true, nil
+}
+
+// Running reports whether the VM's QEMU exists and its guest is running
+// (QMP status "running"; paused or crashed guests are not).
+func (b *Backend) Running(ctx context.Context, id string) (bool, error) {
+	if err := checkID(id); err != nil {
+		return false, err
+	}
+	if _, ok := b.alive(id); !ok {
+		return false, nil
+	}
+	st, err := b.status(ctx, id)
+	if err != nil {
+		// The guest may have powered off between the two checks.
+		if _, ok := b.alive(id); !ok {
+			return false, nil
+		}
+		return false, fmt.Errorf("qemu: vm %s: %w", id, err)
+	}
+	return st.Status == "running", nil
+}
+
+// Shutdown presses the ACPI power button, waits up to ShutdownGrace for the
+// guest to power off, then tells QEMU to quit and finally kills it.
+func (b *Backend) Shutdown(ctx context.Context, id string) error {
+	if err := checkID(id); err != nil {
+		return err
+	}
+	l := b.lock(id)
+	l.life.Lock()
+	defer l.life.Unlock()
+
+	pid, ok := b.alive(id)
+	if !ok {
+		return nil
+	}
+	if err := b.qmp(ctx, id, func(q *qmpConn) error { return q.execute("system_powerdown", nil, nil) }); err != nil {
+		b.log.Warn("acpi powerdown failed; quitting qemu", "id", id, "err", err)
+	} else if gone, err := b.waitGone(ctx, id, pid, b.cfg.ShutdownGrace); err != nil {
+		return err
+	} else if gone {
+		b.log.Info("vm powered off", "id", id, "pid", pid)
+		b.cleanRuntime(id)
+		return nil
+	}
+
+	b.log.Warn("guest did not power off in time; quitting qemu", "id", id, "grace", b.cfg.ShutdownGrace)
+	// quit flushes disks, unlike SIGKILL. QEMU may close the socket before
+	// answering, so the reply is not awaited strictly.
+	if err := b.qmp(ctx, id, func(q *qmpConn) error { return q.execute("quit", nil, nil) }); err != nil {
+		b.log.Debug("qmp quit", "id", id, "err", err)
+	}
+	if gone, err := b.waitGone(ctx, id, pid, quitGrace); err != nil || gone {
+		if gone {
+			b.cleanRuntime(id)
+		}
+		return err
+	}
+	return b.killLocked(ctx, id, pid)
+}
+
+// Kill stops the VM's QEMU at once with SIGKILL.
+func (b *Backend) Kill(ctx context.Context, id string) error {
+	if err := checkID(id); err != nil {
+		return err
+	}
+	l := b.lock(id)
+	l.life.Lock()
+	defer l.life.Unlock()
+	pid, ok := b.alive(id)
+	if !ok {
+		return nil
+	}
+	return b.killLocked(ctx, id, pid)
+}
+
+func (b *Backend) killLocked(ctx context.Context, id string, pid int) error {
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
+		return fmt.Errorf("qemu: kill vm %s (pid %d): %w", id, pid, err)
+	}
+	gone, err := b.waitGone(ctx, id, pid, 10*time.Second)
+	if err != nil {
+		return err
+	}
+	if !gone {
+		return fmt.Errorf("qemu: vm %s (pid %d) survived SIGKILL", id, pid)
+	}
+	b.log.Info("vm killed", "id", id, "pid", pid)
+	b.cleanRuntime(id)
+	return nil
+}
+
+// cleanRuntime removes what only a running QEMU needs; logs and disks stay.
+func (b *Backend) cleanRuntime(id string) {
+	_ = os.Remove(b.pidPath(id))
+	_ = os.Remove(b.sockPath(id))
+}
+
+// waitGone polls until the process is no longer this VM's QEMU or d passes.
+// QEMU is not our child after -daemonize, so there is nothing to wait(2) on.
+func (b *Backend) waitGone(ctx context.Context, id string, pid int, d time.Duration) (bool, error) {
+	deadline := time.NewTimer(d)
+	defer deadline.Stop()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if !b.isOurs(pid, id) {
+			return true, nil
+		}
+		select {
+		case <-ctx.Done():
+			return false, ctx.Err()
+		case <-deadline.C:
+			return !b.isOurs(pid, id), nil
+		case <-tick.C:
+		}
+	}
+}
+
+// Destroy kills the VM and removes its state directory: disks, seed, logs
+// and sockets.
+func (b *Backend) Destroy(ctx context.Context, id string) error {
+	if err := checkID(id); err != nil {
+		return err
+	}
+	if err := b.Kill(ctx, id); err != nil {
+		return err
+	}
+	l := b.lock(id)
+	l.life.Lock()
+	defer l.life.Unlock()
+	if err := os.RemoveAll(b.VMDir(id)); err != nil {
+		return fmt.Errorf("qemu: destroy vm %s: %w", id, err)
+	}
+	b.log.Info("vm destroyed", "id", id)
+	return nil
+}
+
+// serialTailBytes bounds how much of the serial log SerialTail reads.
+const serialTailBytes = 64 << 10
+
+var ansiEscape = regexp.MustCompile(`\x1b(\[[0-9;?]*[ -/]*[@-~]|[@-Z\\-_])`)
+
+// SerialTail returns the last lines of the VM's serial console, cleaned of
+// terminal escapes and carriage returns, for explaining a failed boot.
+// It is empty when there is no log.
+func (b *Backend) SerialTail(id string, lines int) string {
+	if checkID(id) != nil || lines <= 0 {
+		return ""
+	}
+	f, err := os.Open(b.serialPath(id))
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return ""
+	}
+	off := max(fi.Size()-serialTailBytes, 0)
+	buf := make([]byte, fi.Size()-off)
+	n, _ := f.ReadAt(buf, off)
+	return tailLines(buf[:n], lines, off > 0)
+}
+
+func tailLines(buf []byte, lines int, truncated bool) string {
+	text := ansiEscape.ReplaceAllString(string(buf), "")
+	text = strings.ReplaceAll(text, "\r\n", "\n")
+	text = strings.Map(func(r rune) rune {
+		if r == '\n' || r == '\t' || (r >= ' ' && r != 0x7f) {
+			return r
+		}
+		return -1
+	}, text)
+	all := strings.Split(strings.TrimRight(text, "\n"), "\n")
+	if truncated && len(all) > 0 {
+		all = all[1:] // the first line was cut by the read offset
+	}
+	if len(all) > lines {
+		all = all[len(all)-lines:]
+	}
+	return strings.Join(all, "\n")
+}
