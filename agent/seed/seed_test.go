@@ -1,0 +1,254 @@
+package seed_test
+
+import (
+	"bytes"
+	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/json"
+	"encoding/pem"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kdomanski/iso9660"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
+
+	"github.com/a73x/eitri/agent/seed"
+)
+
+// hostKey returns a fresh ed25519 pair in the OpenSSH formats the agent uses.
+func hostKey(t *testing.T) (priv, pub string) {
+	t.Helper()
+	pk, sk, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	block, err := ssh.MarshalPrivateKey(sk, "")
+	require.NoError(t, err)
+	sshPub, err := ssh.NewPublicKey(pk)
+	require.NoError(t, err)
+	return string(pem.EncodeToMemory(block)), strings.TrimSpace(string(ssh.MarshalAuthorizedKey(sshPub))) + " host@test"
+}
+
+func userKey(t *testing.T) string {
+	t.Helper()
+	pk, _, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	sshPub, err := ssh.NewPublicKey(pk)
+	require.NoError(t, err)
+	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(sshPub))) + " alice@laptop"
+}
+
+func validParams(t *testing.T) seed.Params {
+	priv, pub := hostKey(t)
+	return seed.Params{
+		InstanceID:       "vm-0f3c9a",
+		Hostname:         "web-1",
+		SSHAuthorizedKey: userKey(t),
+		HostPrivKey:      priv,
+		HostPubKey:       pub,
+	}
+}
+
+// readISO returns the volume label and every root file's contents.
+func readISO(t *testing.T, path string) (string, map[string]string) {
+	t.Helper()
+	f, err := os.Open(path)
+	require.NoError(t, err)
+	defer f.Close()
+	img, err := iso9660.OpenImage(f)
+	require.NoError(t, err)
+	label, err := img.Label()
+	require.NoError(t, err)
+	root, err := img.RootDir()
+	require.NoError(t, err)
+	children, err := root.GetChildren()
+	require.NoError(t, err)
+	files := map[string]string{}
+	for _, c := range children {
+		b, err := io.ReadAll(c.Reader())
+		require.NoError(t, err)
+		files[c.Name()] = string(b)
+	}
+	return label, files
+}
+
+func TestWriteRoundTrip(t *testing.T) {
+	p := validParams(t)
+	out := filepath.Join(t.TempDir(), "seed.iso")
+	require.NoError(t, seed.Write(out, p))
+
+	label, files := readISO(t, out)
+	assert.Equal(t, "cidata", label)
+	require.Contains(t, files, "meta-data")
+	require.Contains(t, files, "user-data")
+	assert.Len(t, files, 2, "the seed holds meta-data and user-data only")
+
+	assert.Equal(t, "instance-id: \"vm-0f3c9a\"\nlocal-hostname: \"web-1\"\n", files["meta-data"])
+	ud := files["user-data"]
+	assert.True(t, strings.HasPrefix(ud, "#cloud-config\n"), "cloud-init only reads user-data as config behind this header")
+	assert.Contains(t, ud, "hostname: \"web-1\"\n")
+	assert.Contains(t, ud, "ssh_authorized_keys:\n  - \""+p.SSHAuthorizedKey+"\"\n")
+	assert.Contains(t, ud, "ssh_deletekeys: true\n")
+	assert.Contains(t, ud, "  ed25519_private: |\n    -----BEGIN OPENSSH PRIVATE KEY-----\n")
+	assert.Contains(t, ud, "  ed25519_public: \""+p.HostPubKey+"\"\n")
+
+	info, err := os.Stat(out)
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o600), info.Mode().Perm(), "the seed carries a private key")
+}
+
+func TestWriteReplacesAtomically(t *testing.T) {
+	dir := t.TempDir()
+	out := filepath.Join(dir, "seed.iso")
+	p := validParams(t)
+	require.NoError(t, seed.Write(out, p))
+	p.InstanceID = "vm-second"
+	require.NoError(t, seed.Write(out, p))
+
+	_, files := readISO(t, out)
+	assert.Contains(t, files["meta-data"], "vm-second")
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Len(t, entries, 1, "no temporary file is left beside the seed")
+	assert.Equal(t, "seed.iso", entries[0].Name())
+}
+
+func TestWriteWithoutOptionalKeys(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "seed.iso")
+	require.NoError(t, seed.Write(out, seed.Params{InstanceID: "i-1", Hostname: "bare"}))
+	_, files := readISO(t, out)
+	ud := files["user-data"]
+	assert.NotContains(t, ud, "ssh_authorized_keys")
+	assert.NotContains(t, ud, "ssh_keys")
+	assert.Contains(t, ud, "hostname: \"bare\"\n")
+}
+
+func TestWriteRejectsBadParams(t *testing.T) {
+	good := validParams(t)
+	otherPriv, _ := hostKey(t)
+	_, otherPub := hostKey(t)
+	rsaLike := "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQ== x"
+
+	cases := []struct {
+		name   string
+		mutate func(*seed.Params)
+	}{
+		{"empty instance id", func(p *seed.Params) { p.InstanceID = "" }},
+		{"newline in instance id", func(p *seed.Params) { p.InstanceID = "a\nb: c" }},
+		{"empty hostname", func(p *seed.Params) { p.Hostname = "" }},
+		{"hostname with dot", func(p *seed.Params) { p.Hostname = "web.example" }},
+		{"hostname with space", func(p *seed.Params) { p.Hostname = "web 1" }},
+		{"hostname leading hyphen", func(p *seed.Params) { p.Hostname = "-web" }},
+		{"hostname trailing hyphen", func(p *seed.Params) { p.Hostname = "web-" }},
+		{"hostname too long", func(p *seed.Params) { p.Hostname = strings.Repeat("a", 64) }},
+		{"hostname with newline", func(p *seed.Params) { p.Hostname = "web\nruncmd: [x]" }},
+		{"authorized key with newline", func(p *seed.Params) { p.SSHAuthorizedKey += "\nssh_deletekeys: false" }},
+		{"authorized key garbage", func(p *seed.Params) { p.SSHAuthorizedKey = "not a key" }},
+		{"private key without public", func(p *seed.Params) { p.HostPubKey = "" }},
+		{"public key without private", func(p *seed.Params) { p.HostPrivKey = "" }},
+		{"public key with newline", func(p *seed.Params) { p.HostPubKey += "\nx" }},
+		{"private key garbage", func(p *seed.Params) {
+			p.HostPrivKey = "-----BEGIN OPENSSH PRIVATE KEY-----\nzz\n-----END OPENSSH PRIVATE KEY-----\n"
+		}},
+		{"private key with carriage return", func(p *seed.Params) { p.HostPrivKey = strings.ReplaceAll(p.HostPrivKey, "\n", "\r\n") }},
+		{"mismatched private", func(p *seed.Params) { p.HostPrivKey = otherPriv }},
+		{"mismatched public", func(p *seed.Params) { p.HostPubKey = otherPub }},
+		{"public key not ed25519", func(p *seed.Params) { p.HostPubKey = rsaLike }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			p := good
+			tc.mutate(&p)
+			dir := t.TempDir()
+			err := seed.Write(filepath.Join(dir, "seed.iso"), p)
+			require.Error(t, err)
+			assert.True(t, errors.Is(err, seed.ErrInvalidParams), "got %v", err)
+			entries, rerr := os.ReadDir(dir)
+			require.NoError(t, rerr)
+			assert.Empty(t, entries, "a rejected seed writes nothing")
+		})
+	}
+}
+
+func TestValidHostnames(t *testing.T) {
+	for _, h := range []string{"a", "web-1", "WEB1", "0123", "on", "null", strings.Repeat("a", 63)} {
+		t.Run(h, func(t *testing.T) {
+			assert.NoError(t, seed.Params{InstanceID: "i", Hostname: h}.Validate())
+		})
+	}
+}
+
+// TestYAMLParsesAsIntended reads the documents back with PyYAML's safe loader,
+// the parser cloud-init itself uses, so quoting mistakes show up as wrong
+// values rather than as a guest that quietly ignores its config.
+func TestYAMLParsesAsIntended(t *testing.T) {
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not installed; cannot cross-check YAML with PyYAML")
+	}
+	if exec.Command(py, "-c", "import yaml").Run() != nil {
+		t.Skip("python3 has no yaml module (Debian: python3-yaml)")
+	}
+	p := validParams(t)
+	p.Hostname = "on" // a YAML 1.1 boolean when left bare
+	p.InstanceID = `id: with "quotes" and \ backslash # not a comment`
+
+	load := func(doc string) map[string]any {
+		cmd := exec.Command(py, "-c", "import sys, json, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)")
+		cmd.Stdin = strings.NewReader(doc)
+		var out, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &stderr
+		require.NoError(t, cmd.Run(), stderr.String())
+		var m map[string]any
+		require.NoError(t, json.Unmarshal(out.Bytes(), &m))
+		return m
+	}
+
+	md := load(seed.MetaData(p))
+	assert.Equal(t, map[string]any{"instance-id": p.InstanceID, "local-hostname": "on"}, md)
+
+	ud := load(seed.UserData(p))
+	assert.Equal(t, "on", ud["hostname"])
+	assert.Equal(t, []any{p.SSHAuthorizedKey}, ud["ssh_authorized_keys"])
+	assert.Equal(t, true, ud["ssh_deletekeys"])
+	keys, ok := ud["ssh_keys"].(map[string]any)
+	require.True(t, ok, "ssh_keys is a mapping: %#v", ud["ssh_keys"])
+	assert.Equal(t, p.HostPrivKey, keys["ed25519_private"], "the private key survives byte for byte")
+	assert.Equal(t, p.HostPubKey, keys["ed25519_public"])
+}
+
+// TestSystemToolsSeeTheLabel checks the image with the tools a Linux host and
+// guest use to find a NoCloud seed, when they are installed.
+func TestSystemToolsSeeTheLabel(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "seed.iso")
+	require.NoError(t, seed.Write(out, validParams(t)))
+
+	t.Run("blkid", func(t *testing.T) {
+		blkid, err := exec.LookPath("blkid")
+		if err != nil {
+			t.Skip("blkid not installed (Debian: util-linux)")
+		}
+		got, err := exec.Command(blkid, "-p", "-o", "export", out).Output()
+		require.NoError(t, err)
+		assert.Contains(t, string(got), "TYPE=iso9660")
+		assert.Contains(t, string(got), "LABEL=cidata")
+	})
+	t.Run("isoinfo", func(t *testing.T) {
+		isoinfo, err := exec.LookPath("isoinfo")
+		if err != nil {
+			t.Skip("isoinfo not installed (Debian: genisoimage)")
+		}
+		got, err := exec.Command(isoinfo, "-d", "-i", out).Output()
+		require.NoError(t, err)
+		assert.Contains(t, string(got), "Volume id: cidata")
+		listing, err := exec.Command(isoinfo, "-f", "-i", out).Output()
+		require.NoError(t, err)
+		assert.Contains(t, strings.ToLower(string(listing)), "/meta-data;1")
+		assert.Contains(t, strings.ToLower(string(listing)), "/user-data;1")
+	})
+}
