@@ -38,6 +38,8 @@ type Config struct {
 	DeleteGrace time.Duration
 	// Console serves the web console; nil serves a page saying how to build it.
 	Console http.Handler
+	// Routes adds extra routes (dev mode serves the test guest image).
+	Routes func(chi.Router)
 	Log     *slog.Logger
 }
 
@@ -93,6 +95,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	r := chi.NewRouter()
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	api.Mount(r, s.Fleet, cfg.Log)
+	if cfg.Routes != nil {
+		cfg.Routes(r)
+	}
 	console := cfg.Console
 	if console == nil {
 		console = http.HandlerFunc(noConsole)

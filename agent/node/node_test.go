@@ -1,0 +1,105 @@
+package node
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/netip"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/agent/exposeproxy"
+)
+
+// engine stands in for the reconcile engine: it reports the rows a test sets.
+type engine struct {
+	vms     []*eitriv1.ActualVM
+	changed chan struct{}
+}
+
+func (e *engine) Apply(*eitriv1.DesiredStateSnapshot) bool { return true }
+func (e *engine) Fill(rep *eitriv1.ActualStateReport)       { rep.Vms = e.vms }
+func (e *engine) Changed() <-chan struct{}                  { return e.changed }
+
+func freePort(t *testing.T) uint32 {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return uint32(l.Addr().(*net.TCPAddr).Port)
+}
+
+func TestAPublishedPortCarriesTrafficAndItsCountersReachTheReport(t *testing.T) {
+	// The "guest" is a loopback echo server.
+	guest, err := net.Listen("tcp", "127.0.0.2:0")
+	require.NoError(t, err)
+	defer guest.Close()
+	go func() {
+		for {
+			c, err := guest.Accept()
+			if err != nil {
+				return
+			}
+			go func() { _, _ = io.Copy(c, c); c.Close() }()
+		}
+	}()
+	eng := &engine{changed: make(chan struct{}, 1)}
+	var n *Node
+	proxy := exposeproxy.New(exposeproxy.Config{Resolve: func(id string) (netip.Addr, bool) { return n.Resolve(id) }})
+	defer proxy.Close()
+	n = New(Config{Engine: eng, Ports: proxy, Capacity: func() *eitriv1.Capacity { return &eitriv1.Capacity{Vcpus: 2} }})
+
+	hostPort := freePort(t)
+	snap := &eitriv1.DesiredStateSnapshot{Generation: 1, Exposures: []*eitriv1.ExposureDesired{{
+		Id: "x1", VmId: "vm1", Protocol: "tcp", Scope: "local", HostPort: hostPort,
+		GuestPort: uint32(guest.Addr().(*net.TCPAddr).Port),
+	}}}
+
+	// Before the guest has an address a caller is dropped, and counted.
+	require.True(t, n.Apply(snap))
+	c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", itoa(hostPort)))
+	require.NoError(t, err)
+	_, _ = c.Read(make([]byte, 1))
+	c.Close()
+	require.Eventually(t, func() bool { return report(n).Exposures[0].GetSessions().GetDropped() == 1 }, 5*time.Second, 10*time.Millisecond)
+
+	// The guest leases an address: traffic flows.
+	eng.vms = []*eitriv1.ActualVM{{VmId: "vm1", Power: "running", Phase: "ready", Ip: "127.0.0.2"}}
+	require.True(t, n.Apply(snap))
+	c, err = net.Dial("tcp", net.JoinHostPort("127.0.0.1", itoa(hostPort)))
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Write([]byte("hello\n"))
+	require.NoError(t, err)
+	line, err := bufio.NewReader(c).ReadString('\n')
+	require.NoError(t, err)
+	assert.Equal(t, "hello\n", line)
+
+	rep := report(n)
+	require.Len(t, rep.Exposures, 1)
+	assert.Equal(t, "active", rep.Exposures[0].State)
+	require.NotNil(t, rep.Exposures[0].Sessions, "this agent counts, so it always says so")
+	assert.Equal(t, int64(1), rep.Exposures[0].Sessions.Active)
+	assert.Equal(t, int32(2), rep.Capacity.GetVcpus())
+	assert.Nil(t, rep.Metrics, "no metrics source: nothing reported, not zeros")
+}
+
+func TestLanScopeListensEverywhereLocalOnLoopback(t *testing.T) {
+	lan := Spec(&eitriv1.ExposureDesired{Scope: "lan", HostPort: 30080, Protocol: "udp"})
+	assert.True(t, lan.Listen.Addr().IsUnspecified())
+	assert.Equal(t, exposeproxy.UDP, lan.Protocol)
+	local := Spec(&eitriv1.ExposureDesired{Scope: "local", HostPort: 30080})
+	assert.True(t, local.Listen.Addr().IsLoopback())
+}
+
+func report(n *Node) *eitriv1.ActualStateReport {
+	rep := &eitriv1.ActualStateReport{}
+	n.Fill(rep)
+	return rep
+}
+
+func itoa(p uint32) string { return strconv.Itoa(int(p)) }

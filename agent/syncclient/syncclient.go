@@ -1,0 +1,279 @@
+// Package syncclient keeps the agent's one stream to the control plane up:
+// it enrolls with a join token, pins the control plane's certificate, and
+// runs AgentService.Sync with backoff and jitter — snapshots in, complete
+// reports out (one after every reconnect, on every change, coalesced, and a
+// heartbeat otherwise).
+package syncclient
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+)
+
+// JoinToken is what a join token carries: where the control plane is, the
+// fingerprint of the certificate it presents (empty for plain h2c on
+// loopback), and the single-use secret. The control plane encodes it as
+// "eitri_join_" + base64url(JSON).
+type JoinToken struct {
+	URL         string `json:"u"`
+	Fingerprint string `json:"f,omitempty"`
+	Secret      string `json:"s"`
+}
+
+const joinPrefix = "eitri_join_"
+
+// ParseJoinToken decodes a pasted join token.
+func ParseJoinToken(s string) (JoinToken, error) {
+	var t JoinToken
+	raw, ok := strings.CutPrefix(strings.TrimSpace(s), joinPrefix)
+	if !ok {
+		return t, errors.New("not an eitri join token (it starts with " + joinPrefix + ")")
+	}
+	b, err := base64.RawURLEncoding.DecodeString(raw)
+	if err != nil || json.Unmarshal(b, &t) != nil || t.Secret == "" || t.URL == "" {
+		return t, errors.New("join token is damaged; copy it again")
+	}
+	return t, nil
+}
+
+// Identity is what enrolling buys; the agent keeps it durably.
+type Identity struct {
+	ServerURL, Fingerprint, HostID, Credential string
+}
+
+// HTTPClient returns a client that speaks HTTP/2 to the control plane: TLS
+// pinned to fingerprint, or h2c when fingerprint is empty.
+func HTTPClient(fingerprint string) *http.Client {
+	tr := &http.Transport{
+		Proxy:             nil, // the control plane is dialed directly, never via a proxy
+		ForceAttemptHTTP2: true,
+		DialContext:       (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		Protocols:         new(http.Protocols),
+	}
+	if fingerprint == "" {
+		tr.Protocols.SetUnencryptedHTTP2(true)
+	} else {
+		tr.Protocols.SetHTTP2(true)
+		tr.TLSClientConfig = pinned(fingerprint)
+	}
+	return &http.Client{Transport: tr}
+}
+
+// pinned trusts exactly the certificate with this fingerprint: the join
+// token is the trust anchor, not a CA store.
+func pinned(fp string) *tls.Config {
+	return &tls.Config{
+		MinVersion:         tls.VersionTLS12,
+		NextProtos:         []string{"h2"},
+		InsecureSkipVerify: true, // replaced by the pin below
+		VerifyPeerCertificate: func(raw [][]byte, _ [][]*x509.Certificate) error {
+			if len(raw) == 0 {
+				return errors.New("control plane presented no certificate")
+			}
+			sum := sha256.Sum256(raw[0])
+			if got := hex.EncodeToString(sum[:]); got != fp {
+				return fmt.Errorf("control plane certificate %s does not match the pinned %s (wrong server, or its certificate changed)", got, fp)
+			}
+			return nil
+		},
+	}
+}
+
+// Enroll spends a join token and returns this host's identity.
+func Enroll(ctx context.Context, token, hostname, version string) (Identity, error) {
+	jt, err := ParseJoinToken(token)
+	if err != nil {
+		return Identity{}, err
+	}
+	c := eitriv1connect.NewAgentServiceClient(HTTPClient(jt.Fingerprint), jt.URL)
+	resp, err := c.Enroll(ctx, connect.NewRequest(&eitriv1.EnrollRequest{JoinToken: token, Hostname: hostname, AgentVersion: version}))
+	if err != nil {
+		return Identity{}, fmt.Errorf("enroll with %s: %w", jt.URL, err)
+	}
+	return Identity{ServerURL: jt.URL, Fingerprint: jt.Fingerprint, HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential}, nil
+}
+
+// Source is what the stream reports on and applies snapshots to.
+type Source interface {
+	Apply(*eitriv1.DesiredStateSnapshot) bool
+	Fill(*eitriv1.ActualStateReport)
+}
+
+// Config tunes Run.
+type Config struct {
+	Identity Identity
+	Source   Source
+	Hello    func() *eitriv1.Hello
+	// ReportEvery is how often the aggregate is checked for changes; a
+	// changed report goes out at the next check, so reports are coalesced to
+	// at most 1/ReportEvery per second (default 250ms).
+	ReportEvery time.Duration
+	// Heartbeat resends an unchanged report this often (default 5s).
+	Heartbeat time.Duration
+	// MinBackoff/MaxBackoff bound reconnect delays (default 500ms / 30s).
+	MinBackoff, MaxBackoff time.Duration
+	Log                    *slog.Logger
+	// OnSnapshot is told each applied generation (tests, metrics).
+	OnSnapshot func(generation uint64)
+}
+
+// Run keeps the stream up until ctx ends.
+func Run(ctx context.Context, cfg Config) error {
+	if cfg.ReportEvery == 0 {
+		cfg.ReportEvery = 250 * time.Millisecond
+	}
+	if cfg.Heartbeat == 0 {
+		cfg.Heartbeat = 5 * time.Second
+	}
+	if cfg.MinBackoff == 0 {
+		cfg.MinBackoff = 500 * time.Millisecond
+	}
+	if cfg.MaxBackoff == 0 {
+		cfg.MaxBackoff = 30 * time.Second
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	client := eitriv1connect.NewAgentServiceClient(HTTPClient(cfg.Identity.Fingerprint), cfg.Identity.ServerURL,
+		connect.WithInterceptors(bearer(cfg.Identity.Credential)))
+	backoff := cfg.MinBackoff
+	for {
+		healthy, err := session(ctx, client, cfg)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if healthy {
+			backoff = cfg.MinBackoff
+		}
+		// Full jitter: a control plane restart must not be met by every
+		// agent reconnecting in the same instant.
+		wait := time.Duration(rand.Int64N(int64(backoff))) + backoff/2
+		cfg.Log.Warn("control plane stream lost; reconnecting", "err", err, "in", wait.Round(time.Millisecond))
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+		backoff = min(backoff*2, cfg.MaxBackoff)
+	}
+}
+
+// session runs one stream. healthy reports that a snapshot arrived, i.e.
+// the control plane accepted us, which resets the backoff.
+func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg Config) (healthy bool, err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	st := client.Sync(ctx)
+	defer func() {
+		_ = st.CloseRequest()
+		_ = st.CloseResponse()
+	}()
+	if err := st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: cfg.Hello()}}); err != nil {
+		return false, err
+	}
+
+	recvErr := make(chan error, 1)
+	gotSnapshot := make(chan struct{}, 1)
+	go func() {
+		for {
+			msg, err := st.Receive()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			if snap := msg.GetSnapshot(); snap != nil {
+				if cfg.Source.Apply(snap) && cfg.OnSnapshot != nil {
+					cfg.OnSnapshot(snap.GetGeneration())
+				}
+				select {
+				case gotSnapshot <- struct{}{}:
+				default:
+				}
+			}
+		}
+	}()
+
+	tick := time.NewTicker(cfg.ReportEvery)
+	defer tick.Stop()
+	var last *eitriv1.ActualStateReport
+	var lastSent time.Time
+	send := func(force bool) error {
+		rep := &eitriv1.ActualStateReport{}
+		cfg.Source.Fill(rep)
+		if !force && last != nil && proto.Equal(rep, last) && time.Since(lastSent) < cfg.Heartbeat {
+			return nil
+		}
+		if err := st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Report{Report: rep}}); err != nil {
+			return err
+		}
+		last, lastSent = rep, time.Now()
+		return nil
+	}
+	// A full report after every (re)connect: the control plane forgot this
+	// host's live state when the last stream ended.
+	if err := send(true); err != nil {
+		return false, err
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return healthy, ctx.Err()
+		case err := <-recvErr:
+			return healthy, err
+		case <-gotSnapshot:
+			if !healthy {
+				cfg.Log.Info("connected to the control plane", "url", cfg.Identity.ServerURL, "host", cfg.Identity.HostID)
+			}
+			healthy = true
+			// Applying a snapshot usually changes the aggregate; say so now
+			// rather than at the next tick.
+			if err := send(false); err != nil {
+				return healthy, err
+			}
+		case <-tick.C:
+			if err := send(false); err != nil {
+				return healthy, err
+			}
+		}
+	}
+}
+
+type bearer string
+
+func (b bearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		req.Header().Set("Authorization", "Bearer "+string(b))
+		return next(ctx, req)
+	}
+}
+
+func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		c := next(ctx, spec)
+		c.RequestHeader().Set("Authorization", "Bearer "+string(b))
+		return c
+	}
+}
+
+func (bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}
