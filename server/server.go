@@ -40,7 +40,7 @@ type Config struct {
 	Console http.Handler
 	// Routes adds extra routes (dev mode serves the test guest image).
 	Routes func(chi.Router)
-	Log     *slog.Logger
+	Log    *slog.Logger
 }
 
 // Server is a started control plane.

@@ -10,8 +10,8 @@ import (
 	"net/netip"
 	"sync"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/agent/exposeproxy"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // Engine is what node needs of the reconcile engine.

@@ -12,8 +12,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/agent/exposeproxy"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // engine stands in for the reconcile engine: it reports the rows a test sets.
@@ -23,8 +23,8 @@ type engine struct {
 }
 
 func (e *engine) Apply(*eitriv1.DesiredStateSnapshot) bool { return true }
-func (e *engine) Fill(rep *eitriv1.ActualStateReport)       { rep.Vms = e.vms }
-func (e *engine) Changed() <-chan struct{}                  { return e.changed }
+func (e *engine) Fill(rep *eitriv1.ActualStateReport)      { rep.Vms = e.vms }
+func (e *engine) Changed() <-chan struct{}                 { return e.changed }
 
 func freePort(t *testing.T) uint32 {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
