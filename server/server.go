@@ -95,6 +95,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	r := chi.NewRouter()
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	api.Mount(r, s.Fleet, cfg.Log)
+	api.MountSession(r, s.Fleet)
 	if cfg.Routes != nil {
 		cfg.Routes(r)
 	}

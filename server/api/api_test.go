@@ -462,3 +462,45 @@ func TestJSONShowsEveryFieldAndNullForWhatNobodyReported(t *testing.T) {
 	s := out["exposures"].([]any)[0].(map[string]any)["sessions"].(map[string]any)
 	assert.Equal(t, map[string]any{"active": "7", "refused": "12", "dropped": "3"}, s)
 }
+
+func TestTheConsoleLogsInWithACookieAndLogoutRevokesIt(t *testing.T) {
+	e := newEnv(t)
+	post := func(path, body string, cookie *http.Cookie) *http.Response {
+		req, _ := http.NewRequest(http.MethodPost, e.url+path, strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		if cookie != nil {
+			req.AddCookie(cookie)
+		}
+		resp, err := e.http.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp
+	}
+	assert.Equal(t, http.StatusUnauthorized, post("/auth/login", `{"token":"eitri_pat_wrong"}`, nil).StatusCode)
+	resp := post("/auth/login", `{"token":"`+e.admin+`"}`, nil)
+	require.Equal(t, http.StatusNoContent, resp.StatusCode)
+	var cookie *http.Cookie
+	for _, c := range resp.Cookies() {
+		if c.Name == "eitri_session" {
+			cookie = c
+		}
+	}
+	require.NotNil(t, cookie)
+	assert.True(t, cookie.HttpOnly)
+	assert.Equal(t, http.SameSiteStrictMode, cookie.SameSite)
+	assert.NotEqual(t, e.admin, cookie.Value, "the cookie is its own credential, not the pasted token")
+
+	listWithCookie := func() error {
+		c := eitriv1connect.NewVMServiceClient(e.http, e.url, connect.WithInterceptors(connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+			return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+				req.Header().Set("Cookie", cookie.Name+"="+cookie.Value)
+				return next(ctx, req)
+			}
+		})))
+		_, err := c.ListVMs(context.Background(), connect.NewRequest(&eitriv1.ListVMsRequest{}))
+		return err
+	}
+	require.NoError(t, listWithCookie())
+	assert.Equal(t, http.StatusNoContent, post("/auth/logout", `{}`, cookie).StatusCode)
+	assert.Equal(t, connect.CodeUnauthenticated, code(listWithCookie()), "logout revokes the session")
+}
