@@ -35,6 +35,8 @@ type Node struct {
 	metrics  func() *eitriv1.Metrics
 	log      *slog.Logger
 
+	changed chan struct{}
+
 	mu        sync.RWMutex
 	addrs     map[string]netip.Addr // vm id → guest address, for the proxy
 	exposures []*eitriv1.ExposureDesired
@@ -54,7 +56,7 @@ func New(cfg Config) *Node {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	return &Node{eng: cfg.Engine, ports: cfg.Ports, capacity: cfg.Capacity, metrics: cfg.Metrics, log: cfg.Log, addrs: map[string]netip.Addr{}}
+	return &Node{eng: cfg.Engine, ports: cfg.Ports, capacity: cfg.Capacity, metrics: cfg.Metrics, log: cfg.Log, addrs: map[string]netip.Addr{}, changed: make(chan struct{}, 1)}
 }
 
 // Resolve is the exposure proxy's guest-address lookup.
@@ -77,9 +79,17 @@ func (n *Node) Run(ctx context.Context) {
 			if n.refreshAddrs() {
 				n.converge()
 			}
+			select {
+			case n.changed <- struct{}{}:
+			default:
+			}
 		}
 	}
 }
+
+// Changed signals that the VMs' aggregate may have changed (forwarded from
+// the engine once the ports have caught up with it).
+func (n *Node) Changed() <-chan struct{} { return n.changed }
 
 func (n *Node) refreshAddrs() bool {
 	var rep eitriv1.ActualStateReport

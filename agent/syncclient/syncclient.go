@@ -212,6 +212,14 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 		}
 	}()
 
+	// A change is sent at once while the burst allowance lasts, so a create's
+	// quick steps each reach the console; a storm of changes is coalesced to
+	// one report per ReportEvery.
+	var changed <-chan struct{}
+	if c, ok := cfg.Source.(interface{ Changed() <-chan struct{} }); ok {
+		changed = c.Changed()
+	}
+	lim := newLimiter(8, cfg.ReportEvery)
 	tick := time.NewTicker(cfg.ReportEvery)
 	defer tick.Stop()
 	var last *eitriv1.ActualStateReport
@@ -249,6 +257,12 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 			if err := send(false); err != nil {
 				return healthy, err
 			}
+		case <-changed:
+			if lim.allow(time.Now()) {
+				if err := send(false); err != nil {
+					return healthy, err
+				}
+			}
 		case <-tick.C:
 			if err := send(false); err != nil {
 				return healthy, err
@@ -276,4 +290,27 @@ func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.St
 
 func (bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return next
+}
+
+// limiter is a token bucket: burst sends at once, then one per every.
+type limiter struct {
+	tokens, burst float64
+	every         time.Duration
+	last          time.Time
+}
+
+func newLimiter(burst int, every time.Duration) *limiter {
+	return &limiter{tokens: float64(burst), burst: float64(burst), every: every}
+}
+
+func (l *limiter) allow(now time.Time) bool {
+	if !l.last.IsZero() {
+		l.tokens = min(l.burst, l.tokens+float64(now.Sub(l.last))/float64(l.every))
+	}
+	l.last = now
+	if l.tokens < 1 {
+		return false
+	}
+	l.tokens--
+	return true
 }
