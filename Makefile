@@ -1,0 +1,82 @@
+# eitri — the two commands that matter: `make run` and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+GO      ?= go
+CACHE   := $(CURDIR)/.cache
+GUEST   := $(CACHE)/guest
+BIN     := $(CURDIR)/bin/eitri
+BUF     := node_modules/.bin/buf
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+
+# Debian packages the tests and dev mode use: QEMU and the tools that build
+# the test guest, socat for the proxy benchmark, chromium for the console's
+# end-to-end test.
+APT_PKGS := qemu-system-x86 qemu-utils busybox-static syslinux syslinux-common \
+	mtools dosfstools fdisk cpio kmod genisoimage iproute2 socat chromium curl
+
+.PHONY: help
+help:
+	@echo "make run        set up and start eitri in dev mode (control plane + local agent + console)"
+	@echo "make test       install what the tests need and run every test"
+	@echo "make generate   regenerate gen/ from proto/"
+	@echo "make build      build bin/eitri (with the console when it is built)"
+
+.PHONY: deps
+deps: ## system packages (root), npm packages
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		if [ "$$(id -u)" != 0 ]; then echo "need root to apt-get install:$$missing" >&2; exit 1; fi; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+	@sum=$$(sha256sum package-lock.json | cut -d' ' -f1); \
+	if [ "$$(cat node_modules/.eitri-lock 2>/dev/null)" != "$$sum" ]; then \
+		npm ci --no-audit --no-fund --loglevel=error && echo "$$sum" > node_modules/.eitri-lock; fi
+
+.PHONY: generate
+generate: ## gen/ from proto/ (local plugins only)
+	@[ -x $(BUF) ] || npm ci --no-audit --no-fund --loglevel=error
+	$(BUF) generate
+
+.PHONY: check-generated
+check-generated: generate
+	@if [ -n "$$(git status --porcelain -- gen)" ]; then \
+		echo "gen/ is stale: run 'make generate' and commit the result" >&2; git status --short -- gen >&2; exit 1; fi
+
+.PHONY: lint
+lint:
+	$(BUF) lint
+	@if git rev-parse -q --verify main >/dev/null; then \
+		$(BUF) breaking --against '.git#branch=main'; fi
+	$(GO) vet ./...
+	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/')); if [ -n "$$out" ]; then echo "gofmt needed:" >&2; echo "$$out" >&2; exit 1; fi
+
+.PHONY: guest-image
+guest-image: ## the tiny test guest, cached by content hash
+	guestimage/build.sh $(GUEST) >/dev/null
+
+.PHONY: frontend
+frontend:
+	@if [ -f frontend/package.json ]; then npm run --workspace frontend build; fi
+
+.PHONY: build
+build: frontend
+	@tags=""; [ -f frontend/build/index.html ] && tags="-tags console"; \
+	$(GO) build $$tags -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/eitri
+
+.PHONY: run
+run: deps guest-image build
+	$(BIN) dev --guest-image $(GUEST)
+
+.PHONY: test
+test: deps check-generated lint guest-image build
+	EITRI_GUEST_IMAGE=$(GUEST)/eitri-guest.raw EITRI_BIN=$(BIN) $(GO) test -count=1 -timeout 30m ./...
+	@if [ -f frontend/package.json ]; then npm run --workspace frontend test; fi
+	@if [ -f frontend/e2e/run.mjs ]; then EITRI_BIN=$(BIN) EITRI_GUEST=$(GUEST) node frontend/e2e/run.mjs; fi
+
+.PHONY: bench
+bench:
+	$(GO) test -run '^$$' -bench . -benchtime 3x ./...

@@ -1,0 +1,180 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/a73x/eitri/agent/exposeproxy"
+	"github.com/a73x/eitri/agent/hostvm"
+	"github.com/a73x/eitri/agent/imagecache"
+	"github.com/a73x/eitri/agent/netsetup"
+	"github.com/a73x/eitri/agent/node"
+	"github.com/a73x/eitri/agent/qemu"
+	"github.com/a73x/eitri/agent/reconcile"
+	"github.com/a73x/eitri/agent/state"
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+)
+
+type agentFlags struct {
+	dataDir    string
+	join       string
+	name       string
+	address    string
+	bridge     string
+	subnet     string
+	vmTimeout  time.Duration
+	maxCreates int
+	cacheGB    int64
+	// joinToken mints a token in-process (dev mode); nil for a real agent.
+	joinToken func(context.Context) (string, error)
+}
+
+func (a *agentFlags) register(fs *flag.FlagSet) {
+	hn, _ := os.Hostname()
+	fs.StringVar(&a.name, "name", hn, "this host's name in the fleet")
+	fs.StringVar(&a.address, "address", "", "address published ports are reachable on (default: the address of the default route)")
+	fs.StringVar(&a.bridge, "bridge", netsetup.DefaultBridge, "bridge the guests attach to")
+	fs.StringVar(&a.subnet, "subnet", "10.77.0.1/24", "bridge address and guest subnet (NAT to the outside)")
+	fs.DurationVar(&a.vmTimeout, "vm-timeout", 15*time.Minute, "bound on one create or converge pass (image download included)")
+	fs.IntVar(&a.maxCreates, "max-creates", 2, "creates running at once on this host")
+	fs.Int64Var(&a.cacheGB, "image-cache-gb", 50, "image cache size cap in GiB")
+}
+
+func cmdAgent(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+	var a agentFlags
+	a.register(fs)
+	fs.StringVar(&a.dataDir, "data-dir", "/var/lib/eitri-agent", "agent state, image cache and VM disks")
+	fs.StringVar(&a.join, "join", "", "join token from 'eitri host join-token' (first start only)")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	if _, err := parse(fs, args); err != nil {
+		return err
+	}
+	return runAgent(ctx, a, newLogger(*level))
+}
+
+// runAgent wires the host's building blocks and keeps the stream up.
+func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
+	if missing := qemu.Requirements(); len(missing) > 0 {
+		return fmt.Errorf("this host cannot run VMs yet:\n  %s", strings.Join(missing, "\n  "))
+	}
+	prefix, err := netip.ParsePrefix(a.subnet)
+	if err != nil {
+		return fmt.Errorf("--subnet: %w", err)
+	}
+	st, err := state.Open(filepath.Join(a.dataDir, "state"))
+	if err != nil {
+		return err
+	}
+	id, err := identity(ctx, st, a)
+	if err != nil {
+		return err
+	}
+	network, err := netsetup.Setup(ctx, netsetup.Config{
+		Bridge: a.bridge, Prefix: prefix, LeaseFile: filepath.Join(a.dataDir, "leases.json"), Log: log,
+	})
+	if err != nil {
+		return fmt.Errorf("host network: %w", err)
+	}
+	defer network.Close()
+	qb, err := qemu.New(qemu.Config{Dir: filepath.Join(a.dataDir, "vms"), Log: log})
+	if err != nil {
+		return err
+	}
+	cache := imagecache.New(filepath.Join(a.dataDir, "images"), imagecache.WithMaxBytes(a.cacheGB<<30), imagecache.WithLogger(log))
+	images := hostvm.NewImages(cache)
+	hv, err := hostvm.New(hostvm.Config{QEMU: qb, Net: network, St: st, Images: images, Log: log})
+	if err != nil {
+		return err
+	}
+	eng, err := reconcile.New(reconcile.Config{
+		Hyper: hv, Images: images.Resolve, Seed: hostvm.WriteSeed, St: st,
+		VMTimeout: a.vmTimeout, MaxConcurrentCreates: a.maxCreates, Log: log,
+	})
+	if err != nil {
+		return err
+	}
+	defer eng.Close()
+
+	var n *node.Node
+	proxy := exposeproxy.New(exposeproxy.Config{Log: log, Resolve: func(vmID string) (netip.Addr, bool) { return n.Resolve(vmID) }})
+	defer proxy.Close()
+	n = node.New(node.Config{
+		Engine: eng, Ports: proxy, Log: log,
+		Capacity: func() *eitriv1.Capacity {
+			vcpus, mem, disk, err := hostvm.Capacity(a.dataDir)
+			if err != nil {
+				return nil // unmeasured is not reported, rather than zero
+			}
+			return &eitriv1.Capacity{Vcpus: vcpus, MemMb: mem, DiskGb: disk}
+		},
+		Metrics: node.HostMetrics(a.dataDir),
+	})
+	go n.Run(ctx)
+
+	addr := a.address
+	if addr == "" {
+		addr = defaultAddress()
+	}
+	accel := qb.Accelerator()
+	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", accel, "address", addr)
+	return syncclient.Run(ctx, syncclient.Config{
+		Identity: id, Source: n, Log: log,
+		Hello: func() *eitriv1.Hello {
+			return &eitriv1.Hello{HostId: id.HostID, AgentVersion: version, Hostname: a.name, Accelerator: accel, Address: addr}
+		},
+	})
+}
+
+// identity loads this host's enrollment, or enrolls with the join token.
+func identity(ctx context.Context, st *state.Store, a agentFlags) (syncclient.Identity, error) {
+	saved, ok, err := st.LoadIdentity()
+	if err != nil {
+		return syncclient.Identity{}, err
+	}
+	if ok {
+		if a.join != "" {
+			slog.Warn("already enrolled; ignoring --join", "host", saved.HostID)
+		}
+		return syncclient.Identity{ServerURL: saved.ServerURL, Fingerprint: saved.CertFingerprint, HostID: saved.HostID, Credential: saved.Credential}, nil
+	}
+	tok := a.join
+	if tok == "" && a.joinToken != nil {
+		if tok, err = a.joinToken(ctx); err != nil {
+			return syncclient.Identity{}, err
+		}
+	}
+	if tok == "" {
+		return syncclient.Identity{}, errors.New("this host is not enrolled: run it once with --join <token> (eitri host join-token prints one)")
+	}
+	id, err := syncclient.Enroll(ctx, tok, a.name, version)
+	if err != nil {
+		return syncclient.Identity{}, err
+	}
+	if err := st.SaveIdentity(state.Identity{HostID: id.HostID, Credential: id.Credential, ServerURL: id.ServerURL, CertFingerprint: id.Fingerprint}); err != nil {
+		return syncclient.Identity{}, err
+	}
+	return id, nil
+}
+
+// defaultAddress is the source address of the default route: what other
+// machines on the LAN most likely reach this host on. Connecting a UDP
+// socket only asks the kernel for a route; nothing is sent.
+func defaultAddress() string {
+	c, err := net.Dial("udp4", "192.0.2.1:9")
+	if err != nil {
+		return "127.0.0.1"
+	}
+	defer c.Close()
+	return c.LocalAddr().(*net.UDPAddr).IP.String()
+}

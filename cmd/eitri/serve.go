@@ -1,0 +1,176 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+
+	"github.com/a73x/eitri/frontend"
+	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/server/auth"
+)
+
+func cmdServer(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("server", flag.ContinueOnError)
+	listen := fs.String("listen", "0.0.0.0:7443", "address to serve the API, agents and console on")
+	dataDir := fs.String("data-dir", "/var/lib/eitri", "where the database, TLS material and admin token live")
+	publicURL := fs.String("public-url", "", "URL agents dial (default https://<hostname>:<port>)")
+	tlsCert := fs.String("tls-cert", "", "serving certificate (PEM); default: a self-made CA and certificate")
+	tlsKey := fs.String("tls-key", "", "key for --tls-cert")
+	tlsHosts := fs.String("tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
+	grace := fs.Duration("delete-grace", 24*time.Hour, "how long a deleted VM stays restorable")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	if _, err := parse(fs, args); err != nil {
+		return err
+	}
+	log := newLogger(*level)
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	pub := *publicURL
+	if pub == "" {
+		hn, _ := os.Hostname()
+		pub = "https://" + net.JoinHostPort(hn, portOf(ln.Addr()))
+	}
+	var hosts []string
+	if *tlsHosts != "" {
+		hosts = strings.Split(*tlsHosts, ",")
+	}
+	srv, err := server.New(ctx, server.Config{
+		DataDir: *dataDir, PublicURL: pub, TLSCert: *tlsCert, TLSKey: *tlsKey, TLSHosts: hosts,
+		DeleteGrace: *grace, Console: consoleHandler(), Log: log,
+	})
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	announce(srv, *dataDir, pub)
+	log.Info("control plane listening", "addr", ln.Addr().String(), "url", pub, "fingerprint", srv.Fingerprint)
+	return srv.Serve(ctx, ln)
+}
+
+func announce(srv *server.Server, dataDir, url string) {
+	if srv.AdminToken == "" {
+		return
+	}
+	fmt.Fprintf(os.Stderr, "\nFirst start: created the admin user. Its token (also in %s):\n\n  export EITRI_URL=%s\n  export EITRI_TOKEN=%s\n\n",
+		filepath.Join(dataDir, "admin.token"), url, srv.AdminToken)
+}
+
+func portOf(a net.Addr) string {
+	_, p, _ := net.SplitHostPort(a.String())
+	return p
+}
+
+func cmdDev(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("dev", flag.ContinueOnError)
+	listen := fs.String("listen", "127.0.0.1:8080", "loopback address (plain h2c, so curl works)")
+	dataDir := fs.String("data-dir", ".data/dev", "state for the control plane and the local agent")
+	guestImage := fs.String("guest-image", "", "directory holding the built test guest (eitri-guest.qcow2/.raw), served for the quickstart")
+	grace := fs.Duration("delete-grace", 10*time.Minute, "how long a deleted VM stays restorable")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	var ac agentFlags
+	ac.register(fs)
+	if _, err := parse(fs, args); err != nil {
+		return err
+	}
+	log := newLogger(*level)
+	ln, err := net.Listen("tcp", *listen)
+	if err != nil {
+		return err
+	}
+	if ip := net.ParseIP(strings.Split(ln.Addr().String(), ":")[0]); ip != nil && !ip.IsLoopback() {
+		ln.Close()
+		return errors.New("eitri dev serves plaintext and only listens on loopback; use eitri server elsewhere")
+	}
+	url := "http://" + ln.Addr().String()
+	cpDir := filepath.Join(*dataDir, "control")
+	srv, err := server.New(ctx, server.Config{
+		DataDir: cpDir, PublicURL: url, Plaintext: true, DeleteGrace: *grace,
+		Console: consoleHandler(), Log: log.With("part", "control"),
+		Routes: func(r chi.Router) { serveGuestImage(r, *guestImage, url) },
+	})
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	announce(srv, cpDir, url)
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errc := make(chan error, 2)
+	go func() { errc <- srv.Serve(ctx, ln) }()
+
+	// The local agent enrolls itself with a token minted in-process, so dev
+	// mode needs no copy and paste.
+	ac.dataDir = filepath.Join(*dataDir, "agent")
+	ac.joinToken = func(ctx context.Context) (string, error) {
+		admin := auth.WithPrincipal(ctx, auth.Principal{Name: "dev", Admin: true})
+		r, err := srv.Fleet.CreateJoinToken(admin, 10*time.Minute)
+		if err != nil {
+			return "", err
+		}
+		return r.Token, nil
+	}
+	go func() { errc <- runAgent(ctx, ac, log.With("part", "agent")) }()
+	log.Info("eitri dev is up", "url", url, "console", url+"/")
+	select {
+	case <-ctx.Done():
+		return nil
+	case err := <-errc:
+		cancel()
+		return err
+	}
+}
+
+// serveGuestImage serves the project's test guest so the quickstart can
+// create a VM with no internet, and says where it is in /guest-image.json
+// (the console offers it as a preset).
+func serveGuestImage(r chi.Router, dir, base string) {
+	r.Get("/guest-image.json", func(w http.ResponseWriter, _ *http.Request) {
+		name, sum, err := guestImage(dir)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusNotFound)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(map[string]string{"url": base + "/guest-image/" + name, "sha256": sum})
+	})
+	if dir == "" {
+		return
+	}
+	r.Handle("/guest-image/*", http.StripPrefix("/guest-image/", http.FileServer(http.Dir(dir))))
+}
+
+// guestImage picks the compressed qcow2 when built (smaller to copy), else
+// the raw disk, with the digest build.sh wrote beside it.
+func guestImage(dir string) (name, sum string, err error) {
+	if dir == "" {
+		return "", "", errors.New("no test guest image in this build (make guest-image)")
+	}
+	for _, n := range []string{"eitri-guest.qcow2", "eitri-guest.raw"} {
+		b, err := os.ReadFile(filepath.Join(dir, n+".sha256"))
+		if err != nil {
+			continue
+		}
+		if f := strings.Fields(string(b)); len(f) > 0 {
+			return n, f[0], nil
+		}
+	}
+	return "", "", fmt.Errorf("no built guest image in %s", dir)
+}
+
+// consoleHandler is the embedded console, or nil (the server then says how
+// to build it).
+func consoleHandler() http.Handler { return frontend.Handler() }

@@ -1,0 +1,173 @@
+package main
+
+import (
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/server/auth"
+)
+
+// source stands in for the agent's node: it records snapshots and reports
+// whatever the test sets.
+type source struct {
+	mu    sync.Mutex
+	snaps []*eitriv1.DesiredStateSnapshot
+	vms   []*eitriv1.ActualVM
+	fills int
+}
+
+func (s *source) Apply(snap *eitriv1.DesiredStateSnapshot) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.snaps = append(s.snaps, snap)
+	return true
+}
+
+func (s *source) Fill(rep *eitriv1.ActualStateReport) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.fills++
+	rep.Vms = s.vms
+	rep.Capacity = &eitriv1.Capacity{Vcpus: 4, MemMb: 8192, DiskGb: 100}
+}
+
+func (s *source) last() *eitriv1.DesiredStateSnapshot {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.snaps) == 0 {
+		return nil
+	}
+	return s.snaps[len(s.snaps)-1]
+}
+
+// controlPlane serves a real TLS control plane on a loopback port; restart
+// brings it back on the same port and data, as an operator restart would.
+type controlPlane struct {
+	t      *testing.T
+	dir    string
+	addr   string
+	srv    *server.Server
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func startControlPlane(t *testing.T, dir, addr string) *controlPlane {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
+	require.NoError(t, err)
+	srv, err := server.New(context.Background(), server.Config{DataDir: dir, PublicURL: "https://" + ln.Addr().String()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	cp := &controlPlane{t: t, dir: dir, addr: ln.Addr().String(), srv: srv, cancel: cancel, done: make(chan struct{})}
+	go func() { _ = srv.Serve(ctx, ln); close(cp.done) }()
+	t.Cleanup(cp.stop)
+	return cp
+}
+
+func (cp *controlPlane) stop() {
+	cp.cancel()
+	<-cp.done
+	cp.srv.Close()
+}
+
+// admin is a request context acting as the first admin, whose token the
+// first start wrote to the data directory.
+func (cp *controlPlane) admin() context.Context {
+	cp.t.Helper()
+	b, err := os.ReadFile(filepath.Join(cp.dir, "admin.token"))
+	require.NoError(cp.t, err)
+	p, err := cp.srv.Fleet.Resolve(context.Background(), strings.TrimSpace(string(b)))
+	require.NoError(cp.t, err)
+	return auth.WithPrincipal(context.Background(), p)
+}
+
+func TestTheAgentStreamHealsAcrossAControlPlaneRestart(t *testing.T) {
+	dir := t.TempDir()
+	cp := startControlPlane(t, dir, "127.0.0.1:0")
+	jt, err := cp.srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
+	require.NoError(t, err)
+
+	// Enrolling pins the certificate carried in the token.
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err)
+	assert.Equal(t, cp.srv.Fingerprint, id.Fingerprint)
+
+	src := &source{}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		_ = syncclient.Run(ctx, syncclient.Config{
+			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
+			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg"} },
+		})
+	}()
+	require.Eventually(t, func() bool { return src.last() != nil }, 10*time.Second, 10*time.Millisecond, "a connect earns a snapshot")
+	require.Eventually(t, func() bool {
+		h, err := cp.srv.Fleet.GetHost(cp.admin(), id.HostID)
+		return err == nil && h.Connected && h.Capacity.GetVcpus() == 4
+	}, 10*time.Second, 10*time.Millisecond, "the first report reaches the control plane")
+
+	// Place a VM: its snapshot reaches the agent; the agent's narration
+	// reaches the API.
+	vm, err := cp.srv.Fleet.CreateVM(cp.admin(), &eitriv1.CreateVMRequest{
+		Name: "web-1", ImageUrl: "http://x/y.raw", ImageSha256: "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+		Vcpus: 1, MemMb: 256, DiskGb: 1,
+	})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return len(src.last().GetVms()) == 1 }, 10*time.Second, 10*time.Millisecond)
+	gen := src.last().GetGeneration()
+
+	src.mu.Lock()
+	src.vms = []*eitriv1.ActualVM{{VmId: vm.Id, Power: "stopped", Phase: "creating", StatusDetail: "preparing root disk"}}
+	src.mu.Unlock()
+	require.Eventually(t, func() bool {
+		v, err := cp.srv.Fleet.GetVM(cp.admin(), vm.Id)
+		return err == nil && v.StatusDetail == "preparing root disk"
+	}, 10*time.Second, 10*time.Millisecond, "a changed aggregate is sent without being asked")
+
+	// Restart the control plane on the same port and data: the agent comes
+	// back by itself, gets a newer snapshot and resends its full report.
+	addr := cp.addr
+	cp.stop()
+	cp2 := startControlPlane(t, dir, addr)
+	require.Eventually(t, func() bool {
+		v, err := cp2.srv.Fleet.GetVM(cp2.admin(), vm.Id)
+		return err == nil && v.StatusDetail == "preparing root disk" && v.Lifecycle == "creating"
+	}, 20*time.Second, 20*time.Millisecond, "the live state is rebuilt from the resent report")
+	assert.Greater(t, src.last().GetGeneration(), gen, "generations keep rising across a restart")
+}
+
+func TestEnrollRefusesACertificateThatDoesNotMatchThePin(t *testing.T) {
+	cp := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
+	jt, err := cp.srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
+	require.NoError(t, err)
+	tok, err := syncclient.ParseJoinToken(jt.Token)
+	require.NoError(t, err)
+
+	// The same token pinned to another certificate: a man in the middle.
+	other := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
+	tok.Fingerprint = other.srv.Fingerprint
+	forged := reencode(t, tok)
+	_, err = syncclient.Enroll(context.Background(), forged, "h1", "test")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "does not match the pinned")
+
+	_, err = syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err, "the genuine token still works: the failed attempt spent nothing")
+	_, err = syncclient.Enroll(context.Background(), jt.Token, "h2", "test")
+	assert.Equal(t, connect.CodeUnauthenticated, connect.CodeOf(err), "and only once")
+}
