@@ -1,0 +1,92 @@
+package hostvm
+
+import (
+	"context"
+	"errors"
+	"sync"
+
+	"github.com/a73x/eitri/agent/imagecache"
+	"github.com/a73x/eitri/agent/reconcile"
+	"github.com/a73x/eitri/agent/seed"
+)
+
+// Images adapts an image cache to the engine (Resolve is a reconcile.Images)
+// and keeps each resolved image pinned until a root disk holds it.
+//
+// Pin lifetime: Resolve pins the digest before Ensure, so no eviction can
+// slip in between the download and its use. The engine follows every
+// successful Resolve with one PrepareRootDisk for the same image, and the
+// Hypervisor given this Images drops the pin there: the qcow2 overlay keeps
+// its base alive through a hard link (qemu.Backend.PrepareRootDisk), so the
+// cache may evict its own copy afterwards without harming the VM. Pins live
+// in memory; after a restart only the hard links protect bases, which is all
+// a finished disk needs.
+type Images struct {
+	cache *imagecache.Cache
+
+	mu sync.Mutex
+	// held counts pins Resolve took that no PrepareRootDisk has dropped yet,
+	// so a stray done never drops a pin someone else holds.
+	held map[string]int
+}
+
+// NewImages wraps c.
+func NewImages(c *imagecache.Cache) *Images {
+	return &Images{cache: c, held: map[string]int{}}
+}
+
+var _ reconcile.Images = (*Images)(nil).Resolve
+
+// Resolve returns the local raw image for (url, sha256), downloading it if
+// needed, and leaves it pinned. On error nothing stays pinned.
+func (im *Images) Resolve(ctx context.Context, url, sha256 string, progress func(done, total int64)) (string, error) {
+	im.cache.Acquire(sha256)
+	path, err := im.cache.Ensure(ctx, url, sha256, progress)
+	if err != nil {
+		im.cache.Release(sha256)
+		return "", err
+	}
+	im.mu.Lock()
+	im.held[sha256]++
+	im.mu.Unlock()
+	return path, nil
+}
+
+// done drops one pin Resolve took for sha256, if any is outstanding.
+func (im *Images) done(sha256 string) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if im.held[sha256] == 0 {
+		return
+	}
+	if im.held[sha256]--; im.held[sha256] == 0 {
+		delete(im.held, sha256)
+	}
+	im.cache.Release(sha256)
+}
+
+// Pinned is how many pins Resolve holds for sha256 (for tests and debugging).
+func (im *Images) Pinned(sha256 string) int {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	return im.held[sha256]
+}
+
+var _ reconcile.Seeder = WriteSeed
+
+// WriteSeed is the engine's Seeder: it writes the NoCloud seed with
+// seed.Write. Parameters the seed refuses (a bad hostname or key) are a
+// permanent error: retrying the same spec can never succeed.
+func WriteSeed(outPath string, p reconcile.SeedParams) error {
+	err := seed.Write(outPath, seed.Params{
+		InstanceID:       p.InstanceID,
+		Hostname:         p.Hostname,
+		SSHAuthorizedKey: p.SSHAuthorizedKey,
+		HostPrivKey:      p.HostPrivKey,
+		HostPubKey:       p.HostPubKey,
+	})
+	if errors.Is(err, seed.ErrInvalidParams) {
+		return &permanentError{err: err}
+	}
+	return err
+}
