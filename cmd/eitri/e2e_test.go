@@ -1,0 +1,303 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/agent/netsetup"
+	"github.com/a73x/eitri/agent/syncclient"
+)
+
+const e2eEnv = "EITRI_E2E_NETNS"
+
+// inNetns re-runs the calling test inside a network namespace it creates
+// and removes, so the bridge, taps, NAT and DHCP of a real dev instance
+// touch nothing on the machine. It returns true in the child.
+func inNetns(t *testing.T) bool {
+	if os.Getenv(e2eEnv) != "" {
+		return true
+	}
+	switch {
+	case os.Geteuid() != 0:
+		t.Skip("needs root: the agent makes a bridge, taps and NAT (inside a test network namespace)")
+	case os.Getenv("EITRI_GUEST_IMAGE") == "":
+		t.Skip("EITRI_GUEST_IMAGE is not set: build the test guest with `make guest-image` (make test does)")
+	}
+	for _, bin := range []string{"ip", "qemu-system-x86_64", "qemu-img"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Skipf("%s not installed (make deps installs it)", bin)
+		}
+	}
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	ns := "eitri-e2e-" + hex.EncodeToString(b[:])
+	require.NoError(t, exec.Command("ip", "netns", "add", ns).Run())
+	t.Cleanup(func() {
+		// QEMU daemonizes, so it outlives the child test: end whatever is
+		// left in the namespace before removing it.
+		if out, err := exec.Command("ip", "netns", "pids", ns).Output(); err == nil {
+			for _, f := range strings.Fields(string(out)) {
+				if pid, err := strconv.Atoi(f); err == nil {
+					_ = syscall.Kill(pid, syscall.SIGKILL)
+				}
+			}
+		}
+		_ = exec.Command("ip", "netns", "del", ns).Run()
+	})
+	require.NoError(t, exec.Command("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up").Run())
+	cmd := exec.Command("ip", "netns", "exec", ns, os.Args[0], "-test.run", "^"+t.Name()+"$", "-test.v", "-test.count=1", "-test.timeout=10m")
+	cmd.Env = append(os.Environ(), e2eEnv+"="+ns)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	err := cmd.Run()
+	t.Log(out.String())
+	require.NoError(t, err, "the test inside the namespace failed (its output is above)")
+	return false
+}
+
+// slowImage serves a file with a declared length, slowly enough that the
+// download is seen in progress.
+func slowImage(t *testing.T, path string) (url, sum string) {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	require.NoError(t, err)
+	// Pad the small test disk past the 32 MiB progress step, so the create
+	// has a number to narrate (zeros after the partition change nothing).
+	const size = 72 << 20
+	if len(data) < size {
+		data = append(data, make([]byte, size-len(data))...)
+	}
+	s := sha256.Sum256(data)
+	mux := http.NewServeMux()
+	mux.HandleFunc("/guest.raw", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", strconv.Itoa(len(data)))
+		const chunk = 4 << 20
+		for off := 0; off < len(data); off += chunk {
+			if _, err := w.Write(data[off:min(off+chunk, len(data))]); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+			time.Sleep(100 * time.Millisecond)
+		}
+	})
+	srv := &http.Server{Handler: mux}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { srv.Close() })
+	return "http://" + ln.Addr().String() + "/guest.raw", hex.EncodeToString(s[:])
+}
+
+type devInstance struct {
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func startDev(t *testing.T, dir string) *devInstance {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	d := &devInstance{cancel: cancel, done: make(chan error, 1)}
+	go func() {
+		d.done <- cmdDev(ctx, []string{"--listen", "127.0.0.1:18080", "--data-dir", dir,
+			"--bridge", "eitrie2e0", "--subnet", "10.79.0.1/24", "--vm-timeout", "3m", "--delete-grace", "2s", "--log-level", "warn"})
+	}()
+	require.Eventually(t, func() bool {
+		resp, err := http.Get("http://127.0.0.1:18080/healthz")
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err == nil && resp.StatusCode == 200
+	}, 30*time.Second, 50*time.Millisecond)
+	return d
+}
+
+func (d *devInstance) stop(t *testing.T) {
+	d.cancel()
+	select {
+	case err := <-d.done:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("eitri dev did not stop")
+	}
+}
+
+type sighting struct{ lifecycle, detail, ip, power string }
+
+func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
+	if !inNetns(t) {
+		return
+	}
+	dir := t.TempDir()
+	imgURL, imgSum := slowImage(t, os.Getenv("EITRI_GUEST_IMAGE"))
+	dev := startDev(t, dir)
+	defer func() { dev.stop(t) }()
+	tokenBytes, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
+	require.NoError(t, err)
+	token := strings.TrimSpace(string(tokenBytes))
+	base := "http://127.0.0.1:18080"
+	hc := syncclient.HTTPClient("")
+	vms := eitriv1connect.NewVMServiceClient(hc, base, connect.WithInterceptors(bearerAuth(token)))
+	ctx := context.Background()
+
+	require.Eventually(t, func() bool {
+		r, err := eitriv1connect.NewHostServiceClient(hc, base, connect.WithInterceptors(bearerAuth(token))).
+			ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
+		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
+	}, 30*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity")
+
+	// Watch first, so every step of the create is seen as it is pushed.
+	var mu sync.Mutex
+	var seen []sighting
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	stream, err := vms.WatchVMs(watchCtx, connect.NewRequest(&eitriv1.WatchVMsRequest{}))
+	require.NoError(t, err)
+	go func() {
+		for stream.Receive() {
+			if v := stream.Msg().GetChanged(); v != nil {
+				mu.Lock()
+				s := sighting{v.Lifecycle, v.StatusDetail, v.AssignedIp, v.ActualPower}
+				if len(seen) == 0 || seen[len(seen)-1] != s {
+					seen = append(seen, s)
+				}
+				mu.Unlock()
+			}
+		}
+	}()
+	last := func() sighting {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(seen) == 0 {
+			return sighting{}
+		}
+		return seen[len(seen)-1]
+	}
+
+	// Create through the Connect JSON API, as curl would.
+	body, _ := json.Marshal(map[string]any{"name": "web-1", "image_url": imgURL, "image_sha256": imgSum, "vcpus": 1, "mem_mb": 256, "disk_gb": 1})
+	req, _ := http.NewRequest(http.MethodPost, base+"/eitri.v1.VMService/CreateVM", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+token)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	raw, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.Equal(t, 200, resp.StatusCode, string(raw))
+	var created struct{ Vm struct{ Id string } }
+	require.NoError(t, json.Unmarshal(raw, &created))
+	id := created.Vm.Id
+
+	require.Eventually(t, func() bool { s := last(); return s.lifecycle == "ready" && s.ip != "" }, 4*time.Minute, 100*time.Millisecond,
+		"the VM becomes ready with an address")
+	ready := last()
+	assert.Empty(t, ready.detail, "a settled VM says nothing more")
+
+	mu.Lock()
+	var details []string
+	for _, s := range seen {
+		if s.lifecycle == "creating" && s.detail != "" && (len(details) == 0 || details[len(details)-1] != s.detail) {
+			details = append(details, s.detail)
+		}
+	}
+	mu.Unlock()
+	t.Logf("narration seen: %q", details)
+	order := []func(string) bool{
+		func(d string) bool {
+			return d == "waiting for a create slot on this host" || strings.HasPrefix(d, "downloading image")
+		},
+		func(d string) bool { return strings.HasPrefix(d, "downloading image ") && strings.Contains(d, "/") && strings.HasSuffix(d, " MiB") },
+		func(d string) bool { return d == "preparing root disk" },
+		func(d string) bool { return d == "building the cloud-init seed" },
+		func(d string) bool { return d == "booting" },
+	}
+	i := 0
+	for _, d := range details {
+		if i < len(order) && order[i](d) {
+			i++
+		}
+	}
+	assert.Equal(t, len(order), i, "every step of the create is narrated, in order: %q", details)
+
+	// The guest answers on its address with its own name.
+	get := func() (string, error) {
+		c := &http.Client{Timeout: 3 * time.Second}
+		r, err := c.Get("http://" + ready.ip + "/")
+		if err != nil {
+			return "", err
+		}
+		defer r.Body.Close()
+		b, err := io.ReadAll(r.Body)
+		return string(b), err
+	}
+	require.Eventually(t, func() bool { b, err := get(); return err == nil && strings.Contains(b, "hostname=web-1") }, 30*time.Second, 200*time.Millisecond)
+
+	// An agent (and control plane) restart leaves the guest running: same
+	// QEMU process, no reboot.
+	pidFile := filepath.Join(dir, "agent", "vms", id, "qemu.pid")
+	pidBefore, err := os.ReadFile(pidFile)
+	require.NoError(t, err)
+	stopWatch()
+	dev.stop(t)
+	dev = startDev(t, dir)
+	require.Eventually(t, func() bool {
+		r, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+		return err == nil && r.Msg.Vm.Lifecycle == "ready"
+	}, time.Minute, 200*time.Millisecond)
+	pidAfter, err := os.ReadFile(pidFile)
+	require.NoError(t, err)
+	assert.Equal(t, strings.TrimSpace(string(pidBefore)), strings.TrimSpace(string(pidAfter)), "the same QEMU process")
+	b, err := get()
+	require.NoError(t, err)
+	assert.Contains(t, b, "hostname=web-1")
+
+	// Stop, start.
+	_, err = vms.StopVM(ctx, connect.NewRequest(&eitriv1.StopVMRequest{Id: id}))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		r, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+		return err == nil && r.Msg.Vm.ActualPower == "stopped" && r.Msg.Vm.Lifecycle == "stopped"
+	}, 2*time.Minute, 200*time.Millisecond, "stop powers the guest off")
+	_, err = vms.StartVM(ctx, connect.NewRequest(&eitriv1.StartVMRequest{Id: id}))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		r, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+		return err == nil && r.Msg.Vm.Lifecycle == "ready" && r.Msg.Vm.ActualPower == "running"
+	}, 2*time.Minute, 200*time.Millisecond, "start boots it again")
+
+	// Delete: after the grace the host destroys it and nothing is left.
+	_, err = vms.DeleteVM(ctx, connect.NewRequest(&eitriv1.DeleteVMRequest{Id: id}))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		_, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+		return connect.CodeOf(err) == connect.CodeNotFound
+	}, 2*time.Minute, 200*time.Millisecond, "the destroyed VM is forgotten")
+	for _, p := range []string{filepath.Join(dir, "agent", "vms", id), filepath.Join(dir, "agent", "state", "vms", id+".json")} {
+		_, err := os.Stat(p)
+		assert.True(t, os.IsNotExist(err), "%s is left behind", p)
+	}
+	assert.Error(t, exec.Command("ip", "link", "show", netsetup.TapName(id)).Run(), "the tap is removed")
+	leases, _ := os.ReadFile(filepath.Join(dir, "agent", "leases.json"))
+	assert.NotContains(t, string(leases), id, "the address is released")
+}
