@@ -24,10 +24,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 )
 
 const e2eEnv = "EITRI_E2E_NETNS"
@@ -227,7 +227,9 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 		func(d string) bool {
 			return d == "waiting for a create slot on this host" || strings.HasPrefix(d, "downloading image")
 		},
-		func(d string) bool { return strings.HasPrefix(d, "downloading image ") && strings.Contains(d, "/") && strings.HasSuffix(d, " MiB") },
+		func(d string) bool {
+			return strings.HasPrefix(d, "downloading image ") && strings.Contains(d, "/") && strings.HasSuffix(d, " MiB")
+		},
 		func(d string) bool { return d == "preparing root disk" },
 		func(d string) bool { return d == "building the cloud-init seed" },
 		func(d string) bool { return d == "booting" },
