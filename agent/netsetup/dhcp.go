@@ -115,21 +115,22 @@ func (n *Network) reply(conn net.PacketConn, peer net.Addr, req *dhcpv4.DHCPv4, 
 	return true
 }
 
-// markAcked records the first ACK of the VM's current MAC durably.
+// markAcked records the latest ACK of the VM's current MAC durably. Every
+// ACK is kept (a guest asks at boot and at each renewal, so this is rare):
+// its time is what tells a lease from this boot from one a previous boot of
+// the guest took, which is what "ready" must mean after a restart.
 func (n *Network) markAcked(vmID, mac string) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	l, ok := n.leases[vmID]
-	if !ok || l.MAC != mac || (l.AckedAt != nil && !n.unsaved) {
+	if !ok || l.MAC != mac {
 		return
 	}
 	first := l.AckedAt == nil
-	if first {
-		now := time.Now().UTC()
-		l.AckedAt = &now
-	}
+	now := time.Now().UTC()
+	l.AckedAt = &now
 	if err := n.saveLocked(); err != nil {
-		// Leased reports true in this process anyway; the next ACK (the
+		// LeasedAt reports it in this process anyway; the next ACK (the
 		// guest renews at half the lease time) retries the write.
 		n.log.Warn("dhcp: persist lease", "vm", vmID, "err", err)
 	}

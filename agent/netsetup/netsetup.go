@@ -360,6 +360,18 @@ func (n *Network) Leased(vmID string) (netip.Addr, bool) {
 	return l.Addr, l.AckedAt != nil
 }
 
+// LeasedAt is Leased with the time of the guest's latest DHCPACK, so a
+// caller can tell a lease taken since the guest last booted from an old one.
+func (n *Network) LeasedAt(vmID string) (netip.Addr, time.Time, bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	l, ok := n.leases[vmID]
+	if !ok || l.AckedAt == nil {
+		return netip.Addr{}, time.Time{}, false
+	}
+	return l.Addr, *l.AckedAt, true
+}
+
 func (n *Network) saveLocked() error {
 	list := make([]*lease, 0, len(n.leases))
 	for _, l := range n.leases {

@@ -414,6 +414,22 @@ func (b *Backend) isOurs(pid int, id string) bool {
 	return false
 }
 
+// StartedAt is when the VM's running QEMU started (its pidfile is written
+// at start), so a caller can ignore facts from an earlier boot.
+func (b *Backend) StartedAt(id string) (time.Time, bool) {
+	if checkID(id) != nil {
+		return time.Time{}, false
+	}
+	if _, ok := b.alive(id); !ok {
+		return time.Time{}, false
+	}
+	fi, err := os.Stat(b.pidPath(id))
+	if err != nil {
+		return time.Time{}, false
+	}
+	return fi.ModTime(), true
+}
+
 // PID returns the pid of the VM's running QEMU.
 func (b *Backend) PID(id string) (int, bool) {
 	if checkID(id) != nil {

@@ -16,6 +16,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
@@ -87,6 +88,7 @@ type agent struct {
 	hostID string
 	stream *connect.BidiStreamForClient[eitriv1.SyncRequest, eitriv1.SyncResponse]
 	snaps  chan *eitriv1.DesiredStateSnapshot
+	ended  chan error // the stream's final error, once it ends
 }
 
 func (e *env) enroll(name string) (string, string) {
@@ -111,11 +113,12 @@ func (e *env) connect(hostID, cred string, capacity *eitriv1.Capacity) *agent {
 		_ = st.CloseResponse()
 	})
 	require.NoError(e.t, st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: &eitriv1.Hello{AgentVersion: "test", Address: "192.0.2.10", Accelerator: "tcg"}}}))
-	a := &agent{hostID: hostID, stream: st, snaps: make(chan *eitriv1.DesiredStateSnapshot, 64)}
+	a := &agent{hostID: hostID, stream: st, snaps: make(chan *eitriv1.DesiredStateSnapshot, 64), ended: make(chan error, 1)}
 	go func() {
 		for {
 			msg, err := st.Receive()
 			if err != nil {
+				a.ended <- err
 				close(a.snaps)
 				return
 			}
@@ -125,6 +128,10 @@ func (e *env) connect(hostID, cred string, capacity *eitriv1.Capacity) *agent {
 	first := a.next(e.t)
 	assert.Empty(e.t, first.GetVms())
 	a.report(e.t, &eitriv1.ActualStateReport{Capacity: capacity})
+	require.Eventually(e.t, func() bool {
+		h, err := e.hosts(e.admin).GetHost(context.Background(), connect.NewRequest(&eitriv1.GetHostRequest{Id: hostID}))
+		return err == nil && h.Msg.Host.Connected && proto.Equal(h.Msg.Host.Capacity, capacity)
+	}, 5*time.Second, 5*time.Millisecond, "the first report lands")
 	return a
 }
 
@@ -372,9 +379,11 @@ func TestASecondStreamReplacesTheFirst(t *testing.T) {
 	h, cred := e.enroll("h1")
 	first := e.connect(h, cred, big())
 	second := e.connect(h, cred, big())
-	_, err := first.stream.Receive()
-	for err == nil {
-		_, err = first.stream.Receive()
+	var err error
+	select {
+	case err = <-first.ended:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the replaced stream was not ended")
 	}
 	assert.Equal(t, connect.CodeAborted, code(err))
 	assert.Contains(t, err.Error(), "replaced")
