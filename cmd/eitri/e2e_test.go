@@ -209,6 +209,45 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	require.NoError(t, json.Unmarshal(raw, &created))
 	id := created.Vm.Id
 
+	// Publish ports while the VM is still being created: a caller now has
+	// nowhere to go, and that is counted as dropped, pushed to a watcher.
+	exps := eitriv1connect.NewExposureServiceClient(hc, base, connect.WithInterceptors(bearerAuth(token)))
+	httpExp, err := exps.CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{VmId: id, GuestPort: 80, Scope: "local", MaxSessions: 1}))
+	require.NoError(t, err)
+	udpExp, err := exps.CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{VmId: id, GuestPort: 7, Protocol: "udp", Scope: "local"}))
+	require.NoError(t, err)
+	var xmu sync.Mutex
+	counters := map[string]*eitriv1.ExposureSessions{}
+	xstream, err := exps.WatchExposures(watchCtx, connect.NewRequest(&eitriv1.WatchExposuresRequest{VmId: id}))
+	require.NoError(t, err)
+	go func() {
+		for xstream.Receive() {
+			xmu.Lock()
+			if x := xstream.Msg().GetChanged(); x != nil {
+				counters[x.Id] = x.Sessions
+			}
+			for _, x := range xstream.Msg().GetSnapshot().GetExposures() {
+				counters[x.Id] = x.Sessions
+			}
+			xmu.Unlock()
+		}
+	}()
+	sessionsOf := func(id string) *eitriv1.ExposureSessions {
+		xmu.Lock()
+		defer xmu.Unlock()
+		return counters[id]
+	}
+	hostAddr := func(x *eitriv1.Exposure) string {
+		return net.JoinHostPort("127.0.0.1", strconv.Itoa(int(x.HostPort)))
+	}
+	require.Eventually(t, func() bool {
+		if c, err := net.DialTimeout("tcp", hostAddr(httpExp.Msg.Exposure), time.Second); err == nil {
+			_, _ = c.Read(make([]byte, 1))
+			c.Close()
+		}
+		return sessionsOf(httpExp.Msg.Exposure.Id).GetDropped() > 0
+	}, time.Minute, 200*time.Millisecond, "a caller before the guest has an address is dropped, and the watcher hears of it")
+
 	require.Eventually(t, func() bool { s := last(); return s.lifecycle == "ready" && s.ip != "" }, 4*time.Minute, 100*time.Millisecond,
 		"the VM becomes ready with an address")
 	ready := last()
@@ -254,6 +293,44 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 		return string(b), err
 	}
 	require.Eventually(t, func() bool { b, err := get(); return err == nil && strings.Contains(b, "hostname=web-1") }, 30*time.Second, 200*time.Millisecond)
+
+	// The published ports carry traffic: HTTP over TCP, echo over UDP.
+	require.Eventually(t, func() bool {
+		r, err := (&http.Client{Timeout: 3 * time.Second}).Get("http://" + hostAddr(httpExp.Msg.Exposure) + "/")
+		if err != nil {
+			return false
+		}
+		defer r.Body.Close()
+		b, _ := io.ReadAll(r.Body)
+		return strings.Contains(string(b), "hostname=web-1")
+	}, 30*time.Second, 200*time.Millisecond, "HTTP through the published port")
+	uc, err := net.Dial("udp", hostAddr(udpExp.Msg.Exposure))
+	require.NoError(t, err)
+	_ = uc.SetDeadline(time.Now().Add(5 * time.Second))
+	_, err = uc.Write([]byte("ping-7"))
+	require.NoError(t, err)
+	buf := make([]byte, 64)
+	n, err := uc.Read(buf)
+	require.NoError(t, err, "UDP echo through the published port")
+	assert.Equal(t, "ping-7", string(buf[:n]))
+	uc.Close()
+
+	// At a cap of one, a held connection plus one more: 1 open, 1 refused,
+	// pushed to the watcher without asking.
+	refusedBefore := sessionsOf(httpExp.Msg.Exposure.Id).GetRefused()
+	held, err := net.Dial("tcp", hostAddr(httpExp.Msg.Exposure))
+	require.NoError(t, err)
+	defer held.Close()
+	require.Eventually(t, func() bool { return sessionsOf(httpExp.Msg.Exposure.Id).GetActive() == 1 }, 10*time.Second, 50*time.Millisecond)
+	extra, err := net.Dial("tcp", hostAddr(httpExp.Msg.Exposure))
+	require.NoError(t, err)
+	_, _ = extra.Read(make([]byte, 1))
+	extra.Close()
+	require.Eventually(t, func() bool {
+		s := sessionsOf(httpExp.Msg.Exposure.Id)
+		return s.GetActive() == 1 && s.GetRefused() == refusedBefore+1
+	}, 10*time.Second, 50*time.Millisecond, "active 1, refused 1 more")
+	held.Close()
 
 	// An agent (and control plane) restart leaves the guest running: same
 	// QEMU process, no reboot.
