@@ -238,7 +238,7 @@ func (h *Hypervisor) waitAddress(ctx context.Context, id string) error {
 	tick := time.NewTicker(leasePoll)
 	defer tick.Stop()
 	for {
-		if addr, ok := h.net.Leased(id); ok {
+		if addr, ok := h.leased(id); ok {
 			h.log.Info("guest is up", "vm", id, "addr", addr, "after", time.Since(start).Round(time.Millisecond))
 			return nil
 		}
@@ -334,9 +334,25 @@ func (h *Hypervisor) markKnown(id string) {
 	h.mu.Unlock()
 }
 
-// Address is the guest's address once it has accepted it over DHCP.
+// Address is the guest's address once it has accepted it over DHCP in its
+// current boot.
 func (h *Hypervisor) Address(ctx context.Context, id string) (netip.Addr, bool) {
-	return h.net.Leased(id)
+	return h.leased(id)
+}
+
+// leased counts only an ACK given after the running QEMU started: a lease
+// from an earlier boot says nothing about whether this boot has come up, and
+// "ready" promises a guest that has.
+func (h *Hypervisor) leased(id string) (netip.Addr, bool) {
+	addr, at, ok := h.net.LeasedAt(id)
+	if !ok {
+		return netip.Addr{}, false
+	}
+	started, running := h.qemu.StartedAt(id)
+	if !running || at.Before(started) {
+		return netip.Addr{}, false
+	}
+	return addr, true
 }
 
 // Destroy removes everything the VM holds on this host: QEMU, its directory

@@ -380,3 +380,52 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	leases, _ := os.ReadFile(filepath.Join(dir, "agent", "leases.json"))
 	assert.NotContains(t, string(leases), id, "the address is released")
 }
+
+func TestABadImageFailsTheVMWithAPreciseErrorAndLeavesNothing(t *testing.T) {
+	if !inNetns(t) {
+		return
+	}
+	dir := t.TempDir()
+	imgURL, imgSum := slowImage(t, os.Getenv("EITRI_GUEST_IMAGE"))
+	dev := startDev(t, dir)
+	defer dev.stop(t)
+	tokenBytes, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
+	require.NoError(t, err)
+	hc := syncclient.HTTPClient("")
+	base := "http://127.0.0.1:18080"
+	auth := connect.WithInterceptors(bearerAuth(strings.TrimSpace(string(tokenBytes))))
+	vms := eitriv1connect.NewVMServiceClient(hc, base, auth)
+	ctx := context.Background()
+	require.Eventually(t, func() bool {
+		r, err := eitriv1connect.NewHostServiceClient(hc, base, auth).ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
+		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
+	}, 30*time.Second, 100*time.Millisecond)
+
+	wrong := strings.Repeat("0", 64)
+	cases := []struct {
+		name, url, sha, want string
+	}{
+		{"wrong-digest", imgURL, wrong, "sha256 mismatch"},
+		{"missing", strings.Replace(imgURL, "/guest.raw", "/nope.raw", 1), imgSum, "404"},
+	}
+	for _, c := range cases {
+		r, err := vms.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{Name: c.name, ImageUrl: c.url, ImageSha256: c.sha, Vcpus: 1, MemMb: 256, DiskGb: 1}))
+		require.NoError(t, err)
+		id := r.Msg.Vm.Id
+		var vm *eitriv1.VM
+		require.Eventually(t, func() bool {
+			g, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+			if err == nil {
+				vm = g.Msg.Vm
+			}
+			return err == nil && vm.Lifecycle == "failed"
+		}, 2*time.Minute, 100*time.Millisecond, "%s: a permanent image error fails the VM at once", c.name)
+		assert.Contains(t, vm.LastError, c.want, c.name)
+		assert.Empty(t, vm.StatusDetail, "a failed VM narrates nothing")
+	}
+	// Nothing half-downloaded or half-decoded is left in the cache.
+	entries, _ := os.ReadDir(filepath.Join(dir, "agent", "images"))
+	for _, e := range entries {
+		assert.Failf(t, "stray file in the image cache", "%s", e.Name())
+	}
+}

@@ -1,0 +1,214 @@
+package hostvm
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/a73x/eitri/agent/imagecache"
+	"github.com/a73x/eitri/agent/qemu"
+	"github.com/a73x/eitri/agent/reconcile"
+	"github.com/a73x/eitri/agent/state"
+	"github.com/kdomanski/iso9660"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func testLogger(t testing.TB) *slog.Logger {
+	return slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+type testWriter struct{ t testing.TB }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+func needQEMU(t testing.TB) {
+	t.Helper()
+	for _, bin := range []string{"qemu-system-x86_64", "qemu-img"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Skipf("%s not on PATH (apt-get install qemu-system-x86 qemu-utils)", bin)
+		}
+	}
+}
+
+func isPermanent(err error) bool {
+	var p interface{ Permanent() bool }
+	return errors.As(err, &p) && p.Permanent()
+}
+
+func TestCheckSpec(t *testing.T) {
+	ok := state.VMSpec{ID: "vm1", VCPUs: 2, MemMB: 1024, DiskGB: 10}
+	mem := func(n int64) func() (int64, error) { return func() (int64, error) { return n, nil } }
+	unknownMem := func() (int64, error) { return 0, errors.New("no /proc") }
+	with := func(f func(*state.VMSpec)) state.VMSpec { s := ok; f(&s); return s }
+
+	tests := []struct {
+		name    string
+		spec    state.VMSpec
+		cpus    int32
+		mem     func() (int64, error)
+		wantErr string
+	}{
+		{"fits", ok, 4, mem(4096), ""},
+		{"exactly the host", with(func(s *state.VMSpec) { s.VCPUs, s.MemMB = 4, 4096 }), 4, mem(4096), ""},
+		{"no vcpus", with(func(s *state.VMSpec) { s.VCPUs = 0 }), 4, mem(4096), "vcpus must be positive"},
+		{"no memory", with(func(s *state.VMSpec) { s.MemMB = -1 }), 4, mem(4096), "memory must be positive"},
+		{"no disk", with(func(s *state.VMSpec) { s.DiskGB = 0 }), 4, mem(4096), "disk must be positive"},
+		{"more vcpus than CPUs", with(func(s *state.VMSpec) { s.VCPUs = 5 }), 4, mem(4096), "this host has 4 CPUs"},
+		{"more memory than the host", with(func(s *state.VMSpec) { s.MemMB = 8192 }), 4, mem(4096), "this host has 4096 MiB"},
+		{"host memory unknown", with(func(s *state.VMSpec) { s.MemMB = 1 << 30 }), 4, unknownMem, ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			err := checkSpec(tc.spec, tc.cpus, tc.mem)
+			if tc.wantErr == "" {
+				assert.NoError(t, err)
+				return
+			}
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), tc.wantErr)
+			assert.True(t, isPermanent(err), "a spec the host can never run must fail at once")
+		})
+	}
+}
+
+func TestParseMemTotal(t *testing.T) {
+	tests := []struct {
+		name, in string
+		want     int64
+		wantErr  bool
+	}{
+		{"meminfo", "MemTotal:       24684544 kB\nMemFree:        23800000 kB\n", 24684544 >> 10, false},
+		{"not first", "Foo: 1 kB\nMemTotal: 2097152 kB\n", 2048, false},
+		{"missing", "MemFree: 1 kB\n", 0, true},
+		{"odd unit", "MemTotal: 2 GB\n", 0, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseMemTotal(strings.NewReader(tc.in))
+			if tc.wantErr {
+				assert.Error(t, err)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tc.want, got)
+		})
+	}
+}
+
+func TestCapacity(t *testing.T) {
+	vcpus, memMB, diskGB, err := Capacity(t.TempDir())
+	require.NoError(t, err)
+	total, err := hostMemMB()
+	require.NoError(t, err)
+	assert.Positive(t, vcpus)
+	assert.Positive(t, memMB)
+	assert.Less(t, memMB, total, "the host keeps a reserve")
+	assert.GreaterOrEqual(t, memMB, total-4096, "the reserve is at most 4 GiB")
+	assert.Positive(t, diskGB)
+
+	_, _, _, err = Capacity(filepath.Join(t.TempDir(), "missing"))
+	assert.Error(t, err, "an unmeasurable disk is an error, never zero")
+}
+
+func TestMemReserve(t *testing.T) {
+	assert.Equal(t, int64(512), memReserveMB(1024))
+	assert.Equal(t, int64(1600), memReserveMB(16000))
+	assert.Equal(t, int64(4096), memReserveMB(256000))
+}
+
+func TestWriteSeed(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "seed.iso")
+	require.NoError(t, WriteSeed(out, reconcile.SeedParams{InstanceID: "vm-1", Hostname: "web-1"}))
+
+	f, err := os.Open(out)
+	require.NoError(t, err)
+	defer f.Close()
+	img, err := iso9660.OpenImage(f)
+	require.NoError(t, err)
+	root, err := img.RootDir()
+	require.NoError(t, err)
+	kids, err := root.GetChildren()
+	require.NoError(t, err)
+	files := map[string]string{}
+	for _, k := range kids {
+		data := new(bytes.Buffer)
+		_, err := data.ReadFrom(k.Reader())
+		require.NoError(t, err)
+		files[k.Name()] = data.String()
+	}
+	require.Contains(t, files, "meta-data")
+	assert.Contains(t, files["meta-data"], "web-1", "the hostname reaches the seed")
+	assert.Contains(t, files["meta-data"], "vm-1", "the instance id reaches the seed")
+
+	err = WriteSeed(filepath.Join(t.TempDir(), "bad.iso"), reconcile.SeedParams{InstanceID: "vm-1", Hostname: "not a label"})
+	require.Error(t, err)
+	assert.True(t, isPermanent(err), "a hostname the seed refuses never becomes valid on retry")
+}
+
+// serveImage serves body over loopback HTTP and returns its URL and digest.
+func serveImage(t *testing.T, body []byte) (url, sha string) {
+	t.Helper()
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = w.Write(body)
+	}))
+	t.Cleanup(ts.Close)
+	sum := sha256.Sum256(body)
+	return ts.URL, hex.EncodeToString(sum[:])
+}
+
+// TestImagesPinUntilRootDisk: an image stays pinned in the cache from
+// Resolve until PrepareRootDisk has linked it into the VM's disk; after
+// that the cache may evict it and the disk keeps its base.
+func TestImagesPinUntilRootDisk(t *testing.T) {
+	needQEMU(t)
+	const size = 64 << 10
+	var urls, shas []string
+	for i := range 3 {
+		u, s := serveImage(t, bytes.Repeat([]byte{byte(i + 1)}, size))
+		urls, shas = append(urls, u), append(shas, s)
+	}
+	cache := imagecache.New(t.TempDir(), imagecache.WithMaxBytes(size+size/2))
+	im := NewImages(cache)
+	b, err := qemu.New(qemu.Config{Dir: t.TempDir(), Log: testLogger(t)})
+	require.NoError(t, err)
+	h := &Hypervisor{qemu: b, images: im, log: testLogger(t), known: map[string]bool{}}
+	ctx := context.Background()
+
+	base, err := im.Resolve(ctx, urls[0], shas[0], nil)
+	require.NoError(t, err)
+	assert.Equal(t, 1, im.Pinned(shas[0]))
+	_, err = im.Resolve(ctx, urls[1], shas[1], nil)
+	require.NoError(t, err)
+	assert.FileExists(t, base, "pinned between Resolve and PrepareRootDisk, so not evicted")
+
+	spec := state.VMSpec{ID: "vm1", ImageSHA256: shas[0], DiskGB: 1}
+	require.NoError(t, h.PrepareRootDisk(ctx, spec, base))
+	assert.Zero(t, im.Pinned(shas[0]), "the disk holds the base now")
+	h.images.done(shas[0]) // a stray release must not underflow
+	assert.Zero(t, im.Pinned(shas[0]))
+
+	_, err = im.Resolve(ctx, urls[2], shas[2], nil)
+	require.NoError(t, err)
+	assert.NoFileExists(t, base, "released, the cache evicted it")
+	pinned, err := os.ReadFile(h.RootDisk("vm1") + ".base")
+	require.NoError(t, err)
+	assert.Equal(t, bytes.Repeat([]byte{1}, size), pinned, "the root disk still has its base")
+
+	_, err = im.Resolve(ctx, urls[0], "not-a-digest", nil)
+	require.Error(t, err)
+	assert.Zero(t, im.Pinned("not-a-digest"), "a failed Resolve holds no pin")
+}
