@@ -154,7 +154,7 @@ func Run(ctx context.Context, cfg Config) error {
 		cfg.Log = slog.Default()
 	}
 	client := eitriv1connect.NewAgentServiceClient(HTTPClient(cfg.Identity.Fingerprint), cfg.Identity.ServerURL,
-		connect.WithInterceptors(bearer(cfg.Identity.Credential)))
+		connect.WithInterceptors(Bearer(cfg.Identity.Credential)))
 	backoff := cfg.MinBackoff
 	for {
 		healthy, err := session(ctx, client, cfg)
@@ -271,16 +271,18 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 	}
 }
 
-type bearer string
+// Bearer is a client interceptor that sends token as
+// "Authorization: Bearer", on unary calls and streams alike.
+type Bearer string
 
-func (b bearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+func (b Bearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
 		req.Header().Set("Authorization", "Bearer "+string(b))
 		return next(ctx, req)
 	}
 }
 
-func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+func (b Bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
 	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
 		c := next(ctx, spec)
 		c.RequestHeader().Set("Authorization", "Bearer "+string(b))
@@ -288,7 +290,7 @@ func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.St
 	}
 }
 
-func (bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+func (Bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return next
 }
 

@@ -51,7 +51,7 @@ func newClient(out io.Writer, asJSON bool) (*client, error) {
 	default:
 		hc = http.DefaultClient
 	}
-	opt := connect.WithInterceptors(bearerAuth(tok))
+	opt := connect.WithInterceptors(syncclient.Bearer(tok))
 	return &client{
 		vm:    eitriv1connect.NewVMServiceClient(hc, base, opt),
 		host:  eitriv1connect.NewHostServiceClient(hc, base, opt),
@@ -59,27 +59,6 @@ func newClient(out io.Writer, asJSON bool) (*client, error) {
 		token: eitriv1connect.NewTokenServiceClient(hc, base, opt),
 		out:   out, json: asJSON,
 	}, nil
-}
-
-type bearerAuth string
-
-func (b bearerAuth) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		req.Header().Set("Authorization", "Bearer "+string(b))
-		return next(ctx, req)
-	}
-}
-
-func (b bearerAuth) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
-	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
-		c := next(ctx, spec)
-		c.RequestHeader().Set("Authorization", "Bearer "+string(b))
-		return c
-	}
-}
-
-func (bearerAuth) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return next
 }
 
 var jsonOut = protojson.MarshalOptions{UseProtoNames: true, EmitUnpopulated: true, Multiline: true}

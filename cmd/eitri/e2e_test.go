@@ -158,11 +158,11 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	token := strings.TrimSpace(string(tokenBytes))
 	base := "http://127.0.0.1:18080"
 	hc := syncclient.HTTPClient("")
-	vms := eitriv1connect.NewVMServiceClient(hc, base, connect.WithInterceptors(bearerAuth(token)))
+	vms := eitriv1connect.NewVMServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token)))
 	ctx := context.Background()
 
 	require.Eventually(t, func() bool {
-		r, err := eitriv1connect.NewHostServiceClient(hc, base, connect.WithInterceptors(bearerAuth(token))).
+		r, err := eitriv1connect.NewHostServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token))).
 			ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
 		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
 	}, 30*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity")
@@ -211,7 +211,7 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 
 	// Publish ports while the VM is still being created: a caller now has
 	// nowhere to go, and that is counted as dropped, pushed to a watcher.
-	exps := eitriv1connect.NewExposureServiceClient(hc, base, connect.WithInterceptors(bearerAuth(token)))
+	exps := eitriv1connect.NewExposureServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token)))
 	httpExp, err := exps.CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{VmId: id, GuestPort: 80, Scope: "local", MaxSessions: 1}))
 	require.NoError(t, err)
 	udpExp, err := exps.CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{VmId: id, GuestPort: 7, Protocol: "udp", Scope: "local"}))
@@ -393,7 +393,7 @@ func TestABadImageFailsTheVMWithAPreciseErrorAndLeavesNothing(t *testing.T) {
 	require.NoError(t, err)
 	hc := syncclient.HTTPClient("")
 	base := "http://127.0.0.1:18080"
-	auth := connect.WithInterceptors(bearerAuth(strings.TrimSpace(string(tokenBytes))))
+	auth := connect.WithInterceptors(syncclient.Bearer(strings.TrimSpace(string(tokenBytes))))
 	vms := eitriv1connect.NewVMServiceClient(hc, base, auth)
 	ctx := context.Background()
 	require.Eventually(t, func() bool {

@@ -89,10 +89,7 @@ func (f *Fleet) ListExposures(ctx context.Context, vmID string) ([]*eitriv1.Expo
 		}
 		owners[vm.ID] = vm.OwnerID
 	} else {
-		owner := p.UserID
-		if p.Admin {
-			owner = ""
-		}
+		owner := ownerScope(p)
 		vms, err := f.st.ListVMs(ctx, owner)
 		if err != nil {
 			return nil, err

@@ -195,6 +195,15 @@ func principal(ctx context.Context) (auth.Principal, error) {
 	return p, nil
 }
 
+// ownerScope is the owner id a listing is limited to: the caller's own, or
+// "" (everyone's) for an admin.
+func ownerScope(p auth.Principal) string {
+	if p.Admin {
+		return ""
+	}
+	return p.UserID
+}
+
 func requireAdmin(ctx context.Context) (auth.Principal, error) {
 	p, err := principal(ctx)
 	if err != nil {

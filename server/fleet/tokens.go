@@ -61,10 +61,7 @@ func (f *Fleet) ListTokens(ctx context.Context) ([]*eitriv1.Token, error) {
 	if err != nil {
 		return nil, err
 	}
-	owner := p.UserID
-	if p.Admin {
-		owner = ""
-	}
+	owner := ownerScope(p)
 	toks, err := f.st.ListTokens(ctx, owner)
 	if err != nil {
 		return nil, err
@@ -91,10 +88,7 @@ func (f *Fleet) RevokeToken(ctx context.Context, id string) error {
 	if id == "" {
 		return invalid("id", "required")
 	}
-	owner := p.UserID
-	if p.Admin {
-		owner = ""
-	}
+	owner := ownerScope(p)
 	return storeErr(f.st.RevokeToken(ctx, id, owner), "token "+id)
 }
 

@@ -204,10 +204,7 @@ func (f *Fleet) ListVMs(ctx context.Context) ([]*eitriv1.VM, error) {
 	if err != nil {
 		return nil, err
 	}
-	owner := p.UserID
-	if p.Admin {
-		owner = ""
-	}
+	owner := ownerScope(p)
 	vms, err := f.st.ListVMs(ctx, owner)
 	if err != nil {
 		return nil, err

@@ -145,26 +145,6 @@ func withLeaf(c tls.Certificate) (tls.Certificate, error) {
 	return c, nil
 }
 
-// PinnedConfig is the client side: it trusts exactly the certificate whose
-// fingerprint is fp, and nothing else (no system roots, no name checks — the
-// pin is the identity).
-func PinnedConfig(fp string) *tls.Config {
-	return &tls.Config{
-		MinVersion:         tls.VersionTLS12,
-		InsecureSkipVerify: true, // replaced by the pin check below
-		NextProtos:         []string{"h2", "http/1.1"},
-		VerifyPeerCertificate: func(raw [][]byte, _ [][]*x509.Certificate) error {
-			if len(raw) == 0 {
-				return errors.New("control plane presented no certificate")
-			}
-			if got := Fingerprint(raw[0]); got != fp {
-				return fmt.Errorf("control plane certificate fingerprint %s does not match the pinned %s", got, fp)
-			}
-			return nil
-		},
-	}
-}
-
 func serial() *big.Int {
 	n, _ := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 126))
 	return n
