@@ -3,7 +3,6 @@ package hostvm
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -12,15 +11,14 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/a73x/eitri/agent/imagecache"
+	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/reconcile"
@@ -32,9 +30,6 @@ import (
 )
 
 const (
-	// innerEnv names the test a re-executed test binary runs for real,
-	// inside the namespace its parent made.
-	innerEnv = "EITRI_HOSTVM_IN_NETNS"
 	// imageEnv overrides where the guest image is read from.
 	imageEnv     = "EITRI_GUEST_IMAGE"
 	defaultImage = "/tmp/gout/eitri-guest.raw"
@@ -58,47 +53,6 @@ func guestImage(t *testing.T) string {
 		t.Skipf("no guest image at %s (build one with guestimage/build.sh /tmp/gout, or set %s)", path, imageEnv)
 	}
 	return path
-}
-
-// inNetns runs body in a fresh network namespace: the test binary is
-// re-executed under `ip netns exec`, so every thread (the DHCP server, the
-// netlink sockets, QEMU itself) lives there. The namespace is deleted after.
-func inNetns(t *testing.T, body func(t *testing.T)) {
-	t.Helper()
-	if os.Getenv(innerEnv) == t.Name() {
-		body(t)
-		return
-	}
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates a network namespace with a bridge, taps, nftables rules and QEMU guests")
-	}
-	needQEMU(t)
-	guestImage(t)
-	ip, err := exec.LookPath("ip")
-	if err != nil {
-		t.Skip("needs iproute2's ip to create a network namespace (apt-get install iproute2)")
-	}
-	suffix := make([]byte, 4)
-	_, _ = rand.Read(suffix)
-	ns := "eitri-hostvm-" + hex.EncodeToString(suffix)
-	out, err := exec.Command(ip, "netns", "add", ns).CombinedOutput()
-	require.NoError(t, err, "ip netns add: %s", out)
-	t.Cleanup(func() {
-		out, err := exec.Command(ip, "netns", "del", ns).CombinedOutput()
-		assert.NoError(t, err, "ip netns del: %s", out)
-		_, err = os.Stat(filepath.Join("/run/netns", ns))
-		assert.True(t, os.IsNotExist(err), "namespace %s left behind", ns)
-	})
-
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, ip, "netns", "exec", ns, os.Args[0],
-		"-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.count=1", "-test.v", "-test.timeout=270s")
-	cmd.Env = append(os.Environ(), innerEnv+"="+t.Name())
-	out, err = cmd.CombinedOutput()
-	t.Logf("inside %s:\n%s", ns, out)
-	require.NoError(t, err)
-	require.Contains(t, string(out), "--- PASS: "+t.Name(), "the test body did not run inside the namespace")
 }
 
 // host is one agent's worth of building blocks over a directory, as the
@@ -470,4 +424,12 @@ func TestBootTimeoutsCarrySerialTail(t *testing.T) {
 		_, err = os.Stat(qb.VMDir(id))
 		assert.True(t, os.IsNotExist(err), "destroyed: no VM directory")
 	})
+}
+
+// inNetns runs body in its own network namespace (bridge, taps, NAT, DHCP
+// and QEMU all live there).
+func inNetns(t *testing.T, body func(t *testing.T)) {
+	needQEMU(t)
+	guestImage(t)
+	netnstest.Run(t, 270*time.Second, "creates a network namespace with a bridge, taps, nftables rules and QEMU guests", body)
 }

@@ -2,19 +2,16 @@ package netsetup
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"log/slog"
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 	"github.com/insomniacslk/dhcp/dhcpv4"
@@ -33,51 +30,6 @@ type testWriter struct{ t testing.TB }
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimRight(string(p), "\n"))
 	return len(p), nil
-}
-
-// innerEnv names the test a re-executed test binary should run for real,
-// inside the namespace its parent created.
-const innerEnv = "EITRI_NETSETUP_IN_NETNS"
-
-// inNetns runs body in a fresh network namespace. The whole test binary is
-// re-executed under `ip netns exec`, so every thread and goroutine (the DHCP
-// server, netlink and nftables sockets, the DHCP client) lives in the
-// namespace; pinning one goroutine's thread with netns.Set would leave the
-// library goroutines on other threads in the host's namespace.
-func inNetns(t *testing.T, body func(t *testing.T)) {
-	t.Helper()
-	if os.Getenv(innerEnv) == t.Name() {
-		body(t)
-		return
-	}
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates a network namespace with a bridge, taps and nftables rules")
-	}
-	ip, err := exec.LookPath("ip")
-	if err != nil {
-		t.Skip("needs iproute2's ip to create a network namespace (apt-get install iproute2)")
-	}
-	suffix := make([]byte, 4)
-	_, _ = rand.Read(suffix)
-	ns := "eitri-test-" + hex.EncodeToString(suffix)
-	out, err := exec.Command(ip, "netns", "add", ns).CombinedOutput()
-	require.NoError(t, err, "ip netns add: %s", out)
-	t.Cleanup(func() {
-		out, err := exec.Command(ip, "netns", "del", ns).CombinedOutput()
-		assert.NoError(t, err, "ip netns del: %s", out)
-		_, err = os.Stat(filepath.Join("/run/netns", ns))
-		assert.True(t, os.IsNotExist(err), "namespace %s left behind", ns)
-	})
-
-	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, ip, "netns", "exec", ns, os.Args[0],
-		"-test.run=^"+regexp.QuoteMeta(t.Name())+"$", "-test.count=1", "-test.v", "-test.timeout=80s")
-	cmd.Env = append(os.Environ(), innerEnv+"="+t.Name())
-	out, err = cmd.CombinedOutput()
-	t.Logf("inside %s:\n%s", ns, out)
-	require.NoError(t, err)
-	require.Contains(t, string(out), "--- PASS: "+t.Name(), "the test body did not run inside the namespace")
 }
 
 func linkUp(t *testing.T, name string) {
@@ -362,4 +314,9 @@ func TestNames(t *testing.T) {
 	}
 	assert.NotEqual(t, MAC("vm-1"), MAC("vm-2"))
 	assert.NotEqual(t, TapName("vm-1"), TapName("vm-2"))
+}
+
+// inNetns runs body in its own network namespace.
+func inNetns(t *testing.T, body func(t *testing.T)) {
+	netnstest.Run(t, 80*time.Second, "creates a network namespace with a bridge, taps and nftables rules", body)
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -16,7 +15,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -24,56 +22,29 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 )
 
-const e2eEnv = "EITRI_E2E_NETNS"
-
 // inNetns re-runs the calling test inside a network namespace it creates
-// and removes, so the bridge, taps, NAT and DHCP of a real dev instance
-// touch nothing on the machine. It returns true in the child.
+// and removes, so the bridge, taps, NAT and DHCP of a real dev instance touch
+// nothing on the machine. It returns true in the child, where the test runs.
 func inNetns(t *testing.T) bool {
-	if os.Getenv(e2eEnv) != "" {
+	if netnstest.Inside(t) {
 		return true
 	}
-	switch {
-	case os.Geteuid() != 0:
-		t.Skip("needs root: the agent makes a bridge, taps and NAT (inside a test network namespace)")
-	case os.Getenv("EITRI_GUEST_IMAGE") == "":
+	if os.Getenv("EITRI_GUEST_IMAGE") == "" {
 		t.Skip("EITRI_GUEST_IMAGE is not set: build the test guest with `make guest-image` (make test does)")
 	}
-	for _, bin := range []string{"ip", "qemu-system-x86_64", "qemu-img"} {
+	for _, bin := range []string{"qemu-system-x86_64", "qemu-img"} {
 		if _, err := exec.LookPath(bin); err != nil {
 			t.Skipf("%s not installed (make deps installs it)", bin)
 		}
 	}
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	ns := "eitri-e2e-" + hex.EncodeToString(b[:])
-	require.NoError(t, exec.Command("ip", "netns", "add", ns).Run())
-	t.Cleanup(func() {
-		// QEMU daemonizes, so it outlives the child test: end whatever is
-		// left in the namespace before removing it.
-		if out, err := exec.Command("ip", "netns", "pids", ns).Output(); err == nil {
-			for _, f := range strings.Fields(string(out)) {
-				if pid, err := strconv.Atoi(f); err == nil {
-					_ = syscall.Kill(pid, syscall.SIGKILL)
-				}
-			}
-		}
-		_ = exec.Command("ip", "netns", "del", ns).Run()
-	})
-	require.NoError(t, exec.Command("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up").Run())
-	cmd := exec.Command("ip", "netns", "exec", ns, os.Args[0], "-test.run", "^"+t.Name()+"$", "-test.v", "-test.count=1", "-test.timeout=10m")
-	cmd.Env = append(os.Environ(), e2eEnv+"="+ns)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	err := cmd.Run()
-	t.Log(out.String())
-	require.NoError(t, err, "the test inside the namespace failed (its output is above)")
+	netnstest.Run(t, 10*time.Minute, "the agent makes a bridge, taps and NAT (inside a test network namespace)", func(*testing.T) {})
 	return false
 }
 
