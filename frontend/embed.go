@@ -6,6 +6,7 @@ import (
 	"embed"
 	"io/fs"
 	"net/http"
+	"strings"
 )
 
 //go:embed all:build
@@ -23,6 +24,13 @@ func Handler() http.Handler {
 		if _, err := fs.Stat(root, trim(r.URL.Path)); err != nil {
 			r = r.Clone(r.Context())
 			r.URL.Path = "/"
+		}
+		// Hashed assets never change; the page that names them must be
+		// re-checked so a new build is picked up.
+		if strings.HasPrefix(r.URL.Path, "/_app/immutable/") {
+			w.Header().Set("Cache-Control", "public, max-age=31536000, immutable")
+		} else {
+			w.Header().Set("Cache-Control", "no-cache")
 		}
 		files.ServeHTTP(w, r)
 	})

@@ -1,0 +1,162 @@
+import { describe, expect, test } from 'vitest';
+import { create, type MessageInitShape } from '@bufbuild/protobuf';
+import { VMSchema } from '@eitri/sdk/vm_pb';
+import { ExposureSessionsSchema } from '@eitri/sdk/resources_pb';
+import {
+	formatBytes,
+	formatGB,
+	formatMB,
+	gauge,
+	hostPort,
+	lifecycleWord,
+	powerText,
+	sessionSummary,
+	sizeLabel,
+	vmDetail,
+	vmError,
+	vmStatusWord
+} from './display';
+import { sha256, sshFingerprint } from './sshkey';
+
+const vm = (f: MessageInitShape<typeof VMSchema> = {}) =>
+	create(VMSchema, { id: 'vm-1', name: 'web-1', lifecycle: 'ready', ...f });
+
+describe('vmDetail', () => {
+	test('a creating VM shows its host sentence', () => {
+		expect(vmDetail(vm({ lifecycle: 'creating', statusDetail: 'downloading image 1.2/3.7 GiB' }))).toBe(
+			'downloading image 1.2/3.7 GiB'
+		);
+	});
+
+	test.each(['pending', 'ready', 'stopped', 'failed', 'deleting', 'unknown', ''])(
+		'a %s VM shows no detail even when a stale one arrives',
+		(lifecycle) => {
+			expect(vmDetail(vm({ lifecycle, statusDetail: 'booting' }))).toBe('');
+		}
+	);
+
+	test('a creating VM whose host has nothing to add gets no line', () => {
+		expect(vmDetail(vm({ lifecycle: 'creating', statusDetail: '' }))).toBe('');
+	});
+
+	test('a deleted VM shows no narration', () => {
+		expect(vmDetail(vm({ lifecycle: 'creating', deleted: true, statusDetail: 'booting' }))).toBe('');
+	});
+});
+
+describe('vmError', () => {
+	test('a failed VM shows its last error', () => {
+		expect(vmError(vm({ lifecycle: 'failed', lastError: 'sha256 mismatch' }))).toBe('sha256 mismatch');
+	});
+	test('a ready VM does not show an old error', () => {
+		expect(vmError(vm({ lifecycle: 'ready', lastError: 'sha256 mismatch' }))).toBe('');
+	});
+});
+
+describe('lifecycle words', () => {
+	test.each([
+		['pending', 'pending'],
+		['creating', 'creating'],
+		['ready', 'ready'],
+		['stopped', 'stopped'],
+		['failed', 'failed'],
+		['deleting', 'deleting'],
+		['unknown', 'unknown — host not reporting'],
+		['', 'unknown — host not reporting'],
+		['migrating', 'migrating']
+	])('%j reads %j', (lifecycle, word) => {
+		expect(lifecycleWord(lifecycle)).toBe(word);
+	});
+
+	test('a deleted VM says it can still be restored', () => {
+		expect(vmStatusWord(vm({ deleted: true, lifecycle: 'deleting' }))).toBe('deleting — restorable');
+	});
+});
+
+describe('sessionSummary', () => {
+	test('counted sessions are summarised', () => {
+		const s = create(ExposureSessionsSchema, { active: 7n, refused: 12n, dropped: 3n });
+		expect(sessionSummary(s)).toBe('7 open · 12 refused, 3 dropped since agent start');
+	});
+	test('reported zeros are a fact and are shown', () => {
+		expect(sessionSummary(create(ExposureSessionsSchema))).toBe('0 open · 0 refused, 0 dropped since agent start');
+	});
+	test('uncounted sessions say nothing, not zero', () => {
+		expect(sessionSummary(undefined)).toBeNull();
+		expect(sessionSummary(null)).toBeNull();
+	});
+});
+
+describe('formatBytes', () => {
+	test.each([
+		[0, '0 B'],
+		[512, '512 B'],
+		[1024, '1 KiB'],
+		[1536, '1.5 KiB'],
+		[1.2 * 2 ** 30, '1.2 GiB'],
+		[3.7 * 2 ** 30, '3.7 GiB'],
+		[37 * 2 ** 30, '37 GiB'],
+		[1023.7 * 2 ** 20, '1 GiB'],
+		[2n ** 40n, '1 TiB'],
+		[-1, '—']
+	])('%s bytes is %s', (n, want) => {
+		expect(formatBytes(n)).toBe(want);
+	});
+
+	test('MB and GB helpers use binary units', () => {
+		expect(formatMB(256n)).toBe('256 MiB');
+		expect(formatMB(2048)).toBe('2 GiB');
+		expect(formatGB(10n)).toBe('10 GiB');
+		expect(sizeLabel({ vcpus: 2, memMb: 4096n, diskGb: 20n })).toBe('2 vCPU · 4 GiB · 20 GiB disk');
+	});
+});
+
+describe('hostPort', () => {
+	test.each([
+		['192.168.0.190', 30080, '192.168.0.190:30080'],
+		['fd00::1', 30080, '[fd00::1]:30080'],
+		['', 30080, null]
+	])('%j %d', (addr, port, want) => {
+		expect(hostPort(addr, port)).toBe(want);
+	});
+});
+
+describe('power and capacity', () => {
+	test('power shows the pending change', () => {
+		expect(powerText(vm({ actualPower: 'running', powerState: 'running' }))).toBe('running');
+		expect(powerText(vm({ actualPower: 'stopped', powerState: 'running' }))).toBe('stopped → running');
+		expect(powerText(vm({ actualPower: '', powerState: 'running' }))).toBe('not reported → running');
+	});
+
+	test('a gauge without a capacity report draws no bar', () => {
+		const g = gauge(2, undefined, (n) => `${n}`);
+		expect(g.fraction).toBeNull();
+		expect(g.text).toContain('capacity not reported');
+	});
+
+	test('an overcommitted gauge is full and flagged', () => {
+		const g = gauge(10n, 8n, (n) => `${n}`);
+		expect(g).toEqual({ fraction: 1, over: true, text: '10 of 8' });
+		expect(gauge(2, 8, (n) => `${n}`).fraction).toBe(0.25);
+	});
+});
+
+describe('ssh fingerprints', () => {
+	test('sha256 matches known vectors', () => {
+		const hex = (b: Uint8Array) => [...b].map((x) => x.toString(16).padStart(2, '0')).join('');
+		expect(hex(sha256(new TextEncoder().encode('')))).toBe(
+			'e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855'
+		);
+		expect(hex(sha256(new TextEncoder().encode('a'.repeat(1000))))).toBe(
+			'41edece42d63e8d9bf515a9ba6932e1c20cbc9f5a5d134645adb5db1b9737ea3'
+		);
+	});
+
+	test('an authorized_keys line gets the ssh-keygen fingerprint', () => {
+		// `ssh-keygen -lf` on this key prints SHA256:VsIYPFyWVaVkQkrZj0iar4SIg9qpB4b+fxovq4w431w.
+		const key =
+			'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIIzUPnMzYig98JsArCMRgaSipeWYxWpnf98LHBcyUEvp test@eitri';
+		expect(sshFingerprint(key)).toBe('SHA256:VsIYPFyWVaVkQkrZj0iar4SIg9qpB4b+fxovq4w431w (ed25519)');
+		expect(sshFingerprint('not a key')).toBeNull();
+	});
+});

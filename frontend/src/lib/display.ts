@@ -1,0 +1,177 @@
+// Display rules: how the console turns wire facts into words. Kept free of
+// Svelte so every rule is unit-tested on its own.
+import type { Timestamp } from '@bufbuild/protobuf/wkt';
+import type { VM } from '@eitri/sdk/vm_pb';
+import type { ExposureSessions } from '@eitri/sdk/resources_pb';
+
+export type Lifecycle = 'pending' | 'creating' | 'ready' | 'stopped' | 'failed' | 'deleting' | 'unknown';
+
+/** Tone drives the colour of a status dot; the word always says the same thing. */
+export type Tone = 'ok' | 'busy' | 'bad' | 'idle' | 'muted';
+
+const lifecycles: Record<Lifecycle, { word: string; tone: Tone }> = {
+	pending: { word: 'pending', tone: 'busy' },
+	creating: { word: 'creating', tone: 'busy' },
+	ready: { word: 'ready', tone: 'ok' },
+	stopped: { word: 'stopped', tone: 'idle' },
+	failed: { word: 'failed', tone: 'bad' },
+	deleting: { word: 'deleting', tone: 'muted' },
+	unknown: { word: 'unknown — host not reporting', tone: 'muted' }
+};
+
+function isLifecycle(s: string): s is Lifecycle {
+	return Object.hasOwn(lifecycles, s);
+}
+
+/** The word for a VM's lifecycle. A value this console does not know yet is
+ *  shown as sent rather than guessed at; an empty one is "unknown". */
+export function lifecycleWord(lifecycle: string): string {
+	if (isLifecycle(lifecycle)) return lifecycles[lifecycle].word;
+	return lifecycle || lifecycles.unknown.word;
+}
+
+export function lifecycleTone(lifecycle: string): Tone {
+	return isLifecycle(lifecycle) ? lifecycles[lifecycle].tone : 'muted';
+}
+
+type VMStatusFields = Pick<VM, 'lifecycle' | 'deleted' | 'statusDetail' | 'lastError'>;
+
+/** The status cell's main text. A soft-deleted VM can still be brought back,
+ *  and saying so is the point of the row. */
+export function vmStatusWord(vm: VMStatusFields): string {
+	if (vm.deleted) return 'deleting — restorable';
+	return lifecycleWord(vm.lifecycle);
+}
+
+export function vmStatusTone(vm: VMStatusFields): Tone {
+	return vm.deleted ? 'muted' : lifecycleTone(vm.lifecycle);
+}
+
+/** The host's narration under a VM's status. Narration describes work in
+ *  flight, so only a VM that is being created gets it; a settled VM shows
+ *  nothing even when a stale sentence arrives with it. '' means no line. */
+export function vmDetail(vm: VMStatusFields): string {
+	if (vm.deleted || vm.lifecycle !== 'creating') return '';
+	return vm.statusDetail.trim();
+}
+
+/** Why a failed VM failed, in its host's words; '' for any other VM. */
+export function vmError(vm: VMStatusFields): string {
+	if (vm.deleted || vm.lifecycle !== 'failed') return '';
+	return vm.lastError;
+}
+
+/** What an exposure's port has carried, or null when nobody counted. Zeros are
+ *  a reported fact and are shown; absence is silence and must not become
+ *  zeros. The totals reset with the agent, hence the closing clause. */
+export function sessionSummary(s: ExposureSessions | null | undefined): string | null {
+	if (!s) return null;
+	return `${s.active} open · ${s.refused} refused, ${s.dropped} dropped since agent start`;
+}
+
+const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+
+/** Binary-unit byte count: "512 B", "1.2 GiB", "37 GiB", "120 GiB". One
+ *  decimal below ten units, where it still says something. */
+export function formatBytes(bytes: number | bigint): string {
+	let v = Number(bytes);
+	if (!Number.isFinite(v) || v < 0) return '—';
+	let i = 0;
+	while (v >= 1024 && i < units.length - 1) {
+		v /= 1024;
+		i++;
+	}
+	if (i === 0) return `${v} B`;
+	const text = v < 10 ? v.toFixed(1).replace(/\.0$/, '') : Math.round(v).toString();
+	// Rounding 1023.6 up reads better as the next unit.
+	if (text === '1024' && i < units.length - 1) return `1 ${units[i + 1]}`;
+	return `${text} ${units[i]}`;
+}
+
+export const MiB = 1024 * 1024;
+export const GiB = 1024 * MiB;
+
+export function formatMB(mb: number | bigint): string {
+	return formatBytes(Number(mb) * MiB);
+}
+
+export function formatGB(gb: number | bigint): string {
+	return formatBytes(Number(gb) * GiB);
+}
+
+/** "2 vCPU · 2 GiB · 10 GiB disk" */
+export function sizeLabel(v: { vcpus: number; memMb: bigint | number; diskGb: bigint | number }): string {
+	return `${v.vcpus} vCPU · ${formatMB(v.memMb)} · ${formatGB(v.diskGb)} disk`;
+}
+
+/** host:port for people and for pasting; IPv6 in brackets. null when the host
+ *  has not said where it is reachable. */
+export function hostPort(addr: string, port: number): string | null {
+	if (!addr) return null;
+	return addr.includes(':') ? `[${addr}]:${port}` : `${addr}:${port}`;
+}
+
+/** The power cell: what the hypervisor says, and what was asked for when the
+ *  two differ ("stopped → running"). Empty actual means nobody is reporting. */
+export function powerText(vm: Pick<VM, 'actualPower' | 'powerState'>): string {
+	const actual = vm.actualPower || 'not reported';
+	if (vm.actualPower === vm.powerState) return actual;
+	return `${actual} → ${vm.powerState}`;
+}
+
+export type Gauge = {
+	/** 0..1 share of capacity allocated, or null when capacity is unknown. */
+	fraction: number | null;
+	over: boolean;
+	text: string;
+};
+
+/** One capacity bar: what the control plane placed against what the host
+ *  reported. Without a report there is no bar, only the allocation. */
+export function gauge(
+	allocated: number | bigint | undefined,
+	capacity: number | bigint | undefined,
+	fmt: (n: number | bigint) => string
+): Gauge {
+	const a = Number(allocated ?? 0);
+	if (capacity === undefined) return { fraction: null, over: false, text: `${fmt(a)} allocated · capacity not reported` };
+	const c = Number(capacity);
+	const fraction = c > 0 ? Math.min(1, a / c) : a > 0 ? 1 : 0;
+	return { fraction, over: a > c, text: `${fmt(a)} of ${fmt(c)}` };
+}
+
+export function formatCount(unit: string): (n: number | bigint) => string {
+	return (n) => `${n} ${unit}`;
+}
+
+const dateTime = new Intl.DateTimeFormat(undefined, { dateStyle: 'medium', timeStyle: 'short' });
+
+export function tsDate(ts: Timestamp | undefined): Date | null {
+	if (!ts) return null;
+	return new Date(Number(ts.seconds) * 1000 + Math.floor(ts.nanos / 1e6));
+}
+
+/** A timestamp for people; '' for an unset one (never the epoch). */
+export function formatTime(ts: Timestamp | undefined): string {
+	const d = tsDate(ts);
+	return d ? dateTime.format(d) : '';
+}
+
+export type SizePreset = { name: string; vcpus: number; memMb: number; diskGb: number };
+
+export const sizePresets: SizePreset[] = [
+	{ name: 'tiny', vcpus: 1, memMb: 256, diskGb: 1 },
+	{ name: 'small', vcpus: 1, memMb: 1024, diskGb: 10 },
+	{ name: 'medium', vcpus: 2, memMb: 4096, diskGb: 20 },
+	{ name: 'large', vcpus: 4, memMb: 8192, diskGb: 40 }
+];
+
+/** A short fingerprint-like form of an SSH public key for a table cell:
+ *  type and the key's tail, with the comment when it has one. */
+export function sshKeySummary(key: string): string {
+	const parts = key.trim().split(/\s+/);
+	if (parts.length < 2) return key.trim();
+	const [type, body, ...comment] = parts;
+	const tail = body.length > 12 ? `…${body.slice(-12)}` : body;
+	return [type, tail, comment.join(' ')].filter(Boolean).join(' ');
+}
