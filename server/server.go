@@ -36,6 +36,9 @@ type Config struct {
 	// TLSHosts are extra names/IPs for the self-made certificate.
 	TLSHosts    []string
 	DeleteGrace time.Duration
+	// PortMin/PortMax bound the host ports allocated to exposures that do
+	// not name one (default 30000-32767).
+	PortMin, PortMax uint16
 	// Console serves the web console; nil serves a page saying how to build it.
 	Console http.Handler
 	// Routes adds extra routes (dev mode serves the test guest image).
@@ -85,7 +88,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s.Store = st
 	s.Fleet = fleet.New(fleet.Config{
 		PublicURL: cfg.PublicURL, CertFingerprint: s.Fingerprint,
-		DeleteGrace: cfg.DeleteGrace, Log: cfg.Log,
+		DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
 	}, st)
 	if s.AdminToken, err = s.Fleet.Bootstrap(ctx, cfg.DataDir); err != nil {
 		st.Close()

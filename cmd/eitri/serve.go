@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -29,6 +30,8 @@ func cmdServer(ctx context.Context, args []string) error {
 	tlsKey := fs.String("tls-key", "", "key for --tls-cert")
 	tlsHosts := fs.String("tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
 	grace := fs.Duration("delete-grace", 24*time.Hour, "how long a deleted VM stays restorable")
+	var ports portRange
+	fs.Var(&ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
 	if _, err := parse(fs, args); err != nil {
 		return err
@@ -49,7 +52,7 @@ func cmdServer(ctx context.Context, args []string) error {
 	}
 	srv, err := server.New(ctx, server.Config{
 		DataDir: *dataDir, PublicURL: pub, TLSCert: *tlsCert, TLSKey: *tlsKey, TLSHosts: hosts,
-		DeleteGrace: *grace, Console: consoleHandler(), Log: log,
+		DeleteGrace: *grace, PortMin: ports.min, PortMax: ports.max, Console: consoleHandler(), Log: log,
 	})
 	if err != nil {
 		return err
@@ -79,6 +82,8 @@ func cmdDev(ctx context.Context, args []string) error {
 	dataDir := fs.String("data-dir", ".data/dev", "state for the control plane and the local agent")
 	guestImage := fs.String("guest-image", "", "directory holding the built test guest (eitri-guest.qcow2/.raw), served for the quickstart")
 	grace := fs.Duration("delete-grace", 10*time.Minute, "how long a deleted VM stays restorable")
+	var ports portRange
+	fs.Var(&ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
 	var ac agentFlags
 	ac.register(fs)
@@ -97,7 +102,7 @@ func cmdDev(ctx context.Context, args []string) error {
 	url := "http://" + ln.Addr().String()
 	cpDir := filepath.Join(*dataDir, "control")
 	srv, err := server.New(ctx, server.Config{
-		DataDir: cpDir, PublicURL: url, Plaintext: true, DeleteGrace: *grace,
+		DataDir: cpDir, PublicURL: url, Plaintext: true, DeleteGrace: *grace, PortMin: ports.min, PortMax: ports.max,
 		Console: consoleHandler(), Log: log.With("part", "control"),
 		Routes: func(r chi.Router) { serveGuestImage(r, *guestImage, url) },
 	})
@@ -174,3 +179,24 @@ func guestImage(dir string) (name, sum string, err error) {
 // consoleHandler is the embedded console, or nil (the server then says how
 // to build it).
 func consoleHandler() http.Handler { return frontend.Handler() }
+
+// portRange is a "LOW-HIGH" flag.
+type portRange struct{ min, max uint16 }
+
+func (p *portRange) String() string {
+	if p.min == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%d-%d", p.min, p.max)
+}
+
+func (p *portRange) Set(s string) error {
+	lo, hi, ok := strings.Cut(s, "-")
+	a, err1 := strconv.ParseUint(lo, 10, 16)
+	b, err2 := strconv.ParseUint(hi, 10, 16)
+	if !ok || err1 != nil || err2 != nil || a == 0 || a > b {
+		return fmt.Errorf("want LOW-HIGH with 1 <= LOW <= HIGH <= 65535, got %q", s)
+	}
+	p.min, p.max = uint16(a), uint16(b)
+	return nil
+}

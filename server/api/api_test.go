@@ -513,3 +513,19 @@ func TestTheConsoleLogsInWithACookieAndLogoutRevokesIt(t *testing.T) {
 	assert.Equal(t, http.StatusNoContent, post("/auth/logout", `{}`, cookie).StatusCode)
 	assert.Equal(t, connect.CodeUnauthenticated, code(listWithCookie()), "logout revokes the session")
 }
+
+func TestAnUnsetHostPortIsAllocatedFromTheRange(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	h, cred := e.enroll("h1")
+	e.connect(h, cred, big())
+	vm, err := e.vms(e.admin).CreateVM(ctx, connect.NewRequest(createReq("web-1")))
+	require.NoError(t, err)
+	var ports []uint32
+	for _, proto := range []string{"tcp", "tcp", "udp"} {
+		x, err := e.exposures(e.admin).CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{VmId: vm.Msg.Vm.Id, GuestPort: 80, Protocol: proto}))
+		require.NoError(t, err)
+		ports = append(ports, x.Msg.Exposure.HostPort)
+	}
+	assert.Equal(t, []uint32{30000, 30001, 30000}, ports, "the lowest free port of the range, per protocol")
+}
