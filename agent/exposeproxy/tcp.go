@@ -65,12 +65,14 @@ func (p *Proxy) serveTCP(ex *exposure, b *binding, ln acceptor) {
 			ex.refused.Add(1)
 			p.log.Debug("exposure refused a connection at its cap",
 				"exposure", ex.id, "cap", t.max, "client", c.RemoteAddr())
-			c.Close()
 			if !capped {
 				capped = true
 				p.log.Warn("exposure at its connection cap, refusing callers",
 					"exposure", ex.id, "cap", t.max)
 			}
+			// Closed after the log lines, so whoever sees the close can also
+			// see why.
+			c.Close()
 			continue
 		}
 		capped = false
