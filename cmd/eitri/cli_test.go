@@ -1,0 +1,70 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/server"
+)
+
+// cli runs eitri's client commands against a real control plane over h2c,
+// as a person with EITRI_URL and EITRI_TOKEN set would.
+func cli(t *testing.T) func(args ...string) (string, error) {
+	t.Helper()
+	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), Plaintext: true})
+	require.NoError(t, err)
+	ts := httptest.NewUnstartedServer(srv.Handler())
+	ts.Config.Protocols = new(http.Protocols)
+	ts.Config.Protocols.SetHTTP1(true)
+	ts.Config.Protocols.SetUnencryptedHTTP2(true)
+	ts.Start()
+	t.Cleanup(func() { ts.Close(); srv.Close() })
+	t.Setenv("EITRI_URL", ts.URL)
+	t.Setenv("EITRI_TOKEN", srv.AdminToken)
+	return func(args ...string) (string, error) {
+		var out bytes.Buffer
+		err := run(args, &out)
+		return out.String(), err
+	}
+}
+
+func TestTheCLISpeaksTheAPI(t *testing.T) {
+	eitri := cli(t)
+
+	out, err := eitri("token", "create", "laptop", "--ttl", "24h")
+	require.NoError(t, err)
+	assert.Contains(t, out, "eitri_pat_", "the secret is shown once")
+
+	out, err = eitri("token", "ls")
+	require.NoError(t, err)
+	assert.Contains(t, out, "laptop")
+
+	_, err = eitri("vm", "create", "Bad_Name", "--image", "http://x/y.raw", "--sha256", "00")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "invalid argument: name:", "the server's message, naming the field, reaches the terminal")
+
+	_, err = eitri("vm", "create", "web-1", "--image", "http://x/y.raw", "--sha256", "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "failed precondition: no connected host")
+
+	out, err = eitri("host", "join-token", "-o", "json")
+	require.NoError(t, err)
+	var jt map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &jt), out)
+	assert.Contains(t, jt["command"], "eitri agent --join eitri_join_")
+
+	out, err = eitri("vm", "ls", "-o", "json")
+	require.NoError(t, err)
+	assert.JSONEq(t, `{"vms":[]}`, out)
+
+	_, err = eitri("vm", "get")
+	var ue usageError
+	assert.ErrorAs(t, err, &ue, "a missing argument is a usage error")
+}
