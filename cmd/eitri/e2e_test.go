@@ -400,3 +400,48 @@ func TestABadImageFailsTheVMWithAPreciseErrorAndLeavesNothing(t *testing.T) {
 		assert.Failf(t, "stray file in the image cache", "%s", e.Name())
 	}
 }
+
+func TestAFullDiskFailsTheVMWithAPreciseErrorAndLeavesNothing(t *testing.T) {
+	if !inNetns(t) {
+		return
+	}
+	dir := t.TempDir()
+	imgURL, imgSum := slowImage(t, os.Getenv("EITRI_GUEST_IMAGE"))
+	// The image cache sits on a 24 MiB filesystem; the image is 72 MiB.
+	// `ip netns exec` gave this process its own mount namespace, so the mount
+	// is seen by nothing else and goes away with it.
+	images := filepath.Join(dir, "agent", "images")
+	require.NoError(t, os.MkdirAll(images, 0o755))
+	require.NoError(t, exec.Command("mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", images).Run())
+	t.Cleanup(func() { _ = exec.Command("umount", images).Run() })
+
+	dev := startDev(t, dir)
+	defer dev.stop(t)
+	tokenBytes, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
+	require.NoError(t, err)
+	hc := syncclient.HTTPClient("")
+	base := "http://127.0.0.1:18080"
+	auth := connect.WithInterceptors(syncclient.Bearer(strings.TrimSpace(string(tokenBytes))))
+	vms := eitriv1connect.NewVMServiceClient(hc, base, auth)
+	ctx := context.Background()
+	require.Eventually(t, func() bool {
+		r, err := eitriv1connect.NewHostServiceClient(hc, base, auth).ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
+		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
+	}, 30*time.Second, 100*time.Millisecond)
+
+	r, err := vms.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{Name: "full", ImageUrl: imgURL, ImageSha256: imgSum, Vcpus: 1, MemMb: 256, DiskGb: 1}))
+	require.NoError(t, err)
+	var vm *eitriv1.VM
+	require.Eventually(t, func() bool {
+		g, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: r.Msg.Vm.Id}))
+		if err == nil {
+			vm = g.Msg.Vm
+		}
+		return err == nil && vm.Lifecycle == "failed"
+	}, 3*time.Minute, 200*time.Millisecond, "a full disk fails the create once its retries are spent")
+	assert.Contains(t, vm.LastError, "no space left on device")
+	entries, _ := os.ReadDir(images)
+	for _, e := range entries {
+		assert.Failf(t, "stray file in the image cache", "%s", e.Name())
+	}
+}
