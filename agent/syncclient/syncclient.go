@@ -12,7 +12,6 @@ import (
 	"crypto/x509"
 	"encoding/base64"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -29,28 +28,19 @@ import (
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 )
 
-// JoinToken is what a join token carries: where the control plane is, the
-// fingerprint of the certificate it presents (empty for plain h2c on
-// loopback), and the single-use secret. The control plane encodes it as
-// "eitri_join_" + base64url(JSON).
-type JoinToken struct {
-	URL         string `json:"u"`
-	Fingerprint string `json:"f,omitempty"`
-	Secret      string `json:"s"`
-}
-
 const joinPrefix = "eitri_join_"
 
-// ParseJoinToken decodes a pasted join token.
-func ParseJoinToken(s string) (JoinToken, error) {
-	var t JoinToken
+// ParseJoinToken decodes a pasted join token: "eitri_join_" +
+// base64url(binary eitri.v1.JoinToken).
+func ParseJoinToken(s string) (*eitriv1.JoinToken, error) {
 	raw, ok := strings.CutPrefix(strings.TrimSpace(s), joinPrefix)
 	if !ok {
-		return t, errors.New("not an eitri join token (it starts with " + joinPrefix + ")")
+		return nil, errors.New("not an eitri join token (it starts with " + joinPrefix + ")")
 	}
+	t := &eitriv1.JoinToken{}
 	b, err := base64.RawURLEncoding.DecodeString(raw)
-	if err != nil || json.Unmarshal(b, &t) != nil || t.Secret == "" || t.URL == "" {
-		return t, errors.New("join token is damaged; copy it again")
+	if err != nil || proto.Unmarshal(b, t) != nil || t.GetSecret() == "" || t.GetUrl() == "" {
+		return nil, errors.New("join token is damaged; copy it again")
 	}
 	return t, nil
 }
@@ -104,12 +94,12 @@ func Enroll(ctx context.Context, token, hostname, version string) (Identity, err
 	if err != nil {
 		return Identity{}, err
 	}
-	c := eitriv1connect.NewAgentServiceClient(HTTPClient(jt.Fingerprint), jt.URL)
+	c := eitriv1connect.NewAgentServiceClient(HTTPClient(jt.GetCertFingerprint()), jt.GetUrl())
 	resp, err := c.Enroll(ctx, connect.NewRequest(&eitriv1.EnrollRequest{JoinToken: token, Hostname: hostname, AgentVersion: version}))
 	if err != nil {
-		return Identity{}, fmt.Errorf("enroll with %s: %w", jt.URL, err)
+		return Identity{}, fmt.Errorf("enroll with %s: %w", jt.GetUrl(), err)
 	}
-	return Identity{ServerURL: jt.URL, Fingerprint: jt.Fingerprint, HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential}, nil
+	return Identity{ServerURL: jt.GetUrl(), Fingerprint: jt.GetCertFingerprint(), HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential}, nil
 }
 
 // Source is what the stream reports on and applies snapshots to.

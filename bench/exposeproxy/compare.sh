@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compare the exposeproxy forwarder with a direct connection and with socat, on
-# loopback: TCP throughput (1 and 8 streams), short-connection rate, UDP
-# request/response rate and loss, and memory for 1,000 idle exposures.
+# loopback: TCP throughput (1 and 8 streams) and the forwarder's CPU seconds per
+# GB carried in those runs, short-connection rate, UDP request/response rate and
+# loss, and memory for 1,000 idle exposures.
 #
 #   bench/exposeproxy/compare.sh            # DUR=3s by default
 #   DUR=10s bench/exposeproxy/compare.sh
@@ -36,9 +37,11 @@ bg "$bin" sink -listen $L:$SINK
 bg "$bin" echo -listen $L:$ECHO
 bg "$bin" udpecho -listen $L:$UECHO
 bg "$bin" proxy -proto tcp -listen $L:$P_SINK -to $L:$SINK
+proxy_sink=$!
 bg "$bin" proxy -proto tcp -listen $L:$P_ECHO -to $L:$ECHO
 bg "$bin" proxy -proto udp -listen $L:$P_UDP -to $L:$UECHO
 bg socat TCP4-LISTEN:$S_SINK,bind=$L,fork,reuseaddr,backlog=1024 TCP4:$L:$SINK
+socat_sink=$!
 bg socat TCP4-LISTEN:$S_ECHO,bind=$L,fork,reuseaddr,backlog=1024 TCP4:$L:$ECHO
 bg socat -T 10 UDP4-LISTEN:$S_UDP,bind=$L,fork,reuseaddr UDP4:$L:$UECHO
 sleep 1
@@ -51,11 +54,46 @@ row() { # name unit direct proxy socat
 	printf '%-28s %12s %12s %12s %10s %10s\n' "$1" "$3" "$4" "$5" "$(ratio "$4" "$3")" "$(ratio "$4" "$5")"
 }
 
+# CPU of a forwarder in clock ticks: its own utime+stime plus cutime+cstime of
+# reaped children. The proxy is a separate process with no children; socat
+# forks one child per connection and reaps it, so the children's time lands in
+# the parent's cutime/cstime once they have exited (see settle).
+HZ=$(getconf CLK_TCK)
+ticks() { sed 's/.*) //' "/proc/$1/stat" | awk '{ print $12 + $13 + $14 + $15 }'; }
+settle() { # wait (up to 2s) until pid has no live or unreaped children
+	for _ in $(seq 40); do
+		[[ -z "$(cat /proc/"$1"/task/*/children 2>/dev/null | tr -d ' ')" ]] && return
+		sleep 0.05
+	done
+	echo "warning: pid $1 still has children; CPU s/GB undercounts" >&2
+}
+# Run tcpsend through the forwarder with pid $1; prints "mbps cpu_s_per_GB".
+through() {
+	local pid=$1 t0 t1 out
+	shift
+	settle "$pid"
+	t0=$(ticks "$pid")
+	out=$("$bin" tcpsend "$@")
+	settle "$pid"
+	t1=$(ticks "$pid")
+	awk -v m="$(val mbps <<<"$out")" -v b="$(val bytes <<<"$out")" -v t=$((t1 - t0)) -v hz="$HZ" \
+		'BEGIN { printf "%s %s\n", m, (b > 0 ? sprintf("%.3f", t / hz / (b / 1e9)) : "n/a") }'
+}
+
+cpu_rows=()
 for s in 1 8; do
 	d=$("$bin" tcpsend -to $L:$SINK -streams $s -dur "$DUR" | val mbps)
-	p=$("$bin" tcpsend -to $L:$P_SINK -streams $s -dur "$DUR" | val mbps)
-	o=$("$bin" tcpsend -to $L:$S_SINK -streams $s -dur "$DUR" | val mbps)
+	pr=$(through "$proxy_sink" -to $L:$P_SINK -streams $s -dur "$DUR")
+	sr=$(through "$socat_sink" -to $L:$S_SINK -streams $s -dur "$DUR")
+	read -r p pc <<<"$pr"
+	read -r o oc <<<"$sr"
 	row "tcp Mbit/s, $s stream(s)" mbps "$d" "$p" "$o"
+	cpu_rows+=("CPU s/GB, $s stream(s)|$pc|$oc")
+done
+# Lower is better here: proxy/socat < 1 means the proxy spends less CPU per byte.
+for r in "${cpu_rows[@]}"; do
+	IFS='|' read -r name pc oc <<<"$r"
+	printf '%-28s %12s %12s %12s %10s %10s\n' "$name" - "$pc" "$oc" - "$(ratio "$pc" "$oc")"
 done
 
 d=$("$bin" connrate -to $L:$ECHO -streams 4 -dur "$DUR" | val cps)

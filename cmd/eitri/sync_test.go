@@ -18,6 +18,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/fleet"
 )
 
 // source stands in for the agent's node: it records snapshots and reports
@@ -161,8 +162,8 @@ func TestEnrollRefusesACertificateThatDoesNotMatchThePin(t *testing.T) {
 
 	// The same token pinned to another certificate: a man in the middle.
 	other := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
-	tok.Fingerprint = other.srv.Fingerprint
-	forged := reencode(t, tok)
+	tok.CertFingerprint = other.srv.Fingerprint
+	forged := fleet.EncodeJoinToken(tok)
 	_, err = syncclient.Enroll(context.Background(), forged, "h1", "test")
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "does not match the pinned")

@@ -3,12 +3,12 @@ package fleet
 import (
 	"context"
 	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
 	"time"
 
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
@@ -17,34 +17,25 @@ import (
 	"github.com/a73x/eitri/server/watch"
 )
 
-// JoinToken is what a join token carries besides its secret: where the
-// control plane is and which certificate it will present. The agent needs
-// nothing else to enroll.
-type JoinToken struct {
-	URL         string `json:"u"`
-	Fingerprint string `json:"f,omitempty"`
-	Secret      string `json:"s"`
-}
-
-// Encode renders the token as one pasteable string.
-func (t JoinToken) Encode() string {
-	b, _ := json.Marshal(t)
+// EncodeJoinToken renders a join token as one pasteable string.
+func EncodeJoinToken(t *eitriv1.JoinToken) string {
+	b, _ := proto.Marshal(t)
 	return auth.PrefixJoin + base64.RawURLEncoding.EncodeToString(b)
 }
 
-// DecodeJoinToken parses a token made by Encode.
-func DecodeJoinToken(s string) (JoinToken, error) {
-	var t JoinToken
+// DecodeJoinToken parses a token made by EncodeJoinToken.
+func DecodeJoinToken(s string) (*eitriv1.JoinToken, error) {
 	raw, ok := strings.CutPrefix(strings.TrimSpace(s), auth.PrefixJoin)
 	if !ok {
-		return t, errors.New("not an eitri join token")
+		return nil, errors.New("not an eitri join token")
 	}
 	b, err := base64.RawURLEncoding.DecodeString(raw)
 	if err != nil {
-		return t, fmt.Errorf("join token: %w", err)
+		return nil, fmt.Errorf("join token: %w", err)
 	}
-	if err := json.Unmarshal(b, &t); err != nil || t.Secret == "" {
-		return t, errors.New("join token is damaged")
+	t := &eitriv1.JoinToken{}
+	if err := proto.Unmarshal(b, t); err != nil || t.GetSecret() == "" {
+		return nil, errors.New("join token is damaged")
 	}
 	return t, nil
 }
@@ -67,7 +58,7 @@ func (f *Fleet) CreateJoinToken(ctx context.Context, ttl time.Duration) (*eitriv
 	if err := f.st.CreateJoinToken(ctx, jt); err != nil {
 		return nil, err
 	}
-	tok := JoinToken{URL: f.cfg.PublicURL, Fingerprint: f.cfg.CertFingerprint, Secret: secret}.Encode()
+	tok := EncodeJoinToken(&eitriv1.JoinToken{Url: f.cfg.PublicURL, CertFingerprint: f.cfg.CertFingerprint, Secret: secret})
 	return &eitriv1.CreateJoinTokenResponse{
 		Token:     tok,
 		ExpiresAt: timestamppb.New(jt.ExpiresAt),
@@ -88,7 +79,7 @@ func (f *Fleet) Enroll(ctx context.Context, r *eitriv1.EnrollRequest) (*eitriv1.
 	cred := auth.NewSecret(auth.PrefixHost)
 	now := f.now()
 	h := store.Host{ID: newID("h"), Name: name, CredentialHash: auth.Hash(cred), AgentVersion: r.GetAgentVersion(), CreatedAt: now}
-	switch err := f.st.ConsumeJoinToken(ctx, auth.Hash(jt.Secret), now, h); {
+	switch err := f.st.ConsumeJoinToken(ctx, auth.Hash(jt.GetSecret()), now, h); {
 	case errors.Is(err, store.ErrNotFound):
 		return nil, errorf(Unauthenticated, "join token is not known to this control plane")
 	case errors.Is(err, store.ErrJoinTokenUsed):

@@ -1082,6 +1082,73 @@ func (x *ExposureActual) GetSessions() *ExposureSessions {
 	return nil
 }
 
+// JoinToken is what a join token string carries, encoded as
+// "eitri_join_" + base64url(binary JoinToken): everything a new agent needs
+// to enroll, in one pasteable string.
+type JoinToken struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The control plane's URL as agents dial it.
+	Url string `protobuf:"bytes,1,opt,name=url,proto3" json:"url,omitempty"`
+	// Hex sha256 of the control plane's serving certificate (DER), which the
+	// agent pins; empty for plain h2c on loopback (dev mode).
+	CertFingerprint string `protobuf:"bytes,2,opt,name=cert_fingerprint,json=certFingerprint,proto3" json:"cert_fingerprint,omitempty"`
+	// The single-use secret; the control plane keeps only its hash.
+	Secret        string `protobuf:"bytes,3,opt,name=secret,proto3" json:"secret,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *JoinToken) Reset() {
+	*x = JoinToken{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *JoinToken) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*JoinToken) ProtoMessage() {}
+
+func (x *JoinToken) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
+func (*JoinToken) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *JoinToken) GetUrl() string {
+	if x != nil {
+		return x.Url
+	}
+	return ""
+}
+
+func (x *JoinToken) GetCertFingerprint() string {
+	if x != nil {
+		return x.CertFingerprint
+	}
+	return ""
+}
+
+func (x *JoinToken) GetSecret() string {
+	if x != nil {
+		return x.Secret
+	}
+	return ""
+}
+
 var File_eitri_v1_agent_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_agent_proto_rawDesc = "" +
@@ -1169,7 +1236,11 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x16\n" +
 	"\x06reason\x18\x03 \x01(\tR\x06reason\x126\n" +
-	"\bsessions\x18\x04 \x01(\v2\x1a.eitri.v1.ExposureSessionsR\bsessions2\x86\x01\n" +
+	"\bsessions\x18\x04 \x01(\v2\x1a.eitri.v1.ExposureSessionsR\bsessions\"`\n" +
+	"\tJoinToken\x12\x10\n" +
+	"\x03url\x18\x01 \x01(\tR\x03url\x12)\n" +
+	"\x10cert_fingerprint\x18\x02 \x01(\tR\x0fcertFingerprint\x12\x16\n" +
+	"\x06secret\x18\x03 \x01(\tR\x06secret2\x86\x01\n" +
 	"\fAgentService\x12;\n" +
 	"\x06Enroll\x12\x17.eitri.v1.EnrollRequest\x1a\x18.eitri.v1.EnrollResponse\x129\n" +
 	"\x04Sync\x12\x15.eitri.v1.SyncRequest\x1a\x16.eitri.v1.SyncResponse(\x010\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
@@ -1186,7 +1257,7 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
@@ -1201,9 +1272,10 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*AgentUpgrade)(nil),         // 10: eitri.v1.AgentUpgrade
 	(*ExposureDesired)(nil),      // 11: eitri.v1.ExposureDesired
 	(*ExposureActual)(nil),       // 12: eitri.v1.ExposureActual
-	(*Capacity)(nil),             // 13: eitri.v1.Capacity
-	(*Metrics)(nil),              // 14: eitri.v1.Metrics
-	(*ExposureSessions)(nil),     // 15: eitri.v1.ExposureSessions
+	(*JoinToken)(nil),            // 13: eitri.v1.JoinToken
+	(*Capacity)(nil),             // 14: eitri.v1.Capacity
+	(*Metrics)(nil),              // 15: eitri.v1.Metrics
+	(*ExposureSessions)(nil),     // 16: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
@@ -1211,13 +1283,13 @@ var file_eitri_v1_agent_proto_depIdxs = []int32{
 	8,  // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
 	6,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
 	7,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	13, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	14, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	14, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	15, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
 	12, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
 	9,  // 8: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
 	10, // 9: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
 	11, // 10: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	15, // 11: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	16, // 11: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
 	0,  // 12: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
 	2,  // 13: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
 	1,  // 14: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
@@ -1248,7 +1320,7 @@ func file_eitri_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
