@@ -67,11 +67,10 @@ func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.S
 		case <-sess.Context().Done():
 			cause := context.Cause(sess.Context())
 			return connect.NewError(connect.CodeAborted, cause)
-		case err := <-recvErr:
-			if errors.Is(err, context.Canceled) {
-				return nil
-			}
-			return nil // the agent hung up; it reconnects with a full report
+		case <-recvErr:
+			// The agent hung up (or the request ended); it reconnects and
+			// resends a full report, so there is nothing to keep.
+			return nil
 		case rep := <-reports:
 			sess.Apply(ctx, rep)
 		case <-sess.Kicks():
