@@ -58,7 +58,7 @@ func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureReq
 	f.event(ctx, vm.ID, "exposure", "published "+proto+" guest port "+strconv.Itoa(int(e.GuestPort))+" on host port "+strconv.Itoa(int(e.HostPort)))
 	f.publishExposure(ctx, e.ID)
 	f.kick(vm.HostID)
-	return f.exposureView(e), nil
+	return f.exposureView(ctx, e), nil
 }
 
 func (f *Fleet) freePort(ctx context.Context, hostID, proto string) (uint16, error) {
@@ -105,7 +105,7 @@ func (f *Fleet) ListExposures(ctx context.Context, vmID string) ([]*eitriv1.Expo
 	out := []*eitriv1.Exposure{}
 	for _, e := range exps {
 		if _, ok := owners[e.VMID]; ok {
-			out = append(out, f.exposureView(e))
+			out = append(out, f.exposureView(ctx, e))
 		}
 	}
 	return out, nil
@@ -137,7 +137,7 @@ func (f *Fleet) DeleteExposure(ctx context.Context, id string) error {
 
 // exposureView merges the durable row with its host's live report. Sessions
 // stay nil unless the host counted: null is never turned into zeros.
-func (f *Fleet) exposureView(e store.Exposure) *eitriv1.Exposure {
+func (f *Fleet) exposureView(ctx context.Context, e store.Exposure) *eitriv1.Exposure {
 	out := &eitriv1.Exposure{
 		Id: e.ID, VmId: e.VMID, HostId: e.HostID,
 		GuestPort: uint32(e.GuestPort), HostPort: uint32(e.HostPort),
@@ -148,7 +148,7 @@ func (f *Fleet) exposureView(e store.Exposure) *eitriv1.Exposure {
 		out.HostAddr = "127.0.0.1"
 	} else if live, ok := f.reg.Host(e.HostID); ok {
 		out.HostAddr = live.Hello.GetAddress()
-	} else if h, err := f.st.HostByID(context.Background(), e.HostID); err == nil {
+	} else if h, err := f.st.HostByID(ctx, e.HostID); err == nil {
 		out.HostAddr = h.Address
 	}
 	if row := f.reg.Exposure(e.HostID, e.ID); row != nil {
@@ -174,7 +174,7 @@ func (f *Fleet) publishExposure(ctx context.Context, id string) {
 	if err != nil {
 		return
 	}
-	f.Exposures.Publish(watch.Event[*eitriv1.Exposure]{ID: id, Owner: vm.OwnerID, Obj: f.exposureView(e)})
+	f.Exposures.Publish(watch.Event[*eitriv1.Exposure]{ID: id, Owner: vm.OwnerID, Obj: f.exposureView(ctx, e)})
 }
 
 func (f *Fleet) exposuresOfVMChanged(ctx context.Context, vmID string) {
