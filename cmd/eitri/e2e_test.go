@@ -104,6 +104,22 @@ func startDev(t *testing.T, dir string) *devInstance {
 	return d
 }
 
+// vms is an admin's VM client for the instance, returned once its local
+// host has enrolled and reported its capacity (VMs can be placed).
+func (d *devInstance) vms(t *testing.T, dir string) eitriv1connect.VMServiceClient {
+	t.Helper()
+	tokenBytes, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
+	require.NoError(t, err)
+	hc := syncclient.HTTPClient("")
+	base := "http://127.0.0.1:18080"
+	auth := connect.WithInterceptors(syncclient.Bearer(strings.TrimSpace(string(tokenBytes))))
+	require.Eventually(t, func() bool {
+		r, err := eitriv1connect.NewHostServiceClient(hc, base, auth).ListHosts(context.Background(), connect.NewRequest(&eitriv1.ListHostsRequest{}))
+		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
+	}, 30*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity")
+	return eitriv1connect.NewVMServiceClient(hc, base, auth)
+}
+
 func (d *devInstance) stop(t *testing.T) {
 	d.cancel()
 	select {
@@ -360,17 +376,8 @@ func TestABadImageFailsTheVMWithAPreciseErrorAndLeavesNothing(t *testing.T) {
 	imgURL, imgSum := slowImage(t, os.Getenv("EITRI_GUEST_IMAGE"))
 	dev := startDev(t, dir)
 	defer dev.stop(t)
-	tokenBytes, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
-	require.NoError(t, err)
-	hc := syncclient.HTTPClient("")
-	base := "http://127.0.0.1:18080"
-	auth := connect.WithInterceptors(syncclient.Bearer(strings.TrimSpace(string(tokenBytes))))
-	vms := eitriv1connect.NewVMServiceClient(hc, base, auth)
+	vms := dev.vms(t, dir)
 	ctx := context.Background()
-	require.Eventually(t, func() bool {
-		r, err := eitriv1connect.NewHostServiceClient(hc, base, auth).ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
-		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
-	}, 30*time.Second, 100*time.Millisecond)
 
 	wrong := strings.Repeat("0", 64)
 	cases := []struct {
@@ -417,17 +424,8 @@ func TestAFullDiskFailsTheVMWithAPreciseErrorAndLeavesNothing(t *testing.T) {
 
 	dev := startDev(t, dir)
 	defer dev.stop(t)
-	tokenBytes, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
-	require.NoError(t, err)
-	hc := syncclient.HTTPClient("")
-	base := "http://127.0.0.1:18080"
-	auth := connect.WithInterceptors(syncclient.Bearer(strings.TrimSpace(string(tokenBytes))))
-	vms := eitriv1connect.NewVMServiceClient(hc, base, auth)
+	vms := dev.vms(t, dir)
 	ctx := context.Background()
-	require.Eventually(t, func() bool {
-		r, err := eitriv1connect.NewHostServiceClient(hc, base, auth).ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
-		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
-	}, 30*time.Second, 100*time.Millisecond)
 
 	r, err := vms.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{Name: "full", ImageUrl: imgURL, ImageSha256: imgSum, Vcpus: 1, MemMb: 256, DiskGb: 1}))
 	require.NoError(t, err)
