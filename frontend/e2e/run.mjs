@@ -104,7 +104,6 @@ async function outside() {
 	}
 	try {
 		spawnSync('ip', ['netns', 'exec', ns, 'ip', 'link', 'set', 'lo', 'up'], { stdio: 'inherit' });
-		const t0 = Date.now();
 		child = spawn('ip', ['netns', 'exec', ns, process.execPath, fileURLToPath(import.meta.url), '--inside', bin, guest], {
 			stdio: 'inherit',
 			// Chromium's profile (playwright makes one per launch) lands in our temp dir.
@@ -116,7 +115,6 @@ async function outside() {
 		}, OVERALL_MS);
 		const code = await new Promise((r) => child.on('exit', (c, s) => r(c ?? (s ? 1 : 1))));
 		clearTimeout(timer);
-		log(`took ${((Date.now() - t0) / 1000).toFixed(1)} s`);
 		return code;
 	} finally {
 		await cleanup();
@@ -265,7 +263,7 @@ async function inside(bin, guest) {
 			await page.getByRole('heading', { name: 'New VM', level: 1 }).waitFor();
 			await page.getByRole('button', { name: 'Use the built-in test image' }).waitFor();
 			await shot('create-vm');
-			await page.getByRole('textbox', { name: /^Name\b/ }).fill('ui-1');
+			await page.getByLabel('Name', { exact: true }).fill('ui-1');
 			await page.getByLabel('Image URL').fill(image.url);
 			await page.getByLabel('SHA-256').fill(image.sha256);
 			await page.getByRole('group', { name: 'Size presets' }).getByRole('button').first().click();
