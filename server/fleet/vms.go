@@ -91,7 +91,11 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 		}
 		return nil, err
 	}
-	f.event(ctx, vm.ID, "created", fmt.Sprintf("created on host %s (%d vCPU, %d MiB, %d GiB)", hostID, vm.VCPUs, vm.MemMB, vm.DiskGB))
+	where := hostID
+	if h, err := f.st.HostByID(ctx, hostID); err == nil {
+		where = h.Name
+	}
+	f.event(ctx, vm.ID, "created", fmt.Sprintf("created on host %s (%d vCPU, %d MiB, %d GiB)", where, vm.VCPUs, vm.MemMB, vm.DiskGB))
 	f.vmChanged(ctx, vm.HostID, vm.ID)
 	return f.vmView(vm), nil
 }
