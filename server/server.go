@@ -19,6 +19,7 @@ import (
 
 	"github.com/a73x/eitri/server/api"
 	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/server/mcp"
 	"github.com/a73x/eitri/server/pki"
 	"github.com/a73x/eitri/server/store"
 )
@@ -99,6 +100,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	api.Mount(r, s.Fleet, cfg.Log)
 	api.MountSession(r, s.Fleet)
+	// AI agents: MCP over streamable HTTP, bearer-token auth.
+	r.Handle("/mcp", mcp.Handler(s.Fleet, cfg.Log))
 	if cfg.Routes != nil {
 		cfg.Routes(r)
 	}

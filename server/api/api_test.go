@@ -529,3 +529,13 @@ func TestAnUnsetHostPortIsAllocatedFromTheRange(t *testing.T) {
 	}
 	assert.Equal(t, []uint32{30000, 30001, 30000}, ports, "the lowest free port of the range, per protocol")
 }
+
+func TestTheMCPEndpointIsServedAndNeedsAToken(t *testing.T) {
+	e := newEnv(t)
+	req, _ := http.NewRequest(http.MethodPost, e.url+"/mcp", strings.NewReader(`{"jsonrpc":"2.0","id":1,"method":"tools/list"}`))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := e.http.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, http.StatusUnauthorized, resp.StatusCode)
+}
