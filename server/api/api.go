@@ -24,6 +24,7 @@ import (
 // prefix.
 func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 	opts := []connect.HandlerOption{
+		connect.WithCodec(protoCodec{}),
 		connect.WithCodec(jsonCodec{name: "json"}),
 		connect.WithCodec(jsonCodec{name: "json; charset=utf-8"}),
 		connect.WithInterceptors(auth.Interceptor{
@@ -101,7 +102,14 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 			return nil // the client went away
 		}
 		for _, ev := range evs {
-			if err := send(wrap(ev)); err != nil {
+			// Every watcher of this change sends the same message, built and
+			// (see sharedWire) encoded once.
+			msg := ev.Memo.Do(func() any {
+				m := wrap(ev)
+				share(m)
+				return m
+			}).(*R)
+			if err := send(msg); err != nil {
 				return err
 			}
 		}

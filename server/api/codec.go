@@ -21,21 +21,26 @@ var (
 
 func (c jsonCodec) Name() string { return c.name }
 
-func (jsonCodec) Marshal(v any) ([]byte, error) {
+func (c jsonCodec) Marshal(v any) ([]byte, error) { return c.MarshalAppend(nil, v) }
+
+// MarshalAppend lets Connect encode into its pooled buffers.
+func (c jsonCodec) MarshalAppend(dst []byte, v any) ([]byte, error) {
 	m, ok := v.(proto.Message)
 	if !ok {
-		return nil, fmt.Errorf("json codec: %T is not a proto message", v)
+		return dst, errNotProto(v)
 	}
-	return marshalJSON.Marshal(m)
+	return appendShared(dst, c.name, v, func(b []byte) ([]byte, error) { return marshalJSON.MarshalAppend(b, m) })
 }
 
 func (jsonCodec) Unmarshal(b []byte, v any) error {
 	m, ok := v.(proto.Message)
 	if !ok {
-		return fmt.Errorf("json codec: %T is not a proto message", v)
+		return errNotProto(v)
 	}
 	if len(b) == 0 {
 		return nil
 	}
 	return unmarshalJSON.Unmarshal(b, m)
 }
+
+func errNotProto(v any) error { return fmt.Errorf("codec: %T is not a proto message", v) }

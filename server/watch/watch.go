@@ -19,6 +19,22 @@ type Event[T any] struct {
 	Owner   string // the object's owner; used by watcher filters
 	Obj     T
 	Removed bool
+	// Memo is shared by every watcher handed this event (Publish sets it),
+	// so what a watcher derives from it — the message it sends — is built
+	// and encoded once per change, not once per watcher.
+	Memo *Memo
+}
+
+// Memo holds one value derived from an event.
+type Memo struct {
+	once sync.Once
+	v    any
+}
+
+// Do returns the memoized value, computing it with f the first time.
+func (m *Memo) Do(f func() any) any {
+	m.once.Do(func() { m.v = f() })
+	return m.v
 }
 
 // Topic is one stream of change events (VMs, hosts or exposures).
@@ -35,6 +51,9 @@ func NewTopic[T any]() *Topic[T] {
 // Publish hands ev to every watcher whose filter accepts it. It returns
 // without waiting for any of them.
 func (t *Topic[T]) Publish(ev Event[T]) {
+	if ev.Memo == nil {
+		ev.Memo = new(Memo)
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for w := range t.watchers {

@@ -102,3 +102,16 @@ func BenchmarkPublish100Watchers(b *testing.B) {
 		top.Publish(Event[int]{ID: fmt.Sprintf("vm%d", i%1000), Obj: i})
 	}
 }
+
+func TestEveryWatcherSharesOneMemoPerEvent(t *testing.T) {
+	top := NewTopic[int]()
+	a, b := top.Subscribe(nil), top.Subscribe(nil)
+	defer a.Close()
+	defer b.Close()
+	top.Publish(Event[int]{ID: "vm", Obj: 1})
+	builds := 0
+	build := func() any { builds++; return new(int) }
+	ea, eb := next(t, a)[0], next(t, b)[0]
+	assert.Same(t, ea.Memo.Do(build), eb.Memo.Do(build), "both watchers send the same message")
+	assert.Equal(t, 1, builds)
+}
