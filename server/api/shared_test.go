@@ -47,3 +47,31 @@ func TestAnUnsharedMessageIsEncodedEveryTime(t *testing.T) {
 	b2, _ := protoCodec{}.Marshal(msg)
 	assert.NotEqual(t, b1, b2)
 }
+
+// BenchmarkFanOut100Watchers is one change sent to 100 watchers: encoded
+// once and copied (shared) against encoded for each watcher (unshared).
+func BenchmarkFanOut100Watchers(b *testing.B) {
+	vm := &eitriv1.VM{Id: "vm-1", Name: "web-1", HostId: "h-1", ImageUrl: "https://images.example/debian.qcow2",
+		ImageSha256: "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", Vcpus: 2, MemMb: 2048, DiskGb: 20,
+		PowerState: "running", Status: "creating", Lifecycle: "creating", StatusDetail: "downloading image 1.2/3.7 GiB"}
+	for _, tc := range []struct {
+		name  string
+		share bool
+	}{{"shared", true}, {"unshared", false}} {
+		b.Run(tc.name, func(b *testing.B) {
+			buf := make([]byte, 0, 1024)
+			for range b.N {
+				msg := &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_Changed{Changed: vm}}
+				if tc.share {
+					share(msg)
+				}
+				for range 100 {
+					var err error
+					if buf, err = (jsonCodec{name: "json"}).MarshalAppend(buf[:0], msg); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+		})
+	}
+}
