@@ -123,9 +123,6 @@ func noConsole(w http.ResponseWriter, _ *http.Request) {
 // Handler is the whole HTTP surface (for tests).
 func (s *Server) Handler() http.Handler { return s.handler }
 
-// TLSConfig is nil in plaintext mode.
-func (s *Server) TLSConfig() *tls.Config { return s.tls }
-
 // Serve serves on ln until ctx ends, then shuts down gracefully.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{

@@ -128,13 +128,6 @@ func (h *Hypervisor) RootDisk(id string) string {
 // Accelerator is "kvm" when guests get hardware virtualisation, else "tcg".
 func (h *Hypervisor) Accelerator() string { return h.qemu.Accelerator() }
 
-// Accelerator is the accelerator guests on this host get ("kvm" or "tcg"),
-// for callers that have no Hypervisor yet.
-func Accelerator() string {
-	// The check only opens /dev/kvm; it needs no backend state.
-	return new(qemu.Backend).Accelerator()
-}
-
 // Preflight refuses, permanently, a VM this host can never run: no QEMU, no
 // tun device, or a spec beyond the host's CPUs or memory.
 func (h *Hypervisor) Preflight(ctx context.Context, spec state.VMSpec) error {

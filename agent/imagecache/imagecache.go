@@ -56,10 +56,6 @@ func WithProgressStep(n int64) Option {
 	}
 }
 
-// WithHTTPClient replaces the client used for downloads. Its Timeout should
-// be zero: a stall timeout (WithStallTimeout) guards hung transfers instead.
-func WithHTTPClient(h *http.Client) Option { return func(c *Cache) { c.http = h } }
-
 // WithStallTimeout sets how long a download may receive nothing.
 func WithStallTimeout(d time.Duration) Option {
 	return func(c *Cache) {

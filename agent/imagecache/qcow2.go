@@ -215,15 +215,6 @@ func checkHeaderExtensions(src io.ReaderAt, h *qcow2Header, size int64) error {
 	return nil
 }
 
-// ReadQcow2Info parses a qcow2 header.
-func ReadQcow2Info(src io.ReaderAt, size int64) (Qcow2Info, error) {
-	h, err := parseQcow2Header(src, size)
-	if err != nil {
-		return Qcow2Info{}, err
-	}
-	return h.Qcow2Info, nil
-}
-
 // job is one piece of guest data: a run of uncompressed clusters, contiguous
 // on the host and in the guest, or one compressed cluster.
 type job struct {

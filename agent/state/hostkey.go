@@ -3,8 +3,6 @@ package state
 import (
 	"crypto/ed25519"
 	"crypto/rand"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/pem"
 	"fmt"
 	"strings"
@@ -30,11 +28,4 @@ func NewHostKey() (pub, priv string, err error) {
 	}
 	pub = strings.TrimSpace(string(ssh.MarshalAuthorizedKey(sshPub)))
 	return pub, string(pem.EncodeToMemory(block)), nil
-}
-
-// CertFingerprint is the form Identity.CertFingerprint takes: the hex sha256
-// of a certificate's DER bytes.
-func CertFingerprint(der []byte) string {
-	sum := sha256.Sum256(der)
-	return hex.EncodeToString(sum[:])
 }
