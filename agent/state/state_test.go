@@ -42,7 +42,7 @@ func TestIdentityRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, ok, "a fresh store has no identity")
 
-	want := Identity{HostID: "h1", Credential: "secret", ServerURL: "https://cp:8443", CertFingerprint: "9f1e2d"}
+	want := Identity{HostID: "h1", Credential: "secret", ServerURL: "https://cp:8443", CertFingerprint: strings.Repeat("ab", 32)}
 	require.NoError(t, s.SaveIdentity(want))
 
 	// A second Store on the same directory proves it reached the disk.
