@@ -283,7 +283,10 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 
 	// The published ports carry traffic: HTTP over TCP, echo over UDP.
 	require.Eventually(t, func() bool {
-		r, err := (&http.Client{Timeout: 3 * time.Second}).Get("http://" + hostAddr(httpExp.Msg.Exposure) + "/")
+		// No keep-alive: an idle pooled connection would hold the port's one
+		// slot and turn the cap check below into a race.
+		c := &http.Client{Timeout: 3 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+		r, err := c.Get("http://" + hostAddr(httpExp.Msg.Exposure) + "/")
 		if err != nil {
 			return false
 		}
@@ -304,6 +307,8 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 
 	// At a cap of one, a held connection plus one more: 1 open, 1 refused,
 	// pushed to the watcher without asking.
+	require.Eventually(t, func() bool { return sessionsOf(httpExp.Msg.Exposure.Id).GetActive() == 0 }, 10*time.Second, 50*time.Millisecond,
+		"the HTTP checks above left nothing open")
 	refusedBefore := sessionsOf(httpExp.Msg.Exposure.Id).GetRefused()
 	held, err := net.Dial("tcp", hostAddr(httpExp.Msg.Exposure))
 	require.NoError(t, err)
