@@ -298,7 +298,17 @@ type Hello struct {
 	Accelerator string `protobuf:"bytes,4,opt,name=accelerator,proto3" json:"accelerator,omitempty"`
 	// The address the host's published ports are reachable on ("lan" scope).
 	// Empty when the agent does not know; exposures then show no host address.
-	Address       string `protobuf:"bytes,5,opt,name=address,proto3" json:"address,omitempty"`
+	Address string `protobuf:"bytes,5,opt,name=address,proto3" json:"address,omitempty"`
+	// Why the agent runs under that accelerator, one sentence for people
+	// ("kvm unusable: failed to set MSR 0x10a; running under tcg"). Empty from
+	// an agent that does not say.
+	AcceleratorReason string `protobuf:"bytes,6,opt,name=accelerator_reason,json=acceleratorReason,proto3" json:"accelerator_reason,omitempty"`
+	// Random for each agent process. A new stream with the instance id of the
+	// host's open stream is that agent reconnecting and replaces it; another
+	// instance id while a stream is open is a second agent with the same
+	// identity (a cloned disk) and is refused. Empty from older agents, whose
+	// newer stream always replaces the open one.
+	InstanceId    string `protobuf:"bytes,7,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -368,6 +378,20 @@ func (x *Hello) GetAddress() string {
 	return ""
 }
 
+func (x *Hello) GetAcceleratorReason() string {
+	if x != nil {
+		return x.AcceleratorReason
+	}
+	return ""
+}
+
+func (x *Hello) GetInstanceId() string {
+	if x != nil {
+		return x.InstanceId
+	}
+	return ""
+}
+
 // ActualStateReport is everything the agent sees, every time. A VM or
 // exposure missing from a report is not being reported on; it is never
 // "unchanged since last time".
@@ -389,6 +413,11 @@ type ActualStateReport struct {
 	// The generation of the newest snapshot the agent has applied; 0 before the
 	// first.
 	AppliedGeneration uint64 `protobuf:"varint,7,opt,name=applied_generation,json=appliedGeneration,proto3" json:"applied_generation,omitempty"`
+	// The accelerator new guests start with right now, and why. A re-probe
+	// (after a VM's QEMU died of a KVM error) can change it while the stream
+	// is open. Empty from an agent that says it only in Hello.
+	Accelerator       string `protobuf:"bytes,8,opt,name=accelerator,proto3" json:"accelerator,omitempty"`
+	AcceleratorReason string `protobuf:"bytes,9,opt,name=accelerator_reason,json=acceleratorReason,proto3" json:"accelerator_reason,omitempty"`
 	unknownFields     protoimpl.UnknownFields
 	sizeCache         protoimpl.SizeCache
 }
@@ -470,6 +499,20 @@ func (x *ActualStateReport) GetAppliedGeneration() uint64 {
 		return x.AppliedGeneration
 	}
 	return 0
+}
+
+func (x *ActualStateReport) GetAccelerator() string {
+	if x != nil {
+		return x.Accelerator
+	}
+	return ""
+}
+
+func (x *ActualStateReport) GetAcceleratorReason() string {
+	if x != nil {
+		return x.AcceleratorReason
+	}
+	return ""
 }
 
 // ActualVM is one VM as its host sees it right now.
@@ -1168,13 +1211,16 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x03msg\"S\n" +
 	"\fSyncResponse\x12<\n" +
 	"\bsnapshot\x18\x01 \x01(\v2\x1e.eitri.v1.DesiredStateSnapshotH\x00R\bsnapshotB\x05\n" +
-	"\x03msg\"\x9d\x01\n" +
+	"\x03msg\"\xed\x01\n" +
 	"\x05Hello\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12#\n" +
 	"\ragent_version\x18\x02 \x01(\tR\fagentVersion\x12\x1a\n" +
 	"\bhostname\x18\x03 \x01(\tR\bhostname\x12 \n" +
 	"\vaccelerator\x18\x04 \x01(\tR\vaccelerator\x12\x18\n" +
-	"\aaddress\x18\x05 \x01(\tR\aaddress\"\xd6\x02\n" +
+	"\aaddress\x18\x05 \x01(\tR\aaddress\x12-\n" +
+	"\x12accelerator_reason\x18\x06 \x01(\tR\x11acceleratorReason\x12\x1f\n" +
+	"\vinstance_id\x18\a \x01(\tR\n" +
+	"instanceId\"\xa7\x03\n" +
 	"\x11ActualStateReport\x12$\n" +
 	"\x03vms\x18\x01 \x03(\v2\x12.eitri.v1.ActualVMR\x03vms\x12\x1c\n" +
 	"\tdestroyed\x18\x02 \x03(\tR\tdestroyed\x129\n" +
@@ -1182,7 +1228,9 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\bcapacity\x18\x04 \x01(\v2\x12.eitri.v1.CapacityR\bcapacity\x12+\n" +
 	"\ametrics\x18\x05 \x01(\v2\x11.eitri.v1.MetricsR\ametrics\x126\n" +
 	"\texposures\x18\x06 \x03(\v2\x18.eitri.v1.ExposureActualR\texposures\x12-\n" +
-	"\x12applied_generation\x18\a \x01(\x04R\x11appliedGeneration\"\xc7\x01\n" +
+	"\x12applied_generation\x18\a \x01(\x04R\x11appliedGeneration\x12 \n" +
+	"\vaccelerator\x18\b \x01(\tR\vaccelerator\x12-\n" +
+	"\x12accelerator_reason\x18\t \x01(\tR\x11acceleratorReason\"\xc7\x01\n" +
 	"\bActualVM\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x14\n" +
 	"\x05power\x18\x02 \x01(\tR\x05power\x12\x14\n" +

@@ -42,7 +42,14 @@ type Host struct {
 	Metrics   *Metrics               `protobuf:"bytes,9,opt,name=metrics,proto3" json:"metrics,omitempty"`
 	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,10,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	// The last time the host said anything; null if never.
-	LastSeenAt    *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=last_seen_at,json=lastSeenAt,proto3" json:"last_seen_at,omitempty"`
+	LastSeenAt *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=last_seen_at,json=lastSeenAt,proto3" json:"last_seen_at,omitempty"`
+	// Why the host runs guests under its accelerator, one sentence
+	// ("kvm unusable: failed to set MSR 0x10a; running under tcg"); empty when
+	// not reported.
+	AcceleratorReason string `protobuf:"bytes,12,opt,name=accelerator_reason,json=acceleratorReason,proto3" json:"accelerator_reason,omitempty"`
+	// What is wrong with the host right now, beyond being disconnected; empty
+	// when nothing is.
+	Conditions    []*HostCondition `protobuf:"bytes,13,rep,name=conditions,proto3" json:"conditions,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -154,6 +161,94 @@ func (x *Host) GetLastSeenAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Host) GetAcceleratorReason() string {
+	if x != nil {
+		return x.AcceleratorReason
+	}
+	return ""
+}
+
+func (x *Host) GetConditions() []*HostCondition {
+	if x != nil {
+		return x.Conditions
+	}
+	return nil
+}
+
+// HostCondition is one ongoing problem with a host, for people to act on.
+type HostCondition struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "duplicate_agent": a second agent with this host's identity (a cloned
+	// disk, or the same host started twice) keeps trying to connect and is
+	// refused; it lasts until that agent stops.
+	Type string `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
+	// What is going on and what to do, in one or two sentences.
+	Message string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Since   *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=since,proto3" json:"since,omitempty"`
+	// The last time the problem was seen.
+	LastSeenAt    *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=last_seen_at,json=lastSeenAt,proto3" json:"last_seen_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HostCondition) Reset() {
+	*x = HostCondition{}
+	mi := &file_eitri_v1_host_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HostCondition) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HostCondition) ProtoMessage() {}
+
+func (x *HostCondition) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HostCondition.ProtoReflect.Descriptor instead.
+func (*HostCondition) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *HostCondition) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *HostCondition) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *HostCondition) GetSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Since
+	}
+	return nil
+}
+
+func (x *HostCondition) GetLastSeenAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastSeenAt
+	}
+	return nil
+}
+
 type ListHostsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -162,7 +257,7 @@ type ListHostsRequest struct {
 
 func (x *ListHostsRequest) Reset() {
 	*x = ListHostsRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[1]
+	mi := &file_eitri_v1_host_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -174,7 +269,7 @@ func (x *ListHostsRequest) String() string {
 func (*ListHostsRequest) ProtoMessage() {}
 
 func (x *ListHostsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[1]
+	mi := &file_eitri_v1_host_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -187,7 +282,7 @@ func (x *ListHostsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListHostsRequest.ProtoReflect.Descriptor instead.
 func (*ListHostsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{1}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{2}
 }
 
 type ListHostsResponse struct {
@@ -199,7 +294,7 @@ type ListHostsResponse struct {
 
 func (x *ListHostsResponse) Reset() {
 	*x = ListHostsResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[2]
+	mi := &file_eitri_v1_host_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -211,7 +306,7 @@ func (x *ListHostsResponse) String() string {
 func (*ListHostsResponse) ProtoMessage() {}
 
 func (x *ListHostsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[2]
+	mi := &file_eitri_v1_host_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -224,7 +319,7 @@ func (x *ListHostsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListHostsResponse.ProtoReflect.Descriptor instead.
 func (*ListHostsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{2}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ListHostsResponse) GetHosts() []*Host {
@@ -243,7 +338,7 @@ type GetHostRequest struct {
 
 func (x *GetHostRequest) Reset() {
 	*x = GetHostRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[3]
+	mi := &file_eitri_v1_host_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -255,7 +350,7 @@ func (x *GetHostRequest) String() string {
 func (*GetHostRequest) ProtoMessage() {}
 
 func (x *GetHostRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[3]
+	mi := &file_eitri_v1_host_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -268,7 +363,7 @@ func (x *GetHostRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetHostRequest.ProtoReflect.Descriptor instead.
 func (*GetHostRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{3}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *GetHostRequest) GetId() string {
@@ -287,7 +382,7 @@ type GetHostResponse struct {
 
 func (x *GetHostResponse) Reset() {
 	*x = GetHostResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[4]
+	mi := &file_eitri_v1_host_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -299,7 +394,7 @@ func (x *GetHostResponse) String() string {
 func (*GetHostResponse) ProtoMessage() {}
 
 func (x *GetHostResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[4]
+	mi := &file_eitri_v1_host_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -312,7 +407,7 @@ func (x *GetHostResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetHostResponse.ProtoReflect.Descriptor instead.
 func (*GetHostResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{4}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GetHostResponse) GetHost() *Host {
@@ -332,7 +427,7 @@ type CreateJoinTokenRequest struct {
 
 func (x *CreateJoinTokenRequest) Reset() {
 	*x = CreateJoinTokenRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[5]
+	mi := &file_eitri_v1_host_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -344,7 +439,7 @@ func (x *CreateJoinTokenRequest) String() string {
 func (*CreateJoinTokenRequest) ProtoMessage() {}
 
 func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[5]
+	mi := &file_eitri_v1_host_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -357,7 +452,7 @@ func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenRequest.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{5}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *CreateJoinTokenRequest) GetTtl() *durationpb.Duration {
@@ -381,7 +476,7 @@ type CreateJoinTokenResponse struct {
 
 func (x *CreateJoinTokenResponse) Reset() {
 	*x = CreateJoinTokenResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[6]
+	mi := &file_eitri_v1_host_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -393,7 +488,7 @@ func (x *CreateJoinTokenResponse) String() string {
 func (*CreateJoinTokenResponse) ProtoMessage() {}
 
 func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[6]
+	mi := &file_eitri_v1_host_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -406,7 +501,7 @@ func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenResponse.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{6}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *CreateJoinTokenResponse) GetToken() string {
@@ -439,7 +534,7 @@ type DecommissionHostRequest struct {
 
 func (x *DecommissionHostRequest) Reset() {
 	*x = DecommissionHostRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[7]
+	mi := &file_eitri_v1_host_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -451,7 +546,7 @@ func (x *DecommissionHostRequest) String() string {
 func (*DecommissionHostRequest) ProtoMessage() {}
 
 func (x *DecommissionHostRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[7]
+	mi := &file_eitri_v1_host_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -464,7 +559,7 @@ func (x *DecommissionHostRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecommissionHostRequest.ProtoReflect.Descriptor instead.
 func (*DecommissionHostRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{7}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *DecommissionHostRequest) GetId() string {
@@ -482,7 +577,7 @@ type DecommissionHostResponse struct {
 
 func (x *DecommissionHostResponse) Reset() {
 	*x = DecommissionHostResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[8]
+	mi := &file_eitri_v1_host_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -494,7 +589,7 @@ func (x *DecommissionHostResponse) String() string {
 func (*DecommissionHostResponse) ProtoMessage() {}
 
 func (x *DecommissionHostResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[8]
+	mi := &file_eitri_v1_host_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -507,7 +602,7 @@ func (x *DecommissionHostResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecommissionHostResponse.ProtoReflect.Descriptor instead.
 func (*DecommissionHostResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{8}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{9}
 }
 
 type WatchHostsRequest struct {
@@ -518,7 +613,7 @@ type WatchHostsRequest struct {
 
 func (x *WatchHostsRequest) Reset() {
 	*x = WatchHostsRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[9]
+	mi := &file_eitri_v1_host_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -530,7 +625,7 @@ func (x *WatchHostsRequest) String() string {
 func (*WatchHostsRequest) ProtoMessage() {}
 
 func (x *WatchHostsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[9]
+	mi := &file_eitri_v1_host_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -543,7 +638,7 @@ func (x *WatchHostsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchHostsRequest.ProtoReflect.Descriptor instead.
 func (*WatchHostsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{9}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{10}
 }
 
 type HostList struct {
@@ -555,7 +650,7 @@ type HostList struct {
 
 func (x *HostList) Reset() {
 	*x = HostList{}
-	mi := &file_eitri_v1_host_proto_msgTypes[10]
+	mi := &file_eitri_v1_host_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -567,7 +662,7 @@ func (x *HostList) String() string {
 func (*HostList) ProtoMessage() {}
 
 func (x *HostList) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[10]
+	mi := &file_eitri_v1_host_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -580,7 +675,7 @@ func (x *HostList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HostList.ProtoReflect.Descriptor instead.
 func (*HostList) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{10}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *HostList) GetHosts() []*Host {
@@ -604,7 +699,7 @@ type WatchHostsResponse struct {
 
 func (x *WatchHostsResponse) Reset() {
 	*x = WatchHostsResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[11]
+	mi := &file_eitri_v1_host_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -616,7 +711,7 @@ func (x *WatchHostsResponse) String() string {
 func (*WatchHostsResponse) ProtoMessage() {}
 
 func (x *WatchHostsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[11]
+	mi := &file_eitri_v1_host_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -629,7 +724,7 @@ func (x *WatchHostsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchHostsResponse.ProtoReflect.Descriptor instead.
 func (*WatchHostsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *WatchHostsResponse) GetEvent() isWatchHostsResponse_Event {
@@ -692,7 +787,7 @@ var File_eitri_v1_host_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_host_proto_rawDesc = "" +
 	"\n" +
-	"\x13eitri/v1/host.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb2\x03\n" +
+	"\x13eitri/v1/host.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9a\x04\n" +
 	"\x04Host\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x18\n" +
@@ -707,6 +802,16 @@ const file_eitri_v1_host_proto_rawDesc = "" +
 	"created_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12<\n" +
 	"\flast_seen_at\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"lastSeenAt\x12-\n" +
+	"\x12accelerator_reason\x18\f \x01(\tR\x11acceleratorReason\x127\n" +
+	"\n" +
+	"conditions\x18\r \x03(\v2\x17.eitri.v1.HostConditionR\n" +
+	"conditions\"\xad\x01\n" +
+	"\rHostCondition\x12\x12\n" +
+	"\x04type\x18\x01 \x01(\tR\x04type\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x120\n" +
+	"\x05since\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12<\n" +
+	"\flast_seen_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"lastSeenAt\"\x12\n" +
 	"\x10ListHostsRequest\"9\n" +
 	"\x11ListHostsResponse\x12$\n" +
@@ -754,54 +859,58 @@ func file_eitri_v1_host_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_host_proto_rawDescData
 }
 
-var file_eitri_v1_host_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_eitri_v1_host_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_eitri_v1_host_proto_goTypes = []any{
 	(*Host)(nil),                     // 0: eitri.v1.Host
-	(*ListHostsRequest)(nil),         // 1: eitri.v1.ListHostsRequest
-	(*ListHostsResponse)(nil),        // 2: eitri.v1.ListHostsResponse
-	(*GetHostRequest)(nil),           // 3: eitri.v1.GetHostRequest
-	(*GetHostResponse)(nil),          // 4: eitri.v1.GetHostResponse
-	(*CreateJoinTokenRequest)(nil),   // 5: eitri.v1.CreateJoinTokenRequest
-	(*CreateJoinTokenResponse)(nil),  // 6: eitri.v1.CreateJoinTokenResponse
-	(*DecommissionHostRequest)(nil),  // 7: eitri.v1.DecommissionHostRequest
-	(*DecommissionHostResponse)(nil), // 8: eitri.v1.DecommissionHostResponse
-	(*WatchHostsRequest)(nil),        // 9: eitri.v1.WatchHostsRequest
-	(*HostList)(nil),                 // 10: eitri.v1.HostList
-	(*WatchHostsResponse)(nil),       // 11: eitri.v1.WatchHostsResponse
-	(*Capacity)(nil),                 // 12: eitri.v1.Capacity
-	(*Allocated)(nil),                // 13: eitri.v1.Allocated
-	(*Metrics)(nil),                  // 14: eitri.v1.Metrics
-	(*timestamppb.Timestamp)(nil),    // 15: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 16: google.protobuf.Duration
+	(*HostCondition)(nil),            // 1: eitri.v1.HostCondition
+	(*ListHostsRequest)(nil),         // 2: eitri.v1.ListHostsRequest
+	(*ListHostsResponse)(nil),        // 3: eitri.v1.ListHostsResponse
+	(*GetHostRequest)(nil),           // 4: eitri.v1.GetHostRequest
+	(*GetHostResponse)(nil),          // 5: eitri.v1.GetHostResponse
+	(*CreateJoinTokenRequest)(nil),   // 6: eitri.v1.CreateJoinTokenRequest
+	(*CreateJoinTokenResponse)(nil),  // 7: eitri.v1.CreateJoinTokenResponse
+	(*DecommissionHostRequest)(nil),  // 8: eitri.v1.DecommissionHostRequest
+	(*DecommissionHostResponse)(nil), // 9: eitri.v1.DecommissionHostResponse
+	(*WatchHostsRequest)(nil),        // 10: eitri.v1.WatchHostsRequest
+	(*HostList)(nil),                 // 11: eitri.v1.HostList
+	(*WatchHostsResponse)(nil),       // 12: eitri.v1.WatchHostsResponse
+	(*Capacity)(nil),                 // 13: eitri.v1.Capacity
+	(*Allocated)(nil),                // 14: eitri.v1.Allocated
+	(*Metrics)(nil),                  // 15: eitri.v1.Metrics
+	(*timestamppb.Timestamp)(nil),    // 16: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 17: google.protobuf.Duration
 }
 var file_eitri_v1_host_proto_depIdxs = []int32{
-	12, // 0: eitri.v1.Host.capacity:type_name -> eitri.v1.Capacity
-	13, // 1: eitri.v1.Host.allocated:type_name -> eitri.v1.Allocated
-	14, // 2: eitri.v1.Host.metrics:type_name -> eitri.v1.Metrics
-	15, // 3: eitri.v1.Host.created_at:type_name -> google.protobuf.Timestamp
-	15, // 4: eitri.v1.Host.last_seen_at:type_name -> google.protobuf.Timestamp
-	0,  // 5: eitri.v1.ListHostsResponse.hosts:type_name -> eitri.v1.Host
-	0,  // 6: eitri.v1.GetHostResponse.host:type_name -> eitri.v1.Host
-	16, // 7: eitri.v1.CreateJoinTokenRequest.ttl:type_name -> google.protobuf.Duration
-	15, // 8: eitri.v1.CreateJoinTokenResponse.expires_at:type_name -> google.protobuf.Timestamp
-	0,  // 9: eitri.v1.HostList.hosts:type_name -> eitri.v1.Host
-	10, // 10: eitri.v1.WatchHostsResponse.snapshot:type_name -> eitri.v1.HostList
-	0,  // 11: eitri.v1.WatchHostsResponse.changed:type_name -> eitri.v1.Host
-	1,  // 12: eitri.v1.HostService.ListHosts:input_type -> eitri.v1.ListHostsRequest
-	3,  // 13: eitri.v1.HostService.GetHost:input_type -> eitri.v1.GetHostRequest
-	5,  // 14: eitri.v1.HostService.CreateJoinToken:input_type -> eitri.v1.CreateJoinTokenRequest
-	7,  // 15: eitri.v1.HostService.DecommissionHost:input_type -> eitri.v1.DecommissionHostRequest
-	9,  // 16: eitri.v1.HostService.WatchHosts:input_type -> eitri.v1.WatchHostsRequest
-	2,  // 17: eitri.v1.HostService.ListHosts:output_type -> eitri.v1.ListHostsResponse
-	4,  // 18: eitri.v1.HostService.GetHost:output_type -> eitri.v1.GetHostResponse
-	6,  // 19: eitri.v1.HostService.CreateJoinToken:output_type -> eitri.v1.CreateJoinTokenResponse
-	8,  // 20: eitri.v1.HostService.DecommissionHost:output_type -> eitri.v1.DecommissionHostResponse
-	11, // 21: eitri.v1.HostService.WatchHosts:output_type -> eitri.v1.WatchHostsResponse
-	17, // [17:22] is the sub-list for method output_type
-	12, // [12:17] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	13, // 0: eitri.v1.Host.capacity:type_name -> eitri.v1.Capacity
+	14, // 1: eitri.v1.Host.allocated:type_name -> eitri.v1.Allocated
+	15, // 2: eitri.v1.Host.metrics:type_name -> eitri.v1.Metrics
+	16, // 3: eitri.v1.Host.created_at:type_name -> google.protobuf.Timestamp
+	16, // 4: eitri.v1.Host.last_seen_at:type_name -> google.protobuf.Timestamp
+	1,  // 5: eitri.v1.Host.conditions:type_name -> eitri.v1.HostCondition
+	16, // 6: eitri.v1.HostCondition.since:type_name -> google.protobuf.Timestamp
+	16, // 7: eitri.v1.HostCondition.last_seen_at:type_name -> google.protobuf.Timestamp
+	0,  // 8: eitri.v1.ListHostsResponse.hosts:type_name -> eitri.v1.Host
+	0,  // 9: eitri.v1.GetHostResponse.host:type_name -> eitri.v1.Host
+	17, // 10: eitri.v1.CreateJoinTokenRequest.ttl:type_name -> google.protobuf.Duration
+	16, // 11: eitri.v1.CreateJoinTokenResponse.expires_at:type_name -> google.protobuf.Timestamp
+	0,  // 12: eitri.v1.HostList.hosts:type_name -> eitri.v1.Host
+	11, // 13: eitri.v1.WatchHostsResponse.snapshot:type_name -> eitri.v1.HostList
+	0,  // 14: eitri.v1.WatchHostsResponse.changed:type_name -> eitri.v1.Host
+	2,  // 15: eitri.v1.HostService.ListHosts:input_type -> eitri.v1.ListHostsRequest
+	4,  // 16: eitri.v1.HostService.GetHost:input_type -> eitri.v1.GetHostRequest
+	6,  // 17: eitri.v1.HostService.CreateJoinToken:input_type -> eitri.v1.CreateJoinTokenRequest
+	8,  // 18: eitri.v1.HostService.DecommissionHost:input_type -> eitri.v1.DecommissionHostRequest
+	10, // 19: eitri.v1.HostService.WatchHosts:input_type -> eitri.v1.WatchHostsRequest
+	3,  // 20: eitri.v1.HostService.ListHosts:output_type -> eitri.v1.ListHostsResponse
+	5,  // 21: eitri.v1.HostService.GetHost:output_type -> eitri.v1.GetHostResponse
+	7,  // 22: eitri.v1.HostService.CreateJoinToken:output_type -> eitri.v1.CreateJoinTokenResponse
+	9,  // 23: eitri.v1.HostService.DecommissionHost:output_type -> eitri.v1.DecommissionHostResponse
+	12, // 24: eitri.v1.HostService.WatchHosts:output_type -> eitri.v1.WatchHostsResponse
+	20, // [20:25] is the sub-list for method output_type
+	15, // [15:20] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_host_proto_init() }
@@ -810,7 +919,7 @@ func file_eitri_v1_host_proto_init() {
 		return
 	}
 	file_eitri_v1_resources_proto_init()
-	file_eitri_v1_host_proto_msgTypes[11].OneofWrappers = []any{
+	file_eitri_v1_host_proto_msgTypes[12].OneofWrappers = []any{
 		(*WatchHostsResponse_Snapshot)(nil),
 		(*WatchHostsResponse_Changed)(nil),
 		(*WatchHostsResponse_RemovedId)(nil),
@@ -821,7 +930,7 @@ func file_eitri_v1_host_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_host_proto_rawDesc), len(file_eitri_v1_host_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   12,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file eitri/v1/host.proto.
  */
 export const file_eitri_v1_host: GenFile = /*@__PURE__*/
-  fileDesc("ChNlaXRyaS92MS9ob3N0LnByb3RvEghlaXRyaS52MSLEAgoESG9zdBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSFQoNYWdlbnRfdmVyc2lvbhgEIAEoCRITCgthY2NlbGVyYXRvchgFIAEoCRIRCgljb25uZWN0ZWQYBiABKAgSJAoIY2FwYWNpdHkYByABKAsyEi5laXRyaS52MS5DYXBhY2l0eRImCglhbGxvY2F0ZWQYCCABKAsyEy5laXRyaS52MS5BbGxvY2F0ZWQSIgoHbWV0cmljcxgJIAEoCzIRLmVpdHJpLnYxLk1ldHJpY3MSLgoKY3JlYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF9zZWVuX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCISChBMaXN0SG9zdHNSZXF1ZXN0IjIKEUxpc3RIb3N0c1Jlc3BvbnNlEh0KBWhvc3RzGAEgAygLMg4uZWl0cmkudjEuSG9zdCIcCg5HZXRIb3N0UmVxdWVzdBIKCgJpZBgBIAEoCSIvCg9HZXRIb3N0UmVzcG9uc2USHAoEaG9zdBgBIAEoCzIOLmVpdHJpLnYxLkhvc3QiQAoWQ3JlYXRlSm9pblRva2VuUmVxdWVzdBImCgN0dGwYASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iaQoXQ3JlYXRlSm9pblRva2VuUmVzcG9uc2USDQoFdG9rZW4YASABKAkSLgoKZXhwaXJlc19hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDwoHY29tbWFuZBgDIAEoCSIlChdEZWNvbW1pc3Npb25Ib3N0UmVxdWVzdBIKCgJpZBgBIAEoCSIaChhEZWNvbW1pc3Npb25Ib3N0UmVzcG9uc2UiEwoRV2F0Y2hIb3N0c1JlcXVlc3QiKQoISG9zdExpc3QSHQoFaG9zdHMYASADKAsyDi5laXRyaS52MS5Ib3N0In4KEldhdGNoSG9zdHNSZXNwb25zZRImCghzbmFwc2hvdBgBIAEoCzISLmVpdHJpLnYxLkhvc3RMaXN0SAASIQoHY2hhbmdlZBgCIAEoCzIOLmVpdHJpLnYxLkhvc3RIABIUCgpyZW1vdmVkX2lkGAMgASgJSABCBwoFZXZlbnQykQMKC0hvc3RTZXJ2aWNlEkQKCUxpc3RIb3N0cxIaLmVpdHJpLnYxLkxpc3RIb3N0c1JlcXVlc3QaGy5laXRyaS52MS5MaXN0SG9zdHNSZXNwb25zZRI+CgdHZXRIb3N0EhguZWl0cmkudjEuR2V0SG9zdFJlcXVlc3QaGS5laXRyaS52MS5HZXRIb3N0UmVzcG9uc2USVgoPQ3JlYXRlSm9pblRva2VuEiAuZWl0cmkudjEuQ3JlYXRlSm9pblRva2VuUmVxdWVzdBohLmVpdHJpLnYxLkNyZWF0ZUpvaW5Ub2tlblJlc3BvbnNlElkKEERlY29tbWlzc2lvbkhvc3QSIS5laXRyaS52MS5EZWNvbW1pc3Npb25Ib3N0UmVxdWVzdBoiLmVpdHJpLnYxLkRlY29tbWlzc2lvbkhvc3RSZXNwb25zZRJJCgpXYXRjaEhvc3RzEhsuZWl0cmkudjEuV2F0Y2hIb3N0c1JlcXVlc3QaHC5laXRyaS52MS5XYXRjaEhvc3RzUmVzcG9uc2UwAUIvWi1naXRodWIuY29tL2E3M3gvZWl0cmkvZ2VuL2dvL2VpdHJpL3YxO2VpdHJpdjFiBnByb3RvMw", [file_eitri_v1_resources, file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChNlaXRyaS92MS9ob3N0LnByb3RvEghlaXRyaS52MSKNAwoESG9zdBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSFQoNYWdlbnRfdmVyc2lvbhgEIAEoCRITCgthY2NlbGVyYXRvchgFIAEoCRIRCgljb25uZWN0ZWQYBiABKAgSJAoIY2FwYWNpdHkYByABKAsyEi5laXRyaS52MS5DYXBhY2l0eRImCglhbGxvY2F0ZWQYCCABKAsyEy5laXRyaS52MS5BbGxvY2F0ZWQSIgoHbWV0cmljcxgJIAEoCzIRLmVpdHJpLnYxLk1ldHJpY3MSLgoKY3JlYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF9zZWVuX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIaChJhY2NlbGVyYXRvcl9yZWFzb24YDCABKAkSKwoKY29uZGl0aW9ucxgNIAMoCzIXLmVpdHJpLnYxLkhvc3RDb25kaXRpb24iiwEKDUhvc3RDb25kaXRpb24SDAoEdHlwZRgBIAEoCRIPCgdtZXNzYWdlGAIgASgJEikKBXNpbmNlGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIwCgxsYXN0X3NlZW5fYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIhIKEExpc3RIb3N0c1JlcXVlc3QiMgoRTGlzdEhvc3RzUmVzcG9uc2USHQoFaG9zdHMYASADKAsyDi5laXRyaS52MS5Ib3N0IhwKDkdldEhvc3RSZXF1ZXN0EgoKAmlkGAEgASgJIi8KD0dldEhvc3RSZXNwb25zZRIcCgRob3N0GAEgASgLMg4uZWl0cmkudjEuSG9zdCJAChZDcmVhdGVKb2luVG9rZW5SZXF1ZXN0EiYKA3R0bBgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJpChdDcmVhdGVKb2luVG9rZW5SZXNwb25zZRINCgV0b2tlbhgBIAEoCRIuCgpleHBpcmVzX2F0GAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdjb21tYW5kGAMgASgJIiUKF0RlY29tbWlzc2lvbkhvc3RSZXF1ZXN0EgoKAmlkGAEgASgJIhoKGERlY29tbWlzc2lvbkhvc3RSZXNwb25zZSITChFXYXRjaEhvc3RzUmVxdWVzdCIpCghIb3N0TGlzdBIdCgVob3N0cxgBIAMoCzIOLmVpdHJpLnYxLkhvc3QifgoSV2F0Y2hIb3N0c1Jlc3BvbnNlEiYKCHNuYXBzaG90GAEgASgLMhIuZWl0cmkudjEuSG9zdExpc3RIABIhCgdjaGFuZ2VkGAIgASgLMg4uZWl0cmkudjEuSG9zdEgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudDKRAwoLSG9zdFNlcnZpY2USRAoJTGlzdEhvc3RzEhouZWl0cmkudjEuTGlzdEhvc3RzUmVxdWVzdBobLmVpdHJpLnYxLkxpc3RIb3N0c1Jlc3BvbnNlEj4KB0dldEhvc3QSGC5laXRyaS52MS5HZXRIb3N0UmVxdWVzdBoZLmVpdHJpLnYxLkdldEhvc3RSZXNwb25zZRJWCg9DcmVhdGVKb2luVG9rZW4SIC5laXRyaS52MS5DcmVhdGVKb2luVG9rZW5SZXF1ZXN0GiEuZWl0cmkudjEuQ3JlYXRlSm9pblRva2VuUmVzcG9uc2USWQoQRGVjb21taXNzaW9uSG9zdBIhLmVpdHJpLnYxLkRlY29tbWlzc2lvbkhvc3RSZXF1ZXN0GiIuZWl0cmkudjEuRGVjb21taXNzaW9uSG9zdFJlc3BvbnNlEkkKCldhdGNoSG9zdHMSGy5laXRyaS52MS5XYXRjaEhvc3RzUmVxdWVzdBocLmVpdHJpLnYxLldhdGNoSG9zdHNSZXNwb25zZTABQi9aLWdpdGh1Yi5jb20vYTczeC9laXRyaS9nZW4vZ28vZWl0cmkvdjE7ZWl0cml2MWIGcHJvdG8z", [file_eitri_v1_resources, file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * @generated from message eitri.v1.Host
@@ -88,6 +88,23 @@ export type Host = Message<"eitri.v1.Host"> & {
    * @generated from field: google.protobuf.Timestamp last_seen_at = 11;
    */
   lastSeenAt?: Timestamp | undefined;
+
+  /**
+   * Why the host runs guests under its accelerator, one sentence
+   * ("kvm unusable: failed to set MSR 0x10a; running under tcg"); empty when
+   * not reported.
+   *
+   * @generated from field: string accelerator_reason = 12;
+   */
+  acceleratorReason: string;
+
+  /**
+   * What is wrong with the host right now, beyond being disconnected; empty
+   * when nothing is.
+   *
+   * @generated from field: repeated eitri.v1.HostCondition conditions = 13;
+   */
+  conditions: HostCondition[];
 };
 
 /**
@@ -96,6 +113,48 @@ export type Host = Message<"eitri.v1.Host"> & {
  */
 export const HostSchema: GenMessage<Host> = /*@__PURE__*/
   messageDesc(file_eitri_v1_host, 0);
+
+/**
+ * HostCondition is one ongoing problem with a host, for people to act on.
+ *
+ * @generated from message eitri.v1.HostCondition
+ */
+export type HostCondition = Message<"eitri.v1.HostCondition"> & {
+  /**
+   * "duplicate_agent": a second agent with this host's identity (a cloned
+   * disk, or the same host started twice) keeps trying to connect and is
+   * refused; it lasts until that agent stops.
+   *
+   * @generated from field: string type = 1;
+   */
+  type: string;
+
+  /**
+   * What is going on and what to do, in one or two sentences.
+   *
+   * @generated from field: string message = 2;
+   */
+  message: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp since = 3;
+   */
+  since?: Timestamp | undefined;
+
+  /**
+   * The last time the problem was seen.
+   *
+   * @generated from field: google.protobuf.Timestamp last_seen_at = 4;
+   */
+  lastSeenAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message eitri.v1.HostCondition.
+ * Use `create(HostConditionSchema)` to create a new message.
+ */
+export const HostConditionSchema: GenMessage<HostCondition> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_host, 1);
 
 /**
  * @generated from message eitri.v1.ListHostsRequest
@@ -108,7 +167,7 @@ export type ListHostsRequest = Message<"eitri.v1.ListHostsRequest"> & {
  * Use `create(ListHostsRequestSchema)` to create a new message.
  */
 export const ListHostsRequestSchema: GenMessage<ListHostsRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 1);
+  messageDesc(file_eitri_v1_host, 2);
 
 /**
  * @generated from message eitri.v1.ListHostsResponse
@@ -125,7 +184,7 @@ export type ListHostsResponse = Message<"eitri.v1.ListHostsResponse"> & {
  * Use `create(ListHostsResponseSchema)` to create a new message.
  */
 export const ListHostsResponseSchema: GenMessage<ListHostsResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 2);
+  messageDesc(file_eitri_v1_host, 3);
 
 /**
  * @generated from message eitri.v1.GetHostRequest
@@ -142,7 +201,7 @@ export type GetHostRequest = Message<"eitri.v1.GetHostRequest"> & {
  * Use `create(GetHostRequestSchema)` to create a new message.
  */
 export const GetHostRequestSchema: GenMessage<GetHostRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 3);
+  messageDesc(file_eitri_v1_host, 4);
 
 /**
  * @generated from message eitri.v1.GetHostResponse
@@ -159,7 +218,7 @@ export type GetHostResponse = Message<"eitri.v1.GetHostResponse"> & {
  * Use `create(GetHostResponseSchema)` to create a new message.
  */
 export const GetHostResponseSchema: GenMessage<GetHostResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 4);
+  messageDesc(file_eitri_v1_host, 5);
 
 /**
  * @generated from message eitri.v1.CreateJoinTokenRequest
@@ -178,7 +237,7 @@ export type CreateJoinTokenRequest = Message<"eitri.v1.CreateJoinTokenRequest"> 
  * Use `create(CreateJoinTokenRequestSchema)` to create a new message.
  */
 export const CreateJoinTokenRequestSchema: GenMessage<CreateJoinTokenRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 5);
+  messageDesc(file_eitri_v1_host, 6);
 
 /**
  * @generated from message eitri.v1.CreateJoinTokenResponse
@@ -210,7 +269,7 @@ export type CreateJoinTokenResponse = Message<"eitri.v1.CreateJoinTokenResponse"
  * Use `create(CreateJoinTokenResponseSchema)` to create a new message.
  */
 export const CreateJoinTokenResponseSchema: GenMessage<CreateJoinTokenResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 6);
+  messageDesc(file_eitri_v1_host, 7);
 
 /**
  * @generated from message eitri.v1.DecommissionHostRequest
@@ -227,7 +286,7 @@ export type DecommissionHostRequest = Message<"eitri.v1.DecommissionHostRequest"
  * Use `create(DecommissionHostRequestSchema)` to create a new message.
  */
 export const DecommissionHostRequestSchema: GenMessage<DecommissionHostRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 7);
+  messageDesc(file_eitri_v1_host, 8);
 
 /**
  * @generated from message eitri.v1.DecommissionHostResponse
@@ -240,7 +299,7 @@ export type DecommissionHostResponse = Message<"eitri.v1.DecommissionHostRespons
  * Use `create(DecommissionHostResponseSchema)` to create a new message.
  */
 export const DecommissionHostResponseSchema: GenMessage<DecommissionHostResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 8);
+  messageDesc(file_eitri_v1_host, 9);
 
 /**
  * @generated from message eitri.v1.WatchHostsRequest
@@ -253,7 +312,7 @@ export type WatchHostsRequest = Message<"eitri.v1.WatchHostsRequest"> & {
  * Use `create(WatchHostsRequestSchema)` to create a new message.
  */
 export const WatchHostsRequestSchema: GenMessage<WatchHostsRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 9);
+  messageDesc(file_eitri_v1_host, 10);
 
 /**
  * @generated from message eitri.v1.HostList
@@ -270,7 +329,7 @@ export type HostList = Message<"eitri.v1.HostList"> & {
  * Use `create(HostListSchema)` to create a new message.
  */
 export const HostListSchema: GenMessage<HostList> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 10);
+  messageDesc(file_eitri_v1_host, 11);
 
 /**
  * @generated from message eitri.v1.WatchHostsResponse
@@ -305,7 +364,7 @@ export type WatchHostsResponse = Message<"eitri.v1.WatchHostsResponse"> & {
  * Use `create(WatchHostsResponseSchema)` to create a new message.
  */
 export const WatchHostsResponseSchema: GenMessage<WatchHostsResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 11);
+  messageDesc(file_eitri_v1_host, 12);
 
 /**
  * HostService is the fleet's machines. Listing is open to every user;
