@@ -123,6 +123,15 @@ func noConsole(w http.ResponseWriter, _ *http.Request) {
 // Handler is the whole HTTP surface (for tests).
 func (s *Server) Handler() http.Handler { return s.handler }
 
+// A connection that has been silent for KeepaliveIdle is pinged, and closed
+// when no answer comes within KeepaliveTimeout: a vanished host shows
+// disconnected within their sum (agents heartbeat every few seconds, so a
+// live one is never pinged at all).
+const (
+	KeepaliveIdle    = 10 * time.Second
+	KeepaliveTimeout = 10 * time.Second
+)
+
 // Serve serves on ln until ctx ends, then shuts down gracefully.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
@@ -130,6 +139,9 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		ReadHeaderTimeout: 10 * time.Second,
 		Protocols:         new(http.Protocols),
 		BaseContext:       func(net.Listener) context.Context { return ctx },
+		// A host that loses power sends no FIN: without pings its stream
+		// would look open forever and keep getting VMs placed on it.
+		HTTP2: &http.HTTP2Config{SendPingTimeout: KeepaliveIdle, PingTimeout: KeepaliveTimeout},
 	}
 	srv.Protocols.SetHTTP1(true)
 	if s.tls != nil {

@@ -58,6 +58,10 @@ func HTTPClient(fingerprint string) *http.Client {
 		ForceAttemptHTTP2: true,
 		DialContext:       (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 		Protocols:         new(http.Protocols),
+		// The control plane may be silent for long (snapshots go out on
+		// change only); a ping on an idle connection tells a dead path from a
+		// quiet one, so the agent reconnects instead of waiting on TCP.
+		HTTP2: &http.HTTP2Config{SendPingTimeout: 10 * time.Second, PingTimeout: 10 * time.Second},
 	}
 	if fingerprint == "" {
 		tr.Protocols.SetUnencryptedHTTP2(true)
