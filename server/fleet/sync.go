@@ -107,7 +107,7 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 		d := &eitriv1.VMDesired{
 			VmId: v.ID, Name: v.Name, ImageUrl: v.ImageURL, ImageSha256: v.ImageSHA256,
 			Vcpus: v.VCPUs, MemMb: v.MemMB, DiskGb: v.DiskGB, PowerState: v.PowerState,
-			SshAuthorizedKey: v.SSHAuthorizedKey,
+			SshAuthorizedKey: v.SSHAuthorizedKey, Owner: v.OwnerID,
 		}
 		if v.DeletedAt != nil {
 			d.Deleted = true

@@ -783,8 +783,12 @@ type VMDesired struct {
 	DestroyAtUnix int64 `protobuf:"varint,10,opt,name=destroy_at_unix,json=destroyAtUnix,proto3" json:"destroy_at_unix,omitempty"`
 	// The public key injected into the guest's authorized_keys; may be empty.
 	SshAuthorizedKey string `protobuf:"bytes,11,opt,name=ssh_authorized_key,json=sshAuthorizedKey,proto3" json:"ssh_authorized_key,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Opaque tenant key: guests with the same owner may reach each other on
+	// the host's bridge, guests of different owners never do. Empty from an
+	// older control plane (the agent then isolates the guest from every other).
+	Owner         string `protobuf:"bytes,12,opt,name=owner,proto3" json:"owner,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *VMDesired) Reset() {
@@ -890,6 +894,13 @@ func (x *VMDesired) GetDestroyAtUnix() int64 {
 func (x *VMDesired) GetSshAuthorizedKey() string {
 	if x != nil {
 		return x.SshAuthorizedKey
+	}
+	return ""
+}
+
+func (x *VMDesired) GetOwner() string {
+	if x != nil {
+		return x.Owner
 	}
 	return ""
 }
@@ -1252,7 +1263,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"generation\x12%\n" +
 	"\x03vms\x18\x02 \x03(\v2\x13.eitri.v1.VMDesiredR\x03vms\x12;\n" +
 	"\ragent_upgrade\x18\x03 \x01(\v2\x16.eitri.v1.AgentUpgradeR\fagentUpgrade\x127\n" +
-	"\texposures\x18\x04 \x03(\v2\x19.eitri.v1.ExposureDesiredR\texposures\"\xcb\x02\n" +
+	"\texposures\x18\x04 \x03(\v2\x19.eitri.v1.ExposureDesiredR\texposures\"\xe1\x02\n" +
 	"\tVMDesired\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -1266,7 +1277,8 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\adeleted\x18\t \x01(\bR\adeleted\x12&\n" +
 	"\x0fdestroy_at_unix\x18\n" +
 	" \x01(\x03R\rdestroyAtUnix\x12,\n" +
-	"\x12ssh_authorized_key\x18\v \x01(\tR\x10sshAuthorizedKey\"R\n" +
+	"\x12ssh_authorized_key\x18\v \x01(\tR\x10sshAuthorizedKey\x12\x14\n" +
+	"\x05owner\x18\f \x01(\tR\x05owner\"R\n" +
 	"\fAgentUpgrade\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x12\x16\n" +
