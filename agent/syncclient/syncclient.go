@@ -130,6 +130,10 @@ type Config struct {
 	OnSnapshot func(generation uint64)
 }
 
+// refusedBackoff is the shortest wait after the control plane refused the
+// stream because another agent holds this host's identity.
+const refusedBackoff = 5 * time.Second
+
 // Run keeps the stream up until ctx ends.
 func Run(ctx context.Context, cfg Config) error {
 	if cfg.ReportEvery == 0 {
@@ -158,10 +162,23 @@ func Run(ctx context.Context, cfg Config) error {
 		if healthy {
 			backoff = cfg.MinBackoff
 		}
+		refused := connect.CodeOf(err) == connect.CodeFailedPrecondition
+		if refused {
+			// Another agent holds this host's stream. Hammering the control
+			// plane won't change that; seconds, growing, will let a dead one
+			// time out and otherwise keep the noise down.
+			backoff = max(backoff, refusedBackoff)
+		}
 		// Full jitter: a control plane restart must not be met by every
 		// agent reconnecting in the same instant.
 		wait := time.Duration(rand.Int64N(int64(backoff))) + backoff/2
-		cfg.Log.Warn("control plane stream lost; reconnecting", "err", err, "in", wait.Round(time.Millisecond))
+		if refused {
+			var ce *connect.Error
+			errors.As(err, &ce)
+			cfg.Log.Error("the control plane refused this agent", "reason", ce.Message(), "retry_in", wait.Round(time.Millisecond))
+		} else {
+			cfg.Log.Warn("control plane stream lost; reconnecting", "err", err, "in", wait.Round(time.Millisecond))
+		}
 		select {
 		case <-ctx.Done():
 			return nil

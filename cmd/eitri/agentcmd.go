@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"flag"
 	"fmt"
@@ -72,6 +73,11 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("--subnet: %w", err)
 	}
+	lock, err := state.LockDir(a.dataDir)
+	if err != nil {
+		return err
+	}
+	defer lock.Release()
 	st, err := state.Open(filepath.Join(a.dataDir, "state"))
 	if err != nil {
 		return err
@@ -127,11 +133,12 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 		addr = defaultAddress()
 	}
 	accel := qb.Accelerator()
+	instance := rand.Text()
 	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", accel, "address", addr)
 	return syncclient.Run(ctx, syncclient.Config{
 		Identity: id, Source: n, Log: log,
 		Hello: func() *eitriv1.Hello {
-			return &eitriv1.Hello{HostId: id.HostID, AgentVersion: version, Hostname: a.name, Accelerator: accel, Address: addr}
+			return &eitriv1.Hello{HostId: id.HostID, AgentVersion: version, Hostname: a.name, Accelerator: accel, Address: addr, InstanceId: instance}
 		},
 	})
 }

@@ -38,7 +38,10 @@ func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.S
 	}
 	hello.HostId = hostID // the credential, not the message, says who this is
 
-	sess := s.f.OpenSession(ctx, hostID, hello)
+	sess, err := s.f.OpenSession(ctx, hostID, hello, st.Peer().Addr)
+	if err != nil {
+		return s.toConnect(err)
+	}
 	defer sess.Close()
 
 	// Receive in its own goroutine: a blocked Receive cannot watch for the

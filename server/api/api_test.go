@@ -104,6 +104,12 @@ func (e *env) enroll(name string) (string, string) {
 
 func (e *env) connect(hostID, cred string, capacity *eitriv1.Capacity) *agent {
 	e.t.Helper()
+	return e.connectWith(hostID, cred, capacity, &eitriv1.Hello{AgentVersion: "test", Address: "192.0.2.10", Accelerator: "tcg"})
+}
+
+// open starts a Sync stream and sends hello, without waiting for anything.
+func (e *env) open(hostID, cred string, hello *eitriv1.Hello) *agent {
+	e.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	ac := eitriv1connect.NewAgentServiceClient(e.http, e.url, connect.WithInterceptors(streamBearer(cred)))
 	st := ac.Sync(ctx)
@@ -112,7 +118,7 @@ func (e *env) connect(hostID, cred string, capacity *eitriv1.Capacity) *agent {
 		_ = st.CloseRequest()
 		_ = st.CloseResponse()
 	})
-	require.NoError(e.t, st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: &eitriv1.Hello{AgentVersion: "test", Address: "192.0.2.10", Accelerator: "tcg"}}}))
+	require.NoError(e.t, st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: hello}}))
 	a := &agent{hostID: hostID, stream: st, snaps: make(chan *eitriv1.DesiredStateSnapshot, 64), ended: make(chan error, 1)}
 	go func() {
 		for {
@@ -125,6 +131,14 @@ func (e *env) connect(hostID, cred string, capacity *eitriv1.Capacity) *agent {
 			a.snaps <- msg.GetSnapshot()
 		}
 	}()
+	return a
+}
+
+// connectWith opens a stream with hello and waits until its first report
+// has landed.
+func (e *env) connectWith(hostID, cred string, capacity *eitriv1.Capacity, hello *eitriv1.Hello) *agent {
+	e.t.Helper()
+	a := e.open(hostID, cred, hello)
 	first := a.next(e.t)
 	assert.Empty(e.t, first.GetVms())
 	a.report(e.t, &eitriv1.ActualStateReport{Capacity: capacity})

@@ -91,6 +91,7 @@ type Fleet struct {
 	sessions map[string]*Session // host id → current stream
 	lastGen  map[string]uint64
 	touched  map[string]time.Time
+	dups     map[string]*duplicate // host id → a refused second agent
 }
 
 // New returns a fleet over st.
@@ -118,6 +119,7 @@ func New(cfg Config, st *store.Store) *Fleet {
 		sessions:  make(map[string]*Session),
 		lastGen:   make(map[string]uint64),
 		touched:   make(map[string]time.Time),
+		dups:      make(map[string]*duplicate),
 	}
 }
 

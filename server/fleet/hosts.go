@@ -182,7 +182,8 @@ func (f *Fleet) hostView(ctx context.Context, h store.Host) (*eitriv1.Host, erro
 	}
 	out := &eitriv1.Host{
 		Id: h.ID, Name: h.Name, Address: h.Address, AgentVersion: h.AgentVersion,
-		Accelerator: h.Accelerator, Allocated: alloc, CreatedAt: timestamppb.New(h.CreatedAt),
+		Accelerator: h.Accelerator, AcceleratorReason: h.AcceleratorReason, Allocated: alloc, CreatedAt: timestamppb.New(h.CreatedAt),
+		Conditions: f.conditions(h.ID),
 	}
 	if h.LastSeenAt != nil {
 		out.LastSeenAt = timestamppb.New(*h.LastSeenAt)
@@ -191,7 +192,11 @@ func (f *Fleet) hostView(ctx context.Context, h store.Host) (*eitriv1.Host, erro
 		out.Connected = true
 		out.LastSeenAt = timestamppb.New(live.LastSeen)
 		if hello := live.Hello; hello != nil {
-			out.Address, out.AgentVersion, out.Accelerator = hello.GetAddress(), hello.GetAgentVersion(), hello.GetAccelerator()
+			out.Address, out.AgentVersion = hello.GetAddress(), hello.GetAgentVersion()
+			out.Accelerator, out.AcceleratorReason = hello.GetAccelerator(), hello.GetAcceleratorReason()
+		}
+		if rep := live.Report; rep.GetAccelerator() != "" {
+			out.Accelerator, out.AcceleratorReason = rep.GetAccelerator(), rep.GetAcceleratorReason()
 		}
 		out.Capacity = live.Report.GetCapacity()
 		out.Metrics = live.Report.GetMetrics()

@@ -17,23 +17,37 @@ var ErrReplaced = errors.New("replaced by a newer stream from the same host")
 
 // Session is one host's agent stream as the fleet sees it.
 type Session struct {
-	f      *Fleet
-	hostID string
-	conn   uint64
-	ctx    context.Context
-	cancel context.CancelCauseFunc
-	kicks  chan struct{}
+	f        *Fleet
+	hostID   string
+	conn     uint64
+	instance string // the agent process's random id; empty from older agents
+	peer     string
+	since    time.Time
+	ctx      context.Context
+	cancel   context.CancelCauseFunc
+	kicks    chan struct{}
 }
 
-// OpenSession registers a host's new stream, replacing any older one, and
-// queues the snapshot every (re)connect gets.
-func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.Hello) *Session {
+// OpenSession registers a host's new stream and queues the snapshot every
+// (re)connect gets. A stream from the agent process that owns the open one
+// (a reconnect the old stream has not noticed yet) replaces it; a stream from
+// another process with the same identity is refused with a Precondition
+// error that says what to do, and the open stream is kept: flapping between
+// two agents would let both of them act on the host's desired state.
+func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.Hello, peer string) (*Session, error) {
 	now := f.now()
-	if err := f.st.UpdateHostHello(ctx, hostID, hello.GetAgentVersion(), hello.GetAddress(), hello.GetAccelerator(), now); err != nil {
+	if err := f.refuseDuplicate(ctx, hostID, hello, peer, now); err != nil {
+		return nil, err
+	}
+	if err := f.st.UpdateHostHello(ctx, hostID, store.HostHello{
+		AgentVersion: hello.GetAgentVersion(), Address: hello.GetAddress(),
+		Accelerator: hello.GetAccelerator(), AcceleratorReason: hello.GetAcceleratorReason(),
+	}, now); err != nil {
 		f.log.Warn("record host hello", "host", hostID, "err", err)
 	}
 	sctx, cancel := context.WithCancelCause(ctx)
-	s := &Session{f: f, hostID: hostID, ctx: sctx, cancel: cancel, kicks: make(chan struct{}, 1)}
+	s := &Session{f: f, hostID: hostID, instance: hello.GetInstanceId(), peer: peer, since: now,
+		ctx: sctx, cancel: cancel, kicks: make(chan struct{}, 1)}
 	s.kicks <- struct{}{}
 
 	f.mu.Lock()
@@ -45,9 +59,9 @@ func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.H
 	f.sessions[hostID] = s
 	f.mu.Unlock()
 
-	f.log.Info("host connected", "host", hostID, "agent_version", hello.GetAgentVersion())
+	f.log.Info("host connected", "host", hostID, "agent_version", hello.GetAgentVersion(), "peer", peer)
 	f.publishDiff(ctx, hostID, d)
-	return s
+	return s, nil
 }
 
 // Context ends when the session is replaced or its host decommissioned.
@@ -146,6 +160,13 @@ func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
 	d, ok := f.reg.Apply(s.hostID, s.conn, rep, now)
 	if !ok {
 		return
+	}
+	if d.Accelerator {
+		// A re-probe changed what new guests run under; a disconnected host
+		// keeps showing the last word.
+		if err := f.st.UpdateHostAccelerator(ctx, s.hostID, rep.GetAccelerator(), rep.GetAcceleratorReason()); err != nil {
+			f.log.Warn("record host accelerator", "host", s.hostID, "err", err)
+		}
 	}
 	// What people need after the host goes away (its last status, address,
 	// error and host key) is kept durably; narration and counters are not.

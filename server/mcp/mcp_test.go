@@ -218,7 +218,8 @@ func connectHost(t *testing.T, e env) *host {
 	require.NoError(t, err)
 	er, err := e.fleet.Enroll(ctx, &eitriv1.EnrollRequest{JoinToken: jt.GetToken(), Hostname: "h1", AgentVersion: "test"})
 	require.NoError(t, err)
-	s := e.fleet.OpenSession(ctx, er.GetHostId(), &eitriv1.Hello{HostId: er.GetHostId(), AgentVersion: "test", Hostname: "h1"})
+	s, err := e.fleet.OpenSession(ctx, er.GetHostId(), &eitriv1.Hello{HostId: er.GetHostId(), AgentVersion: "test", Hostname: "h1"}, "192.0.2.1:1")
+	require.NoError(t, err)
 	t.Cleanup(s.Close)
 	h := &host{t: t, sess: s}
 	h.report()

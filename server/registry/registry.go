@@ -32,6 +32,8 @@ type Diff struct {
 	VMs       []string
 	Exposures []string
 	Host      bool
+	// Accelerator: the report changed what the host runs guests under.
+	Accelerator bool
 }
 
 // Registry is safe for concurrent use.
@@ -108,7 +110,12 @@ func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateRep
 	d.VMs = changed(l.vms, vms)
 	d.Exposures = changed(l.exps, exps)
 	old := l.Report
-	d.Host = old == nil ||
+	prevAccel, prevReason := l.Hello.GetAccelerator(), l.Hello.GetAcceleratorReason()
+	if old.GetAccelerator() != "" {
+		prevAccel, prevReason = old.GetAccelerator(), old.GetAcceleratorReason()
+	}
+	d.Accelerator = rep.GetAccelerator() != "" && (rep.GetAccelerator() != prevAccel || rep.GetAcceleratorReason() != prevReason)
+	d.Host = old == nil || d.Accelerator ||
 		!proto.Equal(old.GetCapacity(), rep.GetCapacity()) ||
 		!proto.Equal(old.GetMetrics(), rep.GetMetrics())
 	// Replace rather than mutate: readers may hold the previous Live.

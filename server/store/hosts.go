@@ -15,6 +15,8 @@ type Host struct {
 	AgentVersion   string
 	Address        string
 	Accelerator    string
+	// AcceleratorReason is the agent's one sentence on why.
+	AcceleratorReason string
 	CreatedAt      time.Time
 	LastSeenAt     *time.Time
 }
@@ -30,13 +32,13 @@ type JoinToken struct {
 	HostID    string // the host it enrolled, once used ("" if that host is gone)
 }
 
-const hostCols = `id, name, credential_hash, agent_version, address, accelerator, created_at, last_seen_at`
+const hostCols = `id, name, credential_hash, agent_version, address, accelerator, accelerator_reason, created_at, last_seen_at`
 
 func scanHost(row interface{ Scan(...any) error }) (Host, error) {
 	var h Host
 	var created int64
 	var seen sql.NullInt64
-	if err := row.Scan(&h.ID, &h.Name, &h.CredentialHash, &h.AgentVersion, &h.Address, &h.Accelerator, &created, &seen); err != nil {
+	if err := row.Scan(&h.ID, &h.Name, &h.CredentialHash, &h.AgentVersion, &h.Address, &h.Accelerator, &h.AcceleratorReason, &created, &seen); err != nil {
 		return Host{}, err
 	}
 	h.CreatedAt = fromNanos(created)
@@ -48,8 +50,8 @@ func insertHost(ctx context.Context, tx *sql.Tx, h Host) error {
 	if h.ID == "" || len(h.CredentialHash) == 0 {
 		return errors.New("store: host needs an id and a credential hash")
 	}
-	_, err := tx.ExecContext(ctx, `INSERT INTO hosts (`+hostCols+`) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
-		h.ID, h.Name, h.CredentialHash, h.AgentVersion, h.Address, h.Accelerator, nanos(h.CreatedAt), nullNanos(h.LastSeenAt))
+	_, err := tx.ExecContext(ctx, `INSERT INTO hosts (`+hostCols+`) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
+		h.ID, h.Name, h.CredentialHash, h.AgentVersion, h.Address, h.Accelerator, h.AcceleratorReason, nanos(h.CreatedAt), nullNanos(h.LastSeenAt))
 	if isUniqueViolation(err) {
 		return fmt.Errorf("%w: host %s or its credential already exists", ErrConflict, h.ID)
 	}
@@ -94,12 +96,26 @@ func (s *Store) ListHosts(ctx context.Context) ([]Host, error) {
 	return out, rows.Err()
 }
 
+// HostHello is what an agent says about itself on connecting.
+type HostHello struct {
+	AgentVersion, Address, Accelerator, AcceleratorReason string
+}
+
 // UpdateHostHello records what the agent said about itself on connecting;
 // hearing from it also counts as seeing it.
-func (s *Store) UpdateHostHello(ctx context.Context, id, agentVersion, address, accelerator string, at time.Time) error {
+func (s *Store) UpdateHostHello(ctx context.Context, id string, h HostHello, at time.Time) error {
 	return s.write(ctx, func(tx *sql.Tx) error {
-		res, err := tx.ExecContext(ctx, `UPDATE hosts SET agent_version = $1, address = $2, accelerator = $3, last_seen_at = $4 WHERE id = $5`,
-			agentVersion, address, accelerator, nanos(at), id)
+		res, err := tx.ExecContext(ctx, `UPDATE hosts SET agent_version = $1, address = $2, accelerator = $3, accelerator_reason = $4, last_seen_at = $5 WHERE id = $6`,
+			h.AgentVersion, h.Address, h.Accelerator, h.AcceleratorReason, nanos(at), id)
+		return mustAffect(res, err, "host "+id)
+	})
+}
+
+// UpdateHostAccelerator records a change of accelerator an agent reported
+// mid-stream (a re-probe).
+func (s *Store) UpdateHostAccelerator(ctx context.Context, id, accelerator, reason string) error {
+	return s.write(ctx, func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, `UPDATE hosts SET accelerator = $1, accelerator_reason = $2 WHERE id = $3`, accelerator, reason, id)
 		return mustAffect(res, err, "host "+id)
 	})
 }

@@ -205,11 +205,18 @@ func TestHosts(t *testing.T) {
 	assert.Equal(t, []string{"alpha", "beta"}, []string{hosts[0].Name, hosts[1].Name}, "ordered by name")
 
 	seen := t0.Add(time.Minute)
-	require.NoError(t, s.UpdateHostHello(ctx, "h1", "v1.2.3", "10.0.0.5", "kvm", seen))
+	require.NoError(t, s.UpdateHostHello(ctx, "h1", HostHello{AgentVersion: "v1.2.3", Address: "10.0.0.5", Accelerator: "kvm", AcceleratorReason: "kvm works with -cpu host"}, seen))
 	h, err := s.HostByCredentialHash(ctx, hashOf("h1"))
 	require.NoError(t, err)
 	assert.Equal(t, Host{ID: "h1", Name: "beta", CredentialHash: hashOf("h1"), AgentVersion: "v1.2.3",
-		Address: "10.0.0.5", Accelerator: "kvm", CreatedAt: t0, LastSeenAt: &seen}, h)
+		Address: "10.0.0.5", Accelerator: "kvm", AcceleratorReason: "kvm works with -cpu host", CreatedAt: t0, LastSeenAt: &seen}, h)
+
+	require.NoError(t, s.UpdateHostAccelerator(ctx, "h1", "tcg", "kvm unusable: KVM internal error; running under tcg"))
+	h, err = s.HostByID(ctx, "h1")
+	require.NoError(t, err)
+	assert.Equal(t, "tcg", h.Accelerator)
+	assert.Equal(t, "kvm unusable: KVM internal error; running under tcg", h.AcceleratorReason)
+	assert.Equal(t, "v1.2.3", h.AgentVersion, "a re-probe keeps the rest of the hello")
 
 	later := seen.Add(time.Second)
 	require.NoError(t, s.TouchHost(ctx, "h1", later))
@@ -222,7 +229,8 @@ func TestHosts(t *testing.T) {
 	assert.ErrorIs(t, err, ErrNotFound)
 	_, err = s.HostByCredentialHash(ctx, hashOf("nope"))
 	assert.ErrorIs(t, err, ErrNotFound)
-	assert.ErrorIs(t, s.UpdateHostHello(ctx, "nope", "", "", "", t0), ErrNotFound)
+	assert.ErrorIs(t, s.UpdateHostHello(ctx, "nope", HostHello{}, t0), ErrNotFound)
+	assert.ErrorIs(t, s.UpdateHostAccelerator(ctx, "nope", "tcg", ""), ErrNotFound)
 	assert.ErrorIs(t, s.TouchHost(ctx, "nope", t0), ErrNotFound)
 	assert.ErrorIs(t, s.DeleteHost(ctx, "nope"), ErrNotFound)
 	assert.ErrorIs(t, s.CreateHost(ctx, Host{ID: "h3", CredentialHash: hashOf("h1")}), ErrConflict)
