@@ -17,8 +17,8 @@ type Host struct {
 	Accelerator    string
 	// AcceleratorReason is the agent's one sentence on why.
 	AcceleratorReason string
-	CreatedAt      time.Time
-	LastSeenAt     *time.Time
+	CreatedAt         time.Time
+	LastSeenAt        *time.Time
 }
 
 // JoinToken buys one host enrollment before ExpiresAt.
