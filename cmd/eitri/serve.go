@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -91,13 +92,13 @@ func cmdDev(ctx context.Context, args []string) error {
 		return err
 	}
 	log := newLogger(*level)
-	ln, err := net.Listen("tcp", *listen)
+	addr, err := loopbackAddr(ctx, *listen, lookupHost)
 	if err != nil {
 		return err
 	}
-	if ip := net.ParseIP(strings.Split(ln.Addr().String(), ":")[0]); ip != nil && !ip.IsLoopback() {
-		ln.Close()
-		return errors.New("eitri dev serves plaintext and only listens on loopback; use eitri server elsewhere")
+	ln, err := net.Listen("tcp", addr.String())
+	if err != nil {
+		return err
 	}
 	url := "http://" + ln.Addr().String()
 	cpDir := filepath.Join(*dataDir, "control")
@@ -137,6 +138,49 @@ func cmdDev(ctx context.Context, args []string) error {
 		cancel()
 		return err
 	}
+}
+
+// loopbackAddr resolves a --listen value for eitri dev and refuses anything
+// that is not loopback: dev mode serves plain HTTP and enrolls its own agent,
+// so it must never be reachable from another machine. ":8080", "0.0.0.0" and
+// "[::]" mean every interface; a name must resolve to loopback addresses
+// only. The address returned is what to bind, so the name is not looked up
+// a second time by Listen.
+func loopbackAddr(ctx context.Context, listen string, lookup func(ctx context.Context, host string) ([]netip.Addr, error)) (netip.AddrPort, error) {
+	refuse := func(why string) (netip.AddrPort, error) {
+		return netip.AddrPort{}, fmt.Errorf("--listen %q: %s; eitri dev serves plain HTTP and only listens on loopback (127.0.0.1, ::1 or localhost); use eitri server elsewhere", listen, why)
+	}
+	host, portStr, err := net.SplitHostPort(listen)
+	if err != nil {
+		return refuse("want HOST:PORT")
+	}
+	port, err := strconv.ParseUint(portStr, 10, 16)
+	if err != nil {
+		return refuse("bad port")
+	}
+	if host == "" {
+		return refuse("no host means every interface")
+	}
+	if ip, err := netip.ParseAddr(host); err == nil {
+		if !ip.Unmap().IsLoopback() {
+			return refuse(ip.String() + " is not a loopback address")
+		}
+		return netip.AddrPortFrom(ip.Unmap(), uint16(port)), nil
+	}
+	ips, err := lookup(ctx, host)
+	if err != nil || len(ips) == 0 {
+		return refuse("cannot resolve the name")
+	}
+	for _, ip := range ips {
+		if !ip.Unmap().IsLoopback() {
+			return refuse(host + " resolves to " + ip.String() + ", which is not loopback")
+		}
+	}
+	return netip.AddrPortFrom(ips[0].Unmap(), uint16(port)), nil
+}
+
+func lookupHost(ctx context.Context, host string) ([]netip.Addr, error) {
+	return net.DefaultResolver.LookupNetIP(ctx, "ip", host)
 }
 
 // serveGuestImage serves the project's test guest so the quickstart can
