@@ -6,11 +6,13 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 )
 
@@ -67,4 +69,18 @@ func TestTheCLISpeaksTheAPI(t *testing.T) {
 	_, err = eitri("vm", "get")
 	var ue usageError
 	assert.ErrorAs(t, err, &ue, "a missing argument is a usage error")
+}
+
+func TestHostLsSaysWhyAndWhatIsWrong(t *testing.T) {
+	var out bytes.Buffer
+	hostTable(&out, &eitriv1.Host{
+		Id: "h-1", Name: "rack1", Connected: true, Accelerator: "tcg",
+		AcceleratorReason: "kvm unusable: failed to set MSR 0x10a; running under tcg",
+		Conditions:        []*eitriv1.HostCondition{{Type: "duplicate_agent", Message: "a second agent keeps connecting from 192.0.2.9:4711"}},
+	}, &eitriv1.Host{Id: "h-2", Name: "rack2"})
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	require.Len(t, lines, 3)
+	assert.Contains(t, lines[0], "NOTES")
+	assert.Contains(t, lines[1], "DUPLICATE AGENT: a second agent keeps connecting from 192.0.2.9:4711; kvm unusable: failed to set MSR 0x10a; running under tcg")
+	assert.NotContains(t, lines[2], "kvm", "a host with nothing to say has an empty note")
 }

@@ -391,7 +391,7 @@ func vmDetail(w io.Writer, v *eitriv1.VM) {
 }
 
 func hostTable(w io.Writer, hosts ...*eitriv1.Host) {
-	fmt.Fprintln(w, "ID\tNAME\tCONNECTED\tACCEL\tADDRESS\tCPU\tMEMORY\tDISK\tVERSION")
+	fmt.Fprintln(w, "ID\tNAME\tCONNECTED\tACCEL\tADDRESS\tCPU\tMEMORY\tDISK\tVERSION\tNOTES")
 	for _, h := range hosts {
 		use := func(a, c int64) string {
 			if h.Capacity == nil {
@@ -399,10 +399,23 @@ func hostTable(w io.Writer, hosts ...*eitriv1.Host) {
 			}
 			return fmt.Sprintf("%d/%d", a, c)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%v\t%s\t%s\t%s\t%s MiB\t%s GiB\t%s\n", h.Id, h.Name, h.Connected, dash(h.Accelerator), dash(h.Address),
+		fmt.Fprintf(w, "%s\t%s\t%v\t%s\t%s\t%s\t%s MiB\t%s GiB\t%s\t%s\n", h.Id, h.Name, h.Connected, dash(h.Accelerator), dash(h.Address),
 			use(int64(h.Allocated.GetVcpus()), int64(h.Capacity.GetVcpus())), use(h.Allocated.GetMemMb(), h.Capacity.GetMemMb()),
-			use(h.Allocated.GetDiskGb(), h.Capacity.GetDiskGb()), dash(h.AgentVersion))
+			use(h.Allocated.GetDiskGb(), h.Capacity.GetDiskGb()), dash(h.AgentVersion), hostNotes(h))
 	}
+}
+
+// hostNotes is what a person should know about a host beyond the numbers:
+// its ongoing problems first, then why it runs under its accelerator.
+func hostNotes(h *eitriv1.Host) string {
+	var notes []string
+	for _, c := range h.Conditions {
+		notes = append(notes, strings.ToUpper(strings.ReplaceAll(c.Type, "_", " "))+": "+c.Message)
+	}
+	if h.AcceleratorReason != "" {
+		notes = append(notes, h.AcceleratorReason)
+	}
+	return strings.Join(notes, "; ")
 }
 
 func exposureTable(w io.Writer, exps ...*eitriv1.Exposure) {
