@@ -33,6 +33,7 @@ type Node struct {
 	ports    Ports
 	capacity func() *eitriv1.Capacity
 	metrics  func() *eitriv1.Metrics
+	accel    func() (name, reason string)
 	log      *slog.Logger
 
 	changed chan struct{}
@@ -48,7 +49,10 @@ type Config struct {
 	Ports    Ports
 	Capacity func() *eitriv1.Capacity // nil: capacity not reported
 	Metrics  func() *eitriv1.Metrics  // nil: metrics not reported
-	Log      *slog.Logger
+	// Accelerator is what new guests start under and why; it can change
+	// when the hypervisor re-probes. nil: said only in Hello.
+	Accelerator func() (name, reason string)
+	Log         *slog.Logger
 }
 
 // New returns a node; call Run to follow guest address changes.
@@ -56,7 +60,7 @@ func New(cfg Config) *Node {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	return &Node{eng: cfg.Engine, ports: cfg.Ports, capacity: cfg.Capacity, metrics: cfg.Metrics, log: cfg.Log, addrs: map[string]netip.Addr{}, changed: make(chan struct{}, 1)}
+	return &Node{eng: cfg.Engine, ports: cfg.Ports, capacity: cfg.Capacity, metrics: cfg.Metrics, accel: cfg.Accelerator, log: cfg.Log, addrs: map[string]netip.Addr{}, changed: make(chan struct{}, 1)}
 }
 
 // Resolve is the exposure proxy's guest-address lookup.
@@ -168,5 +172,8 @@ func (n *Node) Fill(rep *eitriv1.ActualStateReport) {
 	}
 	if n.metrics != nil {
 		rep.Metrics = n.metrics()
+	}
+	if n.accel != nil {
+		rep.Accelerator, rep.AcceleratorReason = n.accel()
 	}
 }

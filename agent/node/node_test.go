@@ -103,3 +103,23 @@ func report(n *Node) *eitriv1.ActualStateReport {
 }
 
 func itoa(p uint32) string { return strconv.Itoa(int(p)) }
+
+func TestTheReportCarriesTheAcceleratorAsItIsNow(t *testing.T) {
+	eng := &engine{changed: make(chan struct{}, 1)}
+	proxy := exposeproxy.New(exposeproxy.Config{Resolve: func(string) (netip.Addr, bool) { return netip.Addr{}, false }})
+	defer proxy.Close()
+	name, why := "kvm", "kvm works with -cpu host"
+	n := New(Config{Engine: eng, Ports: proxy, Accelerator: func() (string, string) { return name, why }})
+	rep := report(n)
+	assert.Equal(t, "kvm", rep.Accelerator)
+	assert.Equal(t, "kvm works with -cpu host", rep.AcceleratorReason)
+
+	// A re-probe moved the host to tcg: the next report says so.
+	name, why = "tcg", "kvm unusable: KVM internal error; running under tcg"
+	rep = report(n)
+	assert.Equal(t, "tcg", rep.Accelerator)
+	assert.Equal(t, why, rep.AcceleratorReason)
+
+	silent := New(Config{Engine: eng, Ports: proxy})
+	assert.Empty(t, report(silent).Accelerator, "no source: said only in hello")
+}
