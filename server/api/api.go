@@ -28,7 +28,7 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 		connect.WithCodec(jsonCodec{name: "json"}),
 		connect.WithCodec(jsonCodec{name: "json; charset=utf-8"}),
 		connect.WithInterceptors(auth.Interceptor{
-			Resolve: f.Resolve,
+			Resolve: f.Resolve, ResolveSession: f.ResolveSession, Hold: f.Hold,
 			Skip: func(procedure string) bool {
 				return strings.HasPrefix(procedure, "/"+eitriv1connect.AgentServiceName+"/")
 			},
@@ -45,7 +45,8 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 		func() (string, http.Handler) { return eitriv1connect.NewAgentServiceHandler(agentService{h}, opts...) },
 	} {
 		path, handler := mount()
-		r.Handle(path+"*", handler)
+		// auth.Console: the console's cookie is good here (from its own pages).
+		r.Handle(path+"*", auth.Console(handler))
 	}
 }
 
@@ -264,4 +265,14 @@ func (s tokenService) ListTokens(ctx context.Context, _ *connect.Request[eitriv1
 func (s tokenService) RevokeToken(ctx context.Context, r *connect.Request[eitriv1.RevokeTokenRequest]) (*connect.Response[eitriv1.RevokeTokenResponse], error) {
 	err := s.f.RevokeToken(ctx, r.Msg.GetId())
 	return reply(s.handlers, &eitriv1.RevokeTokenResponse{}, err)
+}
+
+func (s tokenService) ListSessions(ctx context.Context, _ *connect.Request[eitriv1.ListSessionsRequest]) (*connect.Response[eitriv1.ListSessionsResponse], error) {
+	list, err := s.f.ListSessions(ctx)
+	return reply(s.handlers, &eitriv1.ListSessionsResponse{Sessions: list}, err)
+}
+
+func (s tokenService) RevokeSession(ctx context.Context, r *connect.Request[eitriv1.RevokeSessionRequest]) (*connect.Response[eitriv1.RevokeSessionResponse], error) {
+	err := s.f.RevokeSession(ctx, r.Msg.GetId())
+	return reply(s.handlers, &eitriv1.RevokeSessionResponse{}, err)
 }

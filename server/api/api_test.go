@@ -503,7 +503,7 @@ func TestTheConsoleLogsInWithACookieAndLogoutRevokesIt(t *testing.T) {
 	require.Equal(t, http.StatusNoContent, resp.StatusCode)
 	var cookie *http.Cookie
 	for _, c := range resp.Cookies() {
-		if c.Name == "eitri_session" {
+		if c.Name == "__Host-eitri_session" { // over TLS
 			cookie = c
 		}
 	}

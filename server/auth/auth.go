@@ -1,6 +1,7 @@
 // Package auth holds who is calling: bearer secrets (made and hashed here),
 // the principal a request runs as, and the Connect interceptor that resolves
-// one from the Authorization header or the console's session cookie.
+// one from the Authorization header (personal access tokens only) or the
+// console's session cookie (only on requests from the console's own pages).
 package auth
 
 import (
@@ -9,8 +10,10 @@ import (
 	"crypto/sha256"
 	"encoding/base32"
 	"errors"
+	"fmt"
 	"net/http"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 )
@@ -24,8 +27,23 @@ const (
 	PrefixJoin    = "eitri_join_"
 )
 
-// SessionCookie is the console's HttpOnly cookie.
-const SessionCookie = "eitri_session"
+// The console's HttpOnly session cookie. Over TLS it is __Host- prefixed
+// (Secure, Path=/, no Domain), so the browser refuses one set by a plain-HTTP
+// page or for a parent domain. Plain HTTP (dev mode, loopback only) cannot use
+// the prefix, which browsers accept only on Secure cookies, nor Secure itself
+// (an http:// origin may not set one), so there the cookie keeps a plain name.
+const (
+	SessionCookie    = "eitri_session"
+	SessionCookieTLS = "__Host-eitri_session"
+)
+
+// SessionCookieName is the cookie name for a request over TLS or not.
+func SessionCookieName(tls bool) string {
+	if tls {
+		return SessionCookieTLS
+	}
+	return SessionCookie
+}
 
 // NewSecret returns prefix + 160 random bits, base32.
 func NewSecret(prefix string) string {
@@ -46,7 +64,11 @@ type Principal struct {
 	UserID  string
 	Name    string
 	Admin   bool
-	TokenID string
+	TokenID string // the credential presented (a token or a session)
+	// ParentID is, for a console session, the token that opened it.
+	ParentID string
+	// ExpiresAt is when the presented credential stops working; nil: never.
+	ExpiresAt *time.Time
 }
 
 type principalKey struct{}
@@ -69,46 +91,109 @@ var ErrBadCredential = errors.New("invalid, revoked or expired token")
 // Resolver turns a presented secret into a principal.
 type Resolver func(ctx context.Context, secret string) (Principal, error)
 
-// Secret extracts the presented secret: a bearer token first, the session
-// cookie otherwise.
+// Secret returns the secret of an "Authorization: Bearer" header, or "".
+// It never reads the console's cookie: see SessionSecret.
 func Secret(h http.Header) string {
-	if v := h.Get("Authorization"); v != "" {
-		if tok, ok := strings.CutPrefix(v, "Bearer "); ok {
-			return strings.TrimSpace(tok)
-		}
-		return ""
-	}
-	r := http.Request{Header: h}
-	if c, err := r.Cookie(SessionCookie); err == nil {
-		return c.Value
+	if tok, ok := strings.CutPrefix(h.Get("Authorization"), "Bearer "); ok {
+		return strings.TrimSpace(tok)
 	}
 	return ""
+}
+
+// ErrSessionAsBearer refuses a console session presented as a bearer token:
+// a session is good only in the console's cookie, so a copy that leaked out
+// of a browser (say, to a tenant's port on the same host) is worth nothing.
+// It wraps ErrBadCredential, so callers that only know that one still answer
+// 401.
+var ErrSessionAsBearer = fmt.Errorf("%w: a console session is not a bearer token, send a personal access token", ErrBadCredential)
+
+// FromConsole reports whether a browser says r came from a page of this same
+// origin. Sec-Fetch-Site is set by the browser and cannot be forged by a
+// page; a client that sends none is not a browser and has no ambient cookie
+// to abuse. "same-site" is refused on purpose: a tenant's published port on
+// the console's host is the same site.
+func FromConsole(r *http.Request) bool {
+	site := r.Header.Get("Sec-Fetch-Site")
+	return site == "" || site == "same-origin"
+}
+
+// SessionSecret returns the session secret in r's console cookie, or "" when
+// there is none or the request did not come from the console's own pages.
+func SessionSecret(r *http.Request) string {
+	if !FromConsole(r) {
+		return ""
+	}
+	c, err := r.Cookie(SessionCookieName(r.TLS != nil))
+	if err != nil {
+		return ""
+	}
+	return c.Value
+}
+
+type sessionKey struct{}
+
+// Console lets the Connect handlers behind it accept the console's cookie:
+// it hands the interceptor (which sees headers, not the connection) the
+// session secret as SessionSecret read it. Handlers not wrapped take bearer
+// tokens only.
+func Console(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if s := SessionSecret(r); s != "" {
+			r = r.WithContext(context.WithValue(r.Context(), sessionKey{}, s))
+		}
+		next.ServeHTTP(w, r)
+	})
 }
 
 // Interceptor authenticates every user-facing RPC. Procedures listed in skip
 // (the agent's service, which has its own credentials) pass through.
 type Interceptor struct {
-	Resolve Resolver
-	Skip    func(procedure string) bool
+	// Resolve takes personal access tokens, ResolveSession console sessions.
+	Resolve, ResolveSession Resolver
+	Skip                    func(procedure string) bool
+	// Hold, if set, ties a stream to its credential: the returned context
+	// ends when the credential is revoked or expires, and release is called
+	// when the stream ends.
+	Hold func(ctx context.Context, p Principal) (held context.Context, release func(), err error)
 }
 
 func (i Interceptor) authenticate(ctx context.Context, procedure string, h http.Header) (context.Context, error) {
 	if i.Skip != nil && i.Skip(procedure) {
 		return ctx, nil
 	}
-	secret := Secret(h)
-	if secret == "" {
+	resolve, secret := i.Resolve, Secret(h)
+	switch {
+	case h.Get("Authorization") == "":
+		// No header: the console's cookie, if Console found one.
+		resolve = i.ResolveSession
+		secret, _ = ctx.Value(sessionKey{}).(string)
+	case strings.HasPrefix(secret, PrefixSession):
+		return nil, connect.NewError(connect.CodeUnauthenticated, ErrSessionAsBearer)
+	}
+	if secret == "" || resolve == nil {
 		return nil, connect.NewError(connect.CodeUnauthenticated, errors.New("missing credentials: send Authorization: Bearer <token>"))
 	}
-	p, err := i.Resolve(ctx, secret)
+	p, err := resolve(ctx, secret)
 	if err != nil {
-		if errors.Is(err, ErrBadCredential) {
-			return nil, connect.NewError(connect.CodeUnauthenticated, err)
-		}
-		return nil, connect.NewError(connect.CodeInternal, err)
+		return nil, credentialError(err)
 	}
 	return WithPrincipal(ctx, p), nil
 }
+
+func credentialError(err error) error {
+	for _, bad := range []error{ErrBadCredential, ErrRevoked, ErrExpired} {
+		if errors.Is(err, bad) {
+			return connect.NewError(connect.CodeUnauthenticated, err)
+		}
+	}
+	return connect.NewError(connect.CodeInternal, err)
+}
+
+// A held stream's context ends with one of these causes.
+var (
+	ErrRevoked = errors.New("the credential of this stream was revoked")
+	ErrExpired = errors.New("the credential of this stream expired")
+)
 
 // WrapUnary implements connect.Interceptor.
 func (i Interceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
@@ -136,6 +221,21 @@ func (i Interceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) con
 		if err != nil {
 			return err
 		}
-		return next(ctx, conn)
+		p, ok := FromContext(ctx)
+		if !ok || i.Hold == nil {
+			return next(ctx, conn)
+		}
+		ctx, release, err := i.Hold(ctx, p)
+		if err != nil {
+			return credentialError(err)
+		}
+		defer release()
+		err = next(ctx, conn)
+		// A stream cut off by its credential says why, rather than ending
+		// as if the server had finished.
+		if cause := context.Cause(ctx); errors.Is(cause, ErrRevoked) || errors.Is(cause, ErrExpired) {
+			return connect.NewError(connect.CodeUnauthenticated, cause)
+		}
+		return err
 	}
 }

@@ -3,11 +3,15 @@ package fleet
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net/url"
 	"strconv"
+	"sync"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
 )
@@ -16,6 +20,12 @@ import (
 func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureRequest) (*eitriv1.Exposure, error) {
 	if r.GetVmId() == "" {
 		return nil, invalid("vm_id", "required")
+	}
+	if err := checkLen("protocol", r.GetProtocol(), 8); err != nil {
+		return nil, err
+	}
+	if err := checkLen("scope", r.GetScope(), 8); err != nil {
+		return nil, err
 	}
 	proto, scope := r.GetProtocol(), r.GetScope()
 	if proto == "" {
@@ -34,7 +44,7 @@ func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureReq
 	case scope != "lan" && scope != "local":
 		return nil, invalid("scope", `must be "lan" or "local", got %q`, r.GetScope())
 	}
-	vm, _, err := f.visible(ctx, r.GetVmId())
+	vm, p, err := f.visible(ctx, r.GetVmId())
 	if err != nil {
 		return nil, err
 	}
@@ -42,6 +52,16 @@ func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureReq
 		return nil, errorf(Precondition, "vm %s is deleted", vm.ID)
 	}
 	port := uint16(r.GetHostPort())
+	if port != 0 {
+		if err := f.hostPortAllowed(p, proto, port); err != nil {
+			return nil, err
+		}
+	}
+	f.quota.admit.Lock()
+	defer f.quota.admit.Unlock()
+	if err := f.admitQuota(ctx, p, Usage{Exposures: 1}); err != nil {
+		return nil, err
+	}
 	if port == 0 {
 		if port, err = f.freePort(ctx, vm.HostID, proto); err != nil {
 			return nil, err
@@ -53,6 +73,10 @@ func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureReq
 		Protocol: proto, Scope: scope, MaxSessions: r.GetMaxSessions(), CreatedAt: f.now(),
 	}
 	if err := f.st.CreateExposure(ctx, e); err != nil {
+		var held *store.PortHeldError
+		if errors.As(err, &held) {
+			return nil, f.portTaken(ctx, p, held)
+		}
 		return nil, storeErr(err, "exposure")
 	}
 	f.event(ctx, vm.ID, "exposure", "published "+proto+" guest port "+strconv.Itoa(int(e.GuestPort))+" on host port "+strconv.Itoa(int(e.HostPort)))
@@ -67,7 +91,7 @@ func (f *Fleet) freePort(ctx context.Context, hostID, proto string) (uint16, err
 		return 0, err
 	}
 	for p := int(f.cfg.PortMin); p <= int(f.cfg.PortMax); p++ {
-		if !used[uint16(p)] {
+		if !used[uint16(p)] && f.reserved.whose(proto, uint16(p)) == "" {
 			return uint16(p), nil
 		}
 	}
@@ -116,11 +140,15 @@ func (f *Fleet) DeleteExposure(ctx context.Context, id string) error {
 	if id == "" {
 		return invalid("id", "required")
 	}
+	if err := checkLen("id", id, maxIDLen); err != nil {
+		return err
+	}
 	e, err := f.st.GetExposure(ctx, id)
 	if err != nil {
 		return storeErr(err, "exposure "+id)
 	}
-	if _, _, err := f.visible(ctx, e.VMID); err != nil {
+	vm, _, err := f.visible(ctx, e.VMID)
+	if err != nil {
 		if KindOf(err) == NotFound {
 			return errorf(NotFound, "exposure %s not found", id)
 		}
@@ -130,7 +158,7 @@ func (f *Fleet) DeleteExposure(ctx context.Context, id string) error {
 		return storeErr(err, "exposure "+id)
 	}
 	f.event(ctx, e.VMID, "exposure", "unpublished host port "+strconv.Itoa(int(e.HostPort))+"/"+e.Protocol)
-	f.Exposures.Publish(watch.Event[*eitriv1.Exposure]{ID: id, Removed: true})
+	f.exposureRemoved(e, vm.OwnerID)
 	f.kick(e.HostID)
 	return nil
 }
@@ -199,7 +227,8 @@ func (f *Fleet) WatchExposures(ctx context.Context, vmID string) (*watch.Watcher
 		if owner != nil && !owner(ev) {
 			return false
 		}
-		return vmID == "" || ev.Removed || ev.Obj.GetVmId() == vmID
+		// A removal carries a stub with its VM's id (see exposureRemoved).
+		return vmID == "" || ev.Obj.GetVmId() == vmID
 	}
 	w := f.Exposures.Subscribe(filter)
 	list, err := f.ListExposures(ctx, vmID)
@@ -208,4 +237,83 @@ func (f *Fleet) WatchExposures(ctx context.Context, vmID string) (*watch.Watcher
 		return nil, nil, err
 	}
 	return w, list, nil
+}
+
+// exposureRemoved tells the owner's (and admins') watchers that an exposure
+// is gone. The event carries its owner and a stub naming its VM, so other
+// users' watchers never hear of it and a VM's watcher hears only of its own.
+func (f *Fleet) exposureRemoved(e store.Exposure, owner string) {
+	f.Exposures.Publish(watch.Event[*eitriv1.Exposure]{ID: e.ID, Owner: owner, Removed: true,
+		Obj: &eitriv1.Exposure{Id: e.ID, VmId: e.VMID}})
+}
+
+// reservedPorts are host ports no exposure may take, an admin's included:
+// the agent's own listeners and the control plane's port. The control
+// plane's is refused on every host, since it may share one with an agent
+// (eitri dev always does) and the fleet cannot tell which.
+type reservedPorts struct {
+	mu sync.Mutex
+	by map[string]string // "tcp/7443" → whose it is
+}
+
+func portKey(proto string, port uint16) string { return proto + "/" + strconv.Itoa(int(port)) }
+
+func builtinReserved(publicURL string) *reservedPorts {
+	r := &reservedPorts{by: map[string]string{
+		portKey("udp", 67): "the port of the agent's DHCP server for its guests",
+	}}
+	if u, err := url.Parse(publicURL); err == nil && u.Host != "" {
+		port := u.Port()
+		if port == "" && u.Scheme == "https" {
+			port = "443"
+		} else if port == "" {
+			port = "80"
+		}
+		if n, err := strconv.ParseUint(port, 10, 16); err == nil {
+			r.by[portKey("tcp", uint16(n))] = controlPlanePort
+		}
+	}
+	return r
+}
+
+const controlPlanePort = "the control plane's own port"
+
+// ReserveControlPort keeps exposures off the port the control plane
+// listens on (which may differ from its public URL's, behind a proxy).
+func (f *Fleet) ReserveControlPort(port uint16) {
+	f.reserved.mu.Lock()
+	defer f.reserved.mu.Unlock()
+	f.reserved.by[portKey("tcp", port)] = controlPlanePort
+}
+
+func (r *reservedPorts) whose(proto string, port uint16) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.by[portKey(proto, port)]
+}
+
+// hostPortAllowed is the rule for a host port a caller names: never a
+// reserved one; for anyone but an admin, only one of the allocation range,
+// so a tenant cannot take 22, 25, 443 or 53 on a shared host.
+func (f *Fleet) hostPortAllowed(p auth.Principal, proto string, port uint16) error {
+	if whose := f.reserved.whose(proto, port); whose != "" {
+		return invalid("host_port", "%d/%s is %s; no exposure may take it", port, proto, whose)
+	}
+	if !p.Admin && (port < f.cfg.PortMin || port > f.cfg.PortMax) {
+		return errorf(Denied, "host_port: %d is outside the range %d-%d that exposures are given ports from; only an admin may choose another (or leave host_port unset to get a free one)",
+			port, f.cfg.PortMin, f.cfg.PortMax)
+	}
+	return nil
+}
+
+// portTaken words a port conflict. The holder is named only to someone who
+// may see it: another user's exposure id is none of the caller's business.
+func (f *Fleet) portTaken(ctx context.Context, p auth.Principal, held *store.PortHeldError) error {
+	msg := fmt.Sprintf("host_port: %d/%s on host %s is taken", held.HostPort, held.Protocol, held.HostID)
+	if x, err := f.st.GetExposure(ctx, held.ExposureID); err == nil {
+		if vm, err := f.st.GetVM(ctx, x.VMID); err == nil && (p.Admin || vm.OwnerID == p.UserID) {
+			msg += " by exposure " + held.ExposureID
+		}
+	}
+	return &Error{Kind: Conflict, Msg: msg}
 }

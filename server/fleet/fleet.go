@@ -92,6 +92,8 @@ type Fleet struct {
 	lastGen  map[string]uint64
 	touched  map[string]time.Time
 	dups     map[string]*duplicate // host id → a refused second agent
+
+	creds credStreams // open streams by credential, ended on revoke
 }
 
 // New returns a fleet over st.
@@ -166,27 +168,6 @@ func (f *Fleet) Bootstrap(ctx context.Context, dataDir string) (string, error) {
 		return "", fmt.Errorf("write %s: %w", path, err)
 	}
 	return secret, nil
-}
-
-// Resolve implements auth.Resolver over the token table.
-func (f *Fleet) Resolve(ctx context.Context, secret string) (auth.Principal, error) {
-	tok, user, err := f.st.TokenByHash(ctx, auth.Hash(secret))
-	if errors.Is(err, store.ErrNotFound) {
-		return auth.Principal{}, auth.ErrBadCredential
-	}
-	if err != nil {
-		return auth.Principal{}, err
-	}
-	now := f.now()
-	if tok.ExpiresAt != nil && !now.Before(*tok.ExpiresAt) {
-		return auth.Principal{}, auth.ErrBadCredential
-	}
-	// last_used_at is for people reading the token list; minute precision
-	// keeps it from turning every request into a write.
-	if tok.LastUsedAt == nil || now.Sub(*tok.LastUsedAt) > time.Minute {
-		_ = f.st.TouchToken(ctx, tok.ID, now)
-	}
-	return auth.Principal{UserID: user.ID, Name: user.Name, Admin: user.Admin, TokenID: tok.ID}, nil
 }
 
 func principal(ctx context.Context) (auth.Principal, error) {

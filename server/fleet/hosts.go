@@ -76,6 +76,13 @@ func (f *Fleet) Enroll(ctx context.Context, r *eitriv1.EnrollRequest) (*eitriv1.
 	if name == "" {
 		return nil, invalid("hostname", "required")
 	}
+	// 253 is the longest DNS name; both are shown to every user.
+	if err := checkLen("hostname", name, 253); err != nil {
+		return nil, err
+	}
+	if err := checkLen("agent_version", r.GetAgentVersion(), 128); err != nil {
+		return nil, err
+	}
 	cred := auth.NewSecret(auth.PrefixHost)
 	now := f.now()
 	h := store.Host{ID: newID("h"), Name: name, CredentialHash: auth.Hash(cred), AgentVersion: r.GetAgentVersion(), CreatedAt: now}
@@ -133,6 +140,9 @@ func (f *Fleet) GetHost(ctx context.Context, id string) (*eitriv1.Host, error) {
 	}
 	if id == "" {
 		return nil, invalid("id", "required")
+	}
+	if err := checkLen("id", id, maxIDLen); err != nil {
+		return nil, err
 	}
 	h, err := f.st.HostByID(ctx, id)
 	if err != nil {

@@ -9,7 +9,6 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/registry"
 	"github.com/a73x/eitri/server/store"
-	"github.com/a73x/eitri/server/watch"
 )
 
 // ErrReplaced ends a stream that a newer stream from the same host replaced.
@@ -253,9 +252,9 @@ func (f *Fleet) forgetDestroyed(ctx context.Context, hostID, id string) {
 	}
 	f.log.Info("vm destroyed", "vm", id, "host", hostID)
 	for _, e := range exps {
-		f.Exposures.Publish(watch.Event[*eitriv1.Exposure]{ID: e.ID, Removed: true})
+		f.exposureRemoved(e, vm.OwnerID)
 	}
-	f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Removed: true})
+	f.vmRemoved(id, vm.OwnerID)
 	f.publishHost(ctx, hostID)
 	f.kick(hostID)
 }

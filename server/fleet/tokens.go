@@ -49,6 +49,15 @@ func (f *Fleet) CreateToken(ctx context.Context, name string, ttl time.Duration,
 		exp := now.Add(ttl)
 		t.ExpiresAt = &exp
 	}
+	// A token never outlives the one that made it, or a short-lived token
+	// could make itself permanent.
+	limit, err := f.mintLimit(ctx, p)
+	if err != nil {
+		return nil, "", err
+	}
+	if limit != nil && (t.ExpiresAt == nil || t.ExpiresAt.After(*limit)) {
+		t.ExpiresAt = limit
+	}
 	if err := f.st.CreateToken(ctx, t); err != nil {
 		return nil, "", err
 	}
@@ -79,7 +88,8 @@ func (f *Fleet) ListTokens(ctx context.Context) ([]*eitriv1.Token, error) {
 	return out, nil
 }
 
-// RevokeToken deletes a token; it stops working at once.
+// RevokeToken deletes a token and the console sessions it opened; they stop
+// working at once, and the streams any of them hold open are closed.
 func (f *Fleet) RevokeToken(ctx context.Context, id string) error {
 	p, err := principal(ctx)
 	if err != nil {
@@ -89,7 +99,12 @@ func (f *Fleet) RevokeToken(ctx context.Context, id string) error {
 		return invalid("id", "required")
 	}
 	owner := ownerScope(p)
-	return storeErr(f.st.RevokeToken(ctx, id, owner), "token "+id)
+	if err := f.st.RevokeToken(ctx, id, owner); err != nil {
+		return storeErr(err, "token "+id)
+	}
+	// A session's streams are held under its token's id too.
+	f.creds.end(id)
+	return nil
 }
 
 func tokenView(t store.Token, userName string) *eitriv1.Token {

@@ -26,7 +26,40 @@ const (
 	PowerStopped = "stopped"
 )
 
+// Size limits on free text. Everything a caller sends is stored, sent to a
+// host and may be echoed in an error, so none of it may be as big as a
+// request can be.
+const (
+	maxNameLen   = 63
+	maxIDLen     = 64
+	maxURLLen    = 2048
+	maxSSHKeyLen = 8 << 10 // a line of several long keys' worth
+)
+
+// checkLen refuses a value longer than max bytes, without echoing it.
+func checkLen(field, v string, max int) error {
+	if len(v) > max {
+		return invalid(field, "at most %d bytes, got %d", max, len(v))
+	}
+	return nil
+}
+
 func validateVM(r *eitriv1.CreateVMRequest) error {
+	for _, c := range []struct {
+		field, v string
+		max      int
+	}{
+		{"name", r.GetName(), maxNameLen},
+		{"host_id", r.GetHostId(), maxIDLen},
+		{"image_url", r.GetImageUrl(), maxURLLen},
+		{"image_sha256", r.GetImageSha256(), 64},
+		{"ssh_authorized_key", r.GetSshAuthorizedKey(), maxSSHKeyLen},
+		{"power_state", r.GetPowerState(), len(PowerRunning)},
+	} {
+		if err := checkLen(c.field, c.v, c.max); err != nil {
+			return err
+		}
+	}
 	switch {
 	case !dnsLabel.MatchString(r.GetName()):
 		return invalid("name", "%q is not a DNS label (lowercase letters, digits and '-', 1-63 characters, no leading or trailing '-')", r.GetName())
@@ -69,6 +102,11 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 	if err := validateVM(r); err != nil {
 		return nil, err
 	}
+	f.quota.admit.Lock()
+	defer f.quota.admit.Unlock()
+	if err := f.admitQuota(ctx, p, Usage{VMs: 1, VCPUs: int64(r.GetVcpus()), MemMB: r.GetMemMb(), DiskGB: r.GetDiskGb()}); err != nil {
+		return nil, err
+	}
 	hostID, err := f.place(ctx, r)
 	if err != nil {
 		return nil, err
@@ -103,29 +141,8 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 // place picks the host: the one named, or the connected host with the most
 // free memory (then vCPUs) that fits.
 func (f *Fleet) place(ctx context.Context, r *eitriv1.CreateVMRequest) (string, error) {
-	fits := func(h store.Host) (free [3]int64, why string) {
-		live, ok := f.reg.Host(h.ID)
-		if !ok {
-			return free, "is not connected"
-		}
-		c := live.Report.GetCapacity()
-		if c == nil {
-			return free, "has not reported its capacity yet"
-		}
-		a, err := f.allocated(ctx, h.ID)
-		if err != nil {
-			return free, err.Error()
-		}
-		free = [3]int64{int64(c.GetVcpus() - a.GetVcpus()), c.GetMemMb() - a.GetMemMb(), c.GetDiskGb() - a.GetDiskGb()}
-		switch {
-		case int64(r.GetVcpus()) > free[0]:
-			return free, fmt.Sprintf("has %d of %d vCPUs free", max(free[0], 0), c.GetVcpus())
-		case r.GetMemMb() > free[1]:
-			return free, fmt.Sprintf("has %d of %d MiB memory free", max(free[1], 0), c.GetMemMb())
-		case r.GetDiskGb() > free[2]:
-			return free, fmt.Sprintf("has %d of %d GiB disk free", max(free[2], 0), c.GetDiskGb())
-		}
-		return free, ""
+	fits := func(h store.Host) ([3]int64, string) {
+		return f.room(ctx, h.ID, int64(r.GetVcpus()), r.GetMemMb(), r.GetDiskGb())
 	}
 	if id := r.GetHostId(); id != "" {
 		h, err := f.st.HostByID(ctx, id)
@@ -159,6 +176,36 @@ func (f *Fleet) place(ctx context.Context, r *eitriv1.CreateVMRequest) (string, 
 	return best, nil
 }
 
+// room says whether a connected host has vcpus, memMB and diskGB free
+// beyond what is allocated there, and what it has free; why is "" when it
+// fits, else what a person reads after the host's name.
+func (f *Fleet) room(ctx context.Context, hostID string, vcpus, memMB, diskGB int64) (free [3]int64, why string) {
+	live, ok := f.reg.Host(hostID)
+	if !ok {
+		return free, "is not connected"
+	}
+	c := live.Report.GetCapacity()
+	if c == nil {
+		return free, "has not reported its capacity yet"
+	}
+	a, err := f.allocated(ctx, hostID)
+	if err != nil {
+		return free, err.Error()
+	}
+	free = [3]int64{int64(c.GetVcpus() - a.GetVcpus()), c.GetMemMb() - a.GetMemMb(), c.GetDiskGb() - a.GetDiskGb()}
+	switch {
+	case vcpus > free[0]:
+		return free, fmt.Sprintf("has %d of %d vCPUs free", max(free[0], 0), c.GetVcpus())
+	case memMB > free[1]:
+		return free, fmt.Sprintf("has %d of %d MiB memory free", max(free[1], 0), c.GetMemMb())
+	case diskGB > free[2]:
+		return free, fmt.Sprintf("has %d of %d GiB disk free", max(free[2], 0), c.GetDiskGb())
+	}
+	return free, ""
+}
+
+// allocated sums what the host's VMs hold (see vmHolds): a failed create
+// and a deleted VM's stopped guest give their share back.
 func (f *Fleet) allocated(ctx context.Context, hostID string) (*eitriv1.Allocated, error) {
 	vms, err := f.st.ListVMsByHost(ctx, hostID)
 	if err != nil {
@@ -166,9 +213,10 @@ func (f *Fleet) allocated(ctx context.Context, hostID string) (*eitriv1.Allocate
 	}
 	a := &eitriv1.Allocated{}
 	for _, v := range vms {
-		a.Vcpus += v.VCPUs
-		a.MemMb += v.MemMB
-		a.DiskGb += v.DiskGB
+		c, m, d := vmHolds(v)
+		a.Vcpus += int32(c)
+		a.MemMb += m
+		a.DiskGb += d
 	}
 	return a, nil
 }
@@ -182,6 +230,9 @@ func (f *Fleet) visible(ctx context.Context, id string) (store.VM, auth.Principa
 	}
 	if id == "" {
 		return store.VM{}, p, invalid("id", "required")
+	}
+	if err := checkLen("id", id, maxIDLen); err != nil {
+		return store.VM{}, p, err
 	}
 	vm, err := f.st.GetVM(ctx, id)
 	if err != nil {
@@ -268,10 +319,38 @@ func (f *Fleet) DeleteVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 	return f.vmView(vm), nil
 }
 
-// RestoreVM undoes a delete that has not been carried out yet.
+// RestoreVM undoes a delete that has not been carried out yet. The guest
+// comes back, so its vCPUs and memory must fit its owner's quota and its
+// host again (its disk never left either).
 func (f *Fleet) RestoreVM(ctx context.Context, id string) (*eitriv1.VM, error) {
-	if _, _, err := f.visible(ctx, id); err != nil {
+	cur, _, err := f.visible(ctx, id)
+	if err != nil {
 		return nil, err
+	}
+	f.quota.admit.Lock()
+	defer f.quota.admit.Unlock()
+	if cur.DeletedAt != nil {
+		owner, err := f.st.UserByID(ctx, cur.OwnerID)
+		if err != nil {
+			return nil, err
+		}
+		restored := cur
+		restored.DeletedAt = nil
+		c, m, _ := vmHolds(restored)
+		// The owner's quota, not the caller's: an admin restoring a user's
+		// VM gives it back to that user.
+		if err := f.admitQuota(ctx, auth.Principal{UserID: owner.ID, Name: owner.Name}, Usage{VMs: 1, VCPUs: c, MemMB: m}); err != nil {
+			return nil, err
+		}
+		if c > 0 || m > 0 {
+			if _, why := f.room(ctx, cur.HostID, c, m, 0); why != "" {
+				where := cur.HostID
+				if h, err := f.st.HostByID(ctx, cur.HostID); err == nil {
+					where = h.Name
+				}
+				return nil, errorf(Precondition, "cannot restore vm %s: its host %s %s", id, where, why)
+			}
+		}
 	}
 	vm, changed, err := f.st.UpdateVM(ctx, id, func(v *store.VM) error {
 		if v.DeletedAt == nil {
@@ -386,7 +465,9 @@ func (f *Fleet) vmChanged(ctx context.Context, hostID, id string) {
 func (f *Fleet) publishVM(ctx context.Context, id string) {
 	vm, err := f.st.GetVM(ctx, id)
 	if errors.Is(err, store.ErrNotFound) {
-		f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Removed: true})
+		// Its owner is unknown now, so only admins hear of it; whoever
+		// removed it told its owner's watchers.
+		f.vmRemoved(id, "")
 		return
 	}
 	if err != nil {
@@ -415,7 +496,12 @@ func ownerFilter[T any](p auth.Principal) func(watch.Event[T]) bool {
 	if p.Admin {
 		return nil
 	}
-	// A removal carries no owner; letting it through reveals only an id
-	// the watcher may already hold, and a client ignores unknown ids.
-	return func(ev watch.Event[T]) bool { return ev.Removed || ev.Owner == p.UserID }
+	// Removals carry their owner too: another user's ids are not yours to
+	// hear about, not even as they go.
+	return func(ev watch.Event[T]) bool { return ev.Owner == p.UserID }
+}
+
+// vmRemoved tells the owner's (and admins') watchers that a VM is gone.
+func (f *Fleet) vmRemoved(id, owner string) {
+	f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Owner: owner, Removed: true})
 }

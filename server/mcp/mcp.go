@@ -76,7 +76,20 @@ func authenticate(f *fleet.Fleet, log *slog.Logger, next http.Handler) http.Hand
 			writeJSONError(w, http.StatusInternalServerError, "internal", "could not check the token")
 			return
 		}
-		next.ServeHTTP(w, r.WithContext(auth.WithPrincipal(r.Context(), p)))
+		// Held for the request's life: a tool call waiting on a VM, or the
+		// notification stream, ends when its token is revoked.
+		ctx, release, err := f.Hold(auth.WithPrincipal(r.Context(), p), p)
+		if errors.Is(err, auth.ErrRevoked) {
+			writeJSONError(w, http.StatusUnauthorized, "unauthenticated", err.Error())
+			return
+		}
+		if err != nil {
+			log.Error("mcp: hold token", "err", err)
+			writeJSONError(w, http.StatusInternalServerError, "internal", "could not check the token")
+			return
+		}
+		defer release()
+		next.ServeHTTP(w, r.WithContext(ctx))
 	})
 }
 

@@ -148,6 +148,14 @@ func (s *Store) ListExposuresByHost(ctx context.Context, hostID string) ([]Expos
 	return s.listExposures(ctx, `WHERE host_id = $1`, hostID)
 }
 
+// CountExposuresByOwner counts the exposures of the owner's VMs (deleted
+// VMs' included: they come back with a restore).
+func (s *Store) CountExposuresByOwner(ctx context.Context, ownerID string) (int64, error) {
+	var n int64
+	err := s.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM exposures x JOIN vms v ON v.id = x.vm_id WHERE v.owner_id = $1`, ownerID).Scan(&n)
+	return n, err
+}
+
 // UsedHostPorts returns the host ports taken for the protocol on the host.
 func (s *Store) UsedHostPorts(ctx context.Context, hostID, protocol string) (map[uint16]bool, error) {
 	rows, err := s.db.QueryContext(ctx, `SELECT host_port FROM exposures WHERE host_id = $1 AND protocol = $2`, hostID, protocol)

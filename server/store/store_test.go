@@ -142,7 +142,7 @@ func TestTokens(t *testing.T) {
 	pat1 := Token{ID: "t1", UserID: "u1", Name: "laptop", Kind: TokenKindPAT, Hash: hashOf("s1"), CreatedAt: t0, ExpiresAt: ptr(t0.Add(time.Hour))}
 	pat2 := Token{ID: "t2", UserID: "u1", Name: "ci", Kind: TokenKindPAT, Hash: hashOf("s2"), CreatedAt: t0.Add(time.Second)}
 	pat3 := Token{ID: "t3", UserID: "u2", Name: "bob's", Kind: TokenKindPAT, Hash: hashOf("s3"), CreatedAt: t0.Add(2 * time.Second)}
-	sess := Token{ID: "t4", UserID: "u1", Name: "console", Kind: TokenKindSession, Hash: hashOf("s4"), CreatedAt: t0.Add(3 * time.Second)}
+	sess := Token{ID: "t4", UserID: "u1", Name: "console", Kind: TokenKindSession, Hash: hashOf("s4"), CreatedAt: t0.Add(3 * time.Second), ParentID: "t1"}
 	for _, tok := range []Token{pat1, pat2, pat3, sess} {
 		require.NoError(t, s.CreateToken(ctx, tok))
 	}

@@ -30,6 +30,9 @@ type Token struct {
 	CreatedAt        time.Time
 	ExpiresAt        *time.Time
 	LastUsedAt       *time.Time
+	// ParentID is, for a session, the token that opened it; deleting that
+	// token deletes the session. Empty for a PAT.
+	ParentID string
 }
 
 // CreateUser inserts u. A zero CreatedAt is set to now. A taken name (or id)
@@ -85,33 +88,43 @@ func (s *Store) CreateToken(ctx context.Context, t Token) error {
 	if t.ID == "" || t.UserID == "" || len(t.Hash) == 0 {
 		return errors.New("store: token needs an id, a user and a hash")
 	}
-	if t.Kind != TokenKindPAT && t.Kind != TokenKindSession {
+	switch {
+	case t.Kind != TokenKindPAT && t.Kind != TokenKindSession:
 		return fmt.Errorf("store: invalid token kind %q", t.Kind)
+	case (t.Kind == TokenKindSession) != (t.ParentID != ""):
+		// A session without a token behind it would outlive its source.
+		return errors.New("store: a session needs the token that opened it, and only a session has one")
+	}
+	var parent any
+	if t.ParentID != "" {
+		parent = t.ParentID
 	}
 	return s.write(ctx, func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, `INSERT INTO tokens (id, user_id, name, kind, hash, created_at, expires_at, last_used_at)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
-			t.ID, t.UserID, t.Name, t.Kind, t.Hash, nanos(s.orNow(t.CreatedAt)), nullNanos(t.ExpiresAt), nullNanos(t.LastUsedAt))
+		_, err := tx.ExecContext(ctx, `INSERT INTO tokens (id, user_id, name, kind, hash, created_at, expires_at, last_used_at, parent_id)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
+			t.ID, t.UserID, t.Name, t.Kind, t.Hash, nanos(s.orNow(t.CreatedAt)), nullNanos(t.ExpiresAt), nullNanos(t.LastUsedAt), parent)
 		switch {
 		case isUniqueViolation(err):
 			return fmt.Errorf("%w: token %s already exists", ErrConflict, t.ID)
 		case isForeignKeyViolation(err):
-			return fmt.Errorf("%w: user %s", ErrNotFound, t.UserID)
+			return fmt.Errorf("%w: user %s or token %s", ErrNotFound, t.UserID, t.ParentID)
 		}
 		return err
 	})
 }
 
-const tokenCols = `t.id, t.user_id, t.name, t.kind, t.hash, t.created_at, t.expires_at, t.last_used_at`
+const tokenCols = `t.id, t.user_id, t.name, t.kind, t.hash, t.created_at, t.expires_at, t.last_used_at, t.parent_id`
 
 func scanToken(row interface{ Scan(...any) error }, extra ...any) (Token, error) {
 	var t Token
 	var created int64
 	var expires, used sql.NullInt64
-	dest := append([]any{&t.ID, &t.UserID, &t.Name, &t.Kind, &t.Hash, &created, &expires, &used}, extra...)
+	var parent sql.NullString
+	dest := append([]any{&t.ID, &t.UserID, &t.Name, &t.Kind, &t.Hash, &created, &expires, &used, &parent}, extra...)
 	if err := row.Scan(dest...); err != nil {
 		return Token{}, err
 	}
+	t.ParentID = parent.String
 	t.CreatedAt = fromNanos(created)
 	t.ExpiresAt = fromNullNanos(expires)
 	t.LastUsedAt = fromNullNanos(used)
@@ -131,6 +144,12 @@ func (s *Store) TokenByHash(ctx context.Context, hash []byte) (Token, User, erro
 	}
 	u.CreatedAt = fromNanos(uCreated)
 	return t, u, nil
+}
+
+// TokenByID returns the token (or session) with this id, or ErrNotFound.
+func (s *Store) TokenByID(ctx context.Context, id string) (Token, error) {
+	t, err := scanToken(s.db.QueryRowContext(ctx, `SELECT `+tokenCols+` FROM tokens t WHERE t.id = $1`, id))
+	return t, notFound(err, "token "+id)
 }
 
 // TouchToken records that the token was used at `at`.
@@ -162,12 +181,52 @@ func (s *Store) ListTokens(ctx context.Context, userID string) ([]Token, error) 
 	return out, rows.Err()
 }
 
-// RevokeToken deletes the token. With userID set, only that user's token
-// matches, so a user cannot learn whether someone else's id exists: both
-// read as ErrNotFound.
+// RevokeToken deletes the personal access token and, with it, every session
+// it opened. With userID set, only that user's token matches, so a user
+// cannot learn whether someone else's id exists: both read as ErrNotFound.
 func (s *Store) RevokeToken(ctx context.Context, id, userID string) error {
+	return s.revoke(ctx, id, userID, TokenKindPAT)
+}
+
+// RevokeSession deletes the session, scoped like RevokeToken.
+func (s *Store) RevokeSession(ctx context.Context, id, userID string) error {
+	return s.revoke(ctx, id, userID, TokenKindSession)
+}
+
+func (s *Store) revoke(ctx context.Context, id, userID, kind string) error {
 	return s.write(ctx, func(tx *sql.Tx) error {
-		res, err := tx.ExecContext(ctx, `DELETE FROM tokens WHERE id = $1 AND ($2 = '' OR user_id = $2)`, id, userID)
-		return mustAffect(res, err, "token "+id)
+		res, err := tx.ExecContext(ctx, `DELETE FROM tokens WHERE id = $1 AND kind = $2 AND ($3 = '' OR user_id = $3)`, id, kind, userID)
+		return mustAffect(res, err, kind+" "+id)
 	})
+}
+
+// ListSessions returns console sessions with their user's name and the name
+// of the token that opened each, newest first; userID "" lists every user's.
+func (s *Store) ListSessions(ctx context.Context, userID string) ([]Session, error) {
+	rows, err := s.db.QueryContext(ctx, `SELECT `+tokenCols+`, u.name, p.name FROM tokens t
+		JOIN tokens p ON p.id = t.parent_id
+		JOIN users u ON u.id = t.user_id
+		WHERE t.kind = $1 AND ($2 = '' OR t.user_id = $2)
+		ORDER BY t.created_at DESC, t.id DESC`, TokenKindSession, userID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []Session
+	for rows.Next() {
+		var ses Session
+		ses.Token, err = scanToken(rows, &ses.UserName, &ses.ParentName)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, ses)
+	}
+	return out, rows.Err()
+}
+
+// Session is a console session row, its user's name and the name of the
+// token behind it.
+type Session struct {
+	Token
+	UserName, ParentName string
 }

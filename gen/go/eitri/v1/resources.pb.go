@@ -84,8 +84,10 @@ func (x *Capacity) GetDiskGb() int64 {
 	return 0
 }
 
-// Allocated is what the control plane has placed on a host: the sum of the
-// sizes of its VMs that are not yet destroyed.
+// Allocated is what the control plane has placed on a host: the vCPUs and
+// memory of its VMs that are not deleted, and the disk of its VMs not yet
+// destroyed (a deleted VM's disk is kept for a restore). A VM whose create
+// failed for good holds nothing.
 type Allocated struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Vcpus         int32                  `protobuf:"varint,1,opt,name=vcpus,proto3" json:"vcpus,omitempty"`

@@ -120,7 +120,9 @@ func (x *Token) GetLastUsedAt() *timestamppb.Timestamp {
 type CreateTokenRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	// Unset: the token does not expire.
+	// Unset: the token does not expire. Either way a token never outlives
+	// the one that made it: the expiry is cut to the caller's token's (for a
+	// console session, to the token that opened it).
 	Ttl *durationpb.Duration `protobuf:"bytes,2,opt,name=ttl,proto3" json:"ttl,omitempty"`
 	// Admins only: mint the token for this user (created if new, as a
 	// non-admin). Empty: for the caller.
@@ -393,6 +395,282 @@ func (*RevokeTokenResponse) Descriptor() ([]byte, []int) {
 	return file_eitri_v1_token_proto_rawDescGZIP(), []int{6}
 }
 
+// Session is a console login: the HttpOnly cookie a browser holds after a
+// token was pasted into the console. It is accepted only from the console's
+// own pages, never as a bearer token, and it acts for (and dies with) the
+// token that opened it.
+type Session struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Id       string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	UserId   string                 `protobuf:"bytes,2,opt,name=user_id,json=userId,proto3" json:"user_id,omitempty"`
+	UserName string                 `protobuf:"bytes,3,opt,name=user_name,json=userName,proto3" json:"user_name,omitempty"`
+	// The token that opened the session.
+	TokenId   string                 `protobuf:"bytes,4,opt,name=token_id,json=tokenId,proto3" json:"token_id,omitempty"`
+	TokenName string                 `protobuf:"bytes,5,opt,name=token_name,json=tokenName,proto3" json:"token_name,omitempty"`
+	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	// Never later than its token's expiry.
+	ExpiresAt *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	// null if never used.
+	LastUsedAt *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_used_at,json=lastUsedAt,proto3" json:"last_used_at,omitempty"`
+	// True for the session this call was made with.
+	Current       bool `protobuf:"varint,9,opt,name=current,proto3" json:"current,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Session) Reset() {
+	*x = Session{}
+	mi := &file_eitri_v1_token_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Session) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Session) ProtoMessage() {}
+
+func (x *Session) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_token_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Session.ProtoReflect.Descriptor instead.
+func (*Session) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_token_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *Session) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *Session) GetUserId() string {
+	if x != nil {
+		return x.UserId
+	}
+	return ""
+}
+
+func (x *Session) GetUserName() string {
+	if x != nil {
+		return x.UserName
+	}
+	return ""
+}
+
+func (x *Session) GetTokenId() string {
+	if x != nil {
+		return x.TokenId
+	}
+	return ""
+}
+
+func (x *Session) GetTokenName() string {
+	if x != nil {
+		return x.TokenName
+	}
+	return ""
+}
+
+func (x *Session) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *Session) GetExpiresAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpiresAt
+	}
+	return nil
+}
+
+func (x *Session) GetLastUsedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastUsedAt
+	}
+	return nil
+}
+
+func (x *Session) GetCurrent() bool {
+	if x != nil {
+		return x.Current
+	}
+	return false
+}
+
+type ListSessionsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSessionsRequest) Reset() {
+	*x = ListSessionsRequest{}
+	mi := &file_eitri_v1_token_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSessionsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSessionsRequest) ProtoMessage() {}
+
+func (x *ListSessionsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_token_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSessionsRequest.ProtoReflect.Descriptor instead.
+func (*ListSessionsRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_token_proto_rawDescGZIP(), []int{8}
+}
+
+type ListSessionsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sessions      []*Session             `protobuf:"bytes,1,rep,name=sessions,proto3" json:"sessions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSessionsResponse) Reset() {
+	*x = ListSessionsResponse{}
+	mi := &file_eitri_v1_token_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSessionsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSessionsResponse) ProtoMessage() {}
+
+func (x *ListSessionsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_token_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSessionsResponse.ProtoReflect.Descriptor instead.
+func (*ListSessionsResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_token_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ListSessionsResponse) GetSessions() []*Session {
+	if x != nil {
+		return x.Sessions
+	}
+	return nil
+}
+
+type RevokeSessionRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeSessionRequest) Reset() {
+	*x = RevokeSessionRequest{}
+	mi := &file_eitri_v1_token_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeSessionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeSessionRequest) ProtoMessage() {}
+
+func (x *RevokeSessionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_token_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeSessionRequest.ProtoReflect.Descriptor instead.
+func (*RevokeSessionRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_token_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *RevokeSessionRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type RevokeSessionResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeSessionResponse) Reset() {
+	*x = RevokeSessionResponse{}
+	mi := &file_eitri_v1_token_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeSessionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeSessionResponse) ProtoMessage() {}
+
+func (x *RevokeSessionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_token_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeSessionResponse.ProtoReflect.Descriptor instead.
+func (*RevokeSessionResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_token_proto_rawDescGZIP(), []int{11}
+}
+
 var File_eitri_v1_token_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_token_proto_rawDesc = "" +
@@ -421,12 +699,34 @@ const file_eitri_v1_token_proto_rawDesc = "" +
 	"\x06tokens\x18\x01 \x03(\v2\x0f.eitri.v1.TokenR\x06tokens\"$\n" +
 	"\x12RevokeTokenRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x15\n" +
-	"\x13RevokeTokenResponse2\xef\x01\n" +
+	"\x13RevokeTokenResponse\"\xd7\x02\n" +
+	"\aSession\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x17\n" +
+	"\auser_id\x18\x02 \x01(\tR\x06userId\x12\x1b\n" +
+	"\tuser_name\x18\x03 \x01(\tR\buserName\x12\x19\n" +
+	"\btoken_id\x18\x04 \x01(\tR\atokenId\x12\x1d\n" +
+	"\n" +
+	"token_name\x18\x05 \x01(\tR\ttokenName\x129\n" +
+	"\n" +
+	"created_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x129\n" +
+	"\n" +
+	"expires_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12<\n" +
+	"\flast_used_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"lastUsedAt\x12\x18\n" +
+	"\acurrent\x18\t \x01(\bR\acurrent\"\x15\n" +
+	"\x13ListSessionsRequest\"E\n" +
+	"\x14ListSessionsResponse\x12-\n" +
+	"\bsessions\x18\x01 \x03(\v2\x11.eitri.v1.SessionR\bsessions\"&\n" +
+	"\x14RevokeSessionRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\x17\n" +
+	"\x15RevokeSessionResponse2\x90\x03\n" +
 	"\fTokenService\x12J\n" +
 	"\vCreateToken\x12\x1c.eitri.v1.CreateTokenRequest\x1a\x1d.eitri.v1.CreateTokenResponse\x12G\n" +
 	"\n" +
 	"ListTokens\x12\x1b.eitri.v1.ListTokensRequest\x1a\x1c.eitri.v1.ListTokensResponse\x12J\n" +
-	"\vRevokeToken\x12\x1c.eitri.v1.RevokeTokenRequest\x1a\x1d.eitri.v1.RevokeTokenResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\vRevokeToken\x12\x1c.eitri.v1.RevokeTokenRequest\x1a\x1d.eitri.v1.RevokeTokenResponse\x12M\n" +
+	"\fListSessions\x12\x1d.eitri.v1.ListSessionsRequest\x1a\x1e.eitri.v1.ListSessionsResponse\x12P\n" +
+	"\rRevokeSession\x12\x1e.eitri.v1.RevokeSessionRequest\x1a\x1f.eitri.v1.RevokeSessionResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_token_proto_rawDescOnce sync.Once
@@ -440,7 +740,7 @@ func file_eitri_v1_token_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_token_proto_rawDescData
 }
 
-var file_eitri_v1_token_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_eitri_v1_token_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_eitri_v1_token_proto_goTypes = []any{
 	(*Token)(nil),                 // 0: eitri.v1.Token
 	(*CreateTokenRequest)(nil),    // 1: eitri.v1.CreateTokenRequest
@@ -449,27 +749,40 @@ var file_eitri_v1_token_proto_goTypes = []any{
 	(*ListTokensResponse)(nil),    // 4: eitri.v1.ListTokensResponse
 	(*RevokeTokenRequest)(nil),    // 5: eitri.v1.RevokeTokenRequest
 	(*RevokeTokenResponse)(nil),   // 6: eitri.v1.RevokeTokenResponse
-	(*timestamppb.Timestamp)(nil), // 7: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 8: google.protobuf.Duration
+	(*Session)(nil),               // 7: eitri.v1.Session
+	(*ListSessionsRequest)(nil),   // 8: eitri.v1.ListSessionsRequest
+	(*ListSessionsResponse)(nil),  // 9: eitri.v1.ListSessionsResponse
+	(*RevokeSessionRequest)(nil),  // 10: eitri.v1.RevokeSessionRequest
+	(*RevokeSessionResponse)(nil), // 11: eitri.v1.RevokeSessionResponse
+	(*timestamppb.Timestamp)(nil), // 12: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 13: google.protobuf.Duration
 }
 var file_eitri_v1_token_proto_depIdxs = []int32{
-	7, // 0: eitri.v1.Token.created_at:type_name -> google.protobuf.Timestamp
-	7, // 1: eitri.v1.Token.expires_at:type_name -> google.protobuf.Timestamp
-	7, // 2: eitri.v1.Token.last_used_at:type_name -> google.protobuf.Timestamp
-	8, // 3: eitri.v1.CreateTokenRequest.ttl:type_name -> google.protobuf.Duration
-	0, // 4: eitri.v1.CreateTokenResponse.token:type_name -> eitri.v1.Token
-	0, // 5: eitri.v1.ListTokensResponse.tokens:type_name -> eitri.v1.Token
-	1, // 6: eitri.v1.TokenService.CreateToken:input_type -> eitri.v1.CreateTokenRequest
-	3, // 7: eitri.v1.TokenService.ListTokens:input_type -> eitri.v1.ListTokensRequest
-	5, // 8: eitri.v1.TokenService.RevokeToken:input_type -> eitri.v1.RevokeTokenRequest
-	2, // 9: eitri.v1.TokenService.CreateToken:output_type -> eitri.v1.CreateTokenResponse
-	4, // 10: eitri.v1.TokenService.ListTokens:output_type -> eitri.v1.ListTokensResponse
-	6, // 11: eitri.v1.TokenService.RevokeToken:output_type -> eitri.v1.RevokeTokenResponse
-	9, // [9:12] is the sub-list for method output_type
-	6, // [6:9] is the sub-list for method input_type
-	6, // [6:6] is the sub-list for extension type_name
-	6, // [6:6] is the sub-list for extension extendee
-	0, // [0:6] is the sub-list for field type_name
+	12, // 0: eitri.v1.Token.created_at:type_name -> google.protobuf.Timestamp
+	12, // 1: eitri.v1.Token.expires_at:type_name -> google.protobuf.Timestamp
+	12, // 2: eitri.v1.Token.last_used_at:type_name -> google.protobuf.Timestamp
+	13, // 3: eitri.v1.CreateTokenRequest.ttl:type_name -> google.protobuf.Duration
+	0,  // 4: eitri.v1.CreateTokenResponse.token:type_name -> eitri.v1.Token
+	0,  // 5: eitri.v1.ListTokensResponse.tokens:type_name -> eitri.v1.Token
+	12, // 6: eitri.v1.Session.created_at:type_name -> google.protobuf.Timestamp
+	12, // 7: eitri.v1.Session.expires_at:type_name -> google.protobuf.Timestamp
+	12, // 8: eitri.v1.Session.last_used_at:type_name -> google.protobuf.Timestamp
+	7,  // 9: eitri.v1.ListSessionsResponse.sessions:type_name -> eitri.v1.Session
+	1,  // 10: eitri.v1.TokenService.CreateToken:input_type -> eitri.v1.CreateTokenRequest
+	3,  // 11: eitri.v1.TokenService.ListTokens:input_type -> eitri.v1.ListTokensRequest
+	5,  // 12: eitri.v1.TokenService.RevokeToken:input_type -> eitri.v1.RevokeTokenRequest
+	8,  // 13: eitri.v1.TokenService.ListSessions:input_type -> eitri.v1.ListSessionsRequest
+	10, // 14: eitri.v1.TokenService.RevokeSession:input_type -> eitri.v1.RevokeSessionRequest
+	2,  // 15: eitri.v1.TokenService.CreateToken:output_type -> eitri.v1.CreateTokenResponse
+	4,  // 16: eitri.v1.TokenService.ListTokens:output_type -> eitri.v1.ListTokensResponse
+	6,  // 17: eitri.v1.TokenService.RevokeToken:output_type -> eitri.v1.RevokeTokenResponse
+	9,  // 18: eitri.v1.TokenService.ListSessions:output_type -> eitri.v1.ListSessionsResponse
+	11, // 19: eitri.v1.TokenService.RevokeSession:output_type -> eitri.v1.RevokeSessionResponse
+	15, // [15:20] is the sub-list for method output_type
+	10, // [10:15] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_token_proto_init() }
@@ -483,7 +796,7 @@ func file_eitri_v1_token_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_token_proto_rawDesc), len(file_eitri_v1_token_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   7,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

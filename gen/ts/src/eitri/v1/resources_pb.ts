@@ -44,8 +44,10 @@ export const CapacitySchema: GenMessage<Capacity> = /*@__PURE__*/
   messageDesc(file_eitri_v1_resources, 0);
 
 /**
- * Allocated is what the control plane has placed on a host: the sum of the
- * sizes of its VMs that are not yet destroyed.
+ * Allocated is what the control plane has placed on a host: the vCPUs and
+ * memory of its VMs that are not deleted, and the disk of its VMs not yet
+ * destroyed (a deleted VM's disk is kept for a restore). A VM whose create
+ * failed for good holds nothing.
  *
  * @generated from message eitri.v1.Allocated
  */

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file eitri/v1/token.proto.
  */
 export const file_eitri_v1_token: GenFile = /*@__PURE__*/
-  fileDesc("ChRlaXRyaS92MS90b2tlbi5wcm90bxIIZWl0cmkudjEi1wEKBVRva2VuEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSDwoHdXNlcl9pZBgDIAEoCRIRCgl1c2VyX25hbWUYBCABKAkSLgoKY3JlYXRlZF9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF91c2VkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCJdChJDcmVhdGVUb2tlblJlcXVlc3QSDAoEbmFtZRgBIAEoCRImCgN0dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEQoJdXNlcl9uYW1lGAMgASgJIkUKE0NyZWF0ZVRva2VuUmVzcG9uc2USHgoFdG9rZW4YASABKAsyDy5laXRyaS52MS5Ub2tlbhIOCgZzZWNyZXQYAiABKAkiEwoRTGlzdFRva2Vuc1JlcXVlc3QiNQoSTGlzdFRva2Vuc1Jlc3BvbnNlEh8KBnRva2VucxgBIAMoCzIPLmVpdHJpLnYxLlRva2VuIiAKElJldm9rZVRva2VuUmVxdWVzdBIKCgJpZBgBIAEoCSIVChNSZXZva2VUb2tlblJlc3BvbnNlMu8BCgxUb2tlblNlcnZpY2USSgoLQ3JlYXRlVG9rZW4SHC5laXRyaS52MS5DcmVhdGVUb2tlblJlcXVlc3QaHS5laXRyaS52MS5DcmVhdGVUb2tlblJlc3BvbnNlEkcKCkxpc3RUb2tlbnMSGy5laXRyaS52MS5MaXN0VG9rZW5zUmVxdWVzdBocLmVpdHJpLnYxLkxpc3RUb2tlbnNSZXNwb25zZRJKCgtSZXZva2VUb2tlbhIcLmVpdHJpLnYxLlJldm9rZVRva2VuUmVxdWVzdBodLmVpdHJpLnYxLlJldm9rZVRva2VuUmVzcG9uc2VCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChRlaXRyaS92MS90b2tlbi5wcm90bxIIZWl0cmkudjEi1wEKBVRva2VuEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSDwoHdXNlcl9pZBgDIAEoCRIRCgl1c2VyX25hbWUYBCABKAkSLgoKY3JlYXRlZF9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF91c2VkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCJdChJDcmVhdGVUb2tlblJlcXVlc3QSDAoEbmFtZRgBIAEoCRImCgN0dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEQoJdXNlcl9uYW1lGAMgASgJIkUKE0NyZWF0ZVRva2VuUmVzcG9uc2USHgoFdG9rZW4YASABKAsyDy5laXRyaS52MS5Ub2tlbhIOCgZzZWNyZXQYAiABKAkiEwoRTGlzdFRva2Vuc1JlcXVlc3QiNQoSTGlzdFRva2Vuc1Jlc3BvbnNlEh8KBnRva2VucxgBIAMoCzIPLmVpdHJpLnYxLlRva2VuIiAKElJldm9rZVRva2VuUmVxdWVzdBIKCgJpZBgBIAEoCSIVChNSZXZva2VUb2tlblJlc3BvbnNlIoICCgdTZXNzaW9uEgoKAmlkGAEgASgJEg8KB3VzZXJfaWQYAiABKAkSEQoJdXNlcl9uYW1lGAMgASgJEhAKCHRva2VuX2lkGAQgASgJEhIKCnRva2VuX25hbWUYBSABKAkSLgoKY3JlYXRlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF91c2VkX2F0GAggASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdjdXJyZW50GAkgASgIIhUKE0xpc3RTZXNzaW9uc1JlcXVlc3QiOwoUTGlzdFNlc3Npb25zUmVzcG9uc2USIwoIc2Vzc2lvbnMYASADKAsyES5laXRyaS52MS5TZXNzaW9uIiIKFFJldm9rZVNlc3Npb25SZXF1ZXN0EgoKAmlkGAEgASgJIhcKFVJldm9rZVNlc3Npb25SZXNwb25zZTKQAwoMVG9rZW5TZXJ2aWNlEkoKC0NyZWF0ZVRva2VuEhwuZWl0cmkudjEuQ3JlYXRlVG9rZW5SZXF1ZXN0Gh0uZWl0cmkudjEuQ3JlYXRlVG9rZW5SZXNwb25zZRJHCgpMaXN0VG9rZW5zEhsuZWl0cmkudjEuTGlzdFRva2Vuc1JlcXVlc3QaHC5laXRyaS52MS5MaXN0VG9rZW5zUmVzcG9uc2USSgoLUmV2b2tlVG9rZW4SHC5laXRyaS52MS5SZXZva2VUb2tlblJlcXVlc3QaHS5laXRyaS52MS5SZXZva2VUb2tlblJlc3BvbnNlEk0KDExpc3RTZXNzaW9ucxIdLmVpdHJpLnYxLkxpc3RTZXNzaW9uc1JlcXVlc3QaHi5laXRyaS52MS5MaXN0U2Vzc2lvbnNSZXNwb25zZRJQCg1SZXZva2VTZXNzaW9uEh4uZWl0cmkudjEuUmV2b2tlU2Vzc2lvblJlcXVlc3QaHy5laXRyaS52MS5SZXZva2VTZXNzaW9uUmVzcG9uc2VCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * @generated from message eitri.v1.Token
@@ -75,7 +75,9 @@ export type CreateTokenRequest = Message<"eitri.v1.CreateTokenRequest"> & {
   name: string;
 
   /**
-   * Unset: the token does not expire.
+   * Unset: the token does not expire. Either way a token never outlives
+   * the one that made it: the expiry is cut to the caller's token's (for a
+   * console session, to the token that opened it).
    *
    * @generated from field: google.protobuf.Duration ttl = 2;
    */
@@ -182,8 +184,140 @@ export const RevokeTokenResponseSchema: GenMessage<RevokeTokenResponse> = /*@__P
   messageDesc(file_eitri_v1_token, 6);
 
 /**
- * TokenService manages personal access tokens (Authorization: Bearer ...).
- * Tokens are stored hashed; the secret is shown once, at creation.
+ * Session is a console login: the HttpOnly cookie a browser holds after a
+ * token was pasted into the console. It is accepted only from the console's
+ * own pages, never as a bearer token, and it acts for (and dies with) the
+ * token that opened it.
+ *
+ * @generated from message eitri.v1.Session
+ */
+export type Session = Message<"eitri.v1.Session"> & {
+  /**
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * @generated from field: string user_id = 2;
+   */
+  userId: string;
+
+  /**
+   * @generated from field: string user_name = 3;
+   */
+  userName: string;
+
+  /**
+   * The token that opened the session.
+   *
+   * @generated from field: string token_id = 4;
+   */
+  tokenId: string;
+
+  /**
+   * @generated from field: string token_name = 5;
+   */
+  tokenName: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp created_at = 6;
+   */
+  createdAt?: Timestamp | undefined;
+
+  /**
+   * Never later than its token's expiry.
+   *
+   * @generated from field: google.protobuf.Timestamp expires_at = 7;
+   */
+  expiresAt?: Timestamp | undefined;
+
+  /**
+   * null if never used.
+   *
+   * @generated from field: google.protobuf.Timestamp last_used_at = 8;
+   */
+  lastUsedAt?: Timestamp | undefined;
+
+  /**
+   * True for the session this call was made with.
+   *
+   * @generated from field: bool current = 9;
+   */
+  current: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.Session.
+ * Use `create(SessionSchema)` to create a new message.
+ */
+export const SessionSchema: GenMessage<Session> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_token, 7);
+
+/**
+ * @generated from message eitri.v1.ListSessionsRequest
+ */
+export type ListSessionsRequest = Message<"eitri.v1.ListSessionsRequest"> & {
+};
+
+/**
+ * Describes the message eitri.v1.ListSessionsRequest.
+ * Use `create(ListSessionsRequestSchema)` to create a new message.
+ */
+export const ListSessionsRequestSchema: GenMessage<ListSessionsRequest> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_token, 8);
+
+/**
+ * @generated from message eitri.v1.ListSessionsResponse
+ */
+export type ListSessionsResponse = Message<"eitri.v1.ListSessionsResponse"> & {
+  /**
+   * @generated from field: repeated eitri.v1.Session sessions = 1;
+   */
+  sessions: Session[];
+};
+
+/**
+ * Describes the message eitri.v1.ListSessionsResponse.
+ * Use `create(ListSessionsResponseSchema)` to create a new message.
+ */
+export const ListSessionsResponseSchema: GenMessage<ListSessionsResponse> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_token, 9);
+
+/**
+ * @generated from message eitri.v1.RevokeSessionRequest
+ */
+export type RevokeSessionRequest = Message<"eitri.v1.RevokeSessionRequest"> & {
+  /**
+   * @generated from field: string id = 1;
+   */
+  id: string;
+};
+
+/**
+ * Describes the message eitri.v1.RevokeSessionRequest.
+ * Use `create(RevokeSessionRequestSchema)` to create a new message.
+ */
+export const RevokeSessionRequestSchema: GenMessage<RevokeSessionRequest> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_token, 10);
+
+/**
+ * @generated from message eitri.v1.RevokeSessionResponse
+ */
+export type RevokeSessionResponse = Message<"eitri.v1.RevokeSessionResponse"> & {
+};
+
+/**
+ * Describes the message eitri.v1.RevokeSessionResponse.
+ * Use `create(RevokeSessionResponseSchema)` to create a new message.
+ */
+export const RevokeSessionResponseSchema: GenMessage<RevokeSessionResponse> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_token, 11);
+
+/**
+ * TokenService manages personal access tokens (Authorization: Bearer ...)
+ * and the console sessions opened with them. Tokens are stored hashed; the
+ * secret is shown once, at creation. Revoking a token ends its sessions and
+ * closes every stream either of them holds open.
  *
  * @generated from service eitri.v1.TokenService
  */
@@ -211,6 +345,26 @@ export const TokenService: GenService<{
     methodKind: "unary";
     input: typeof RevokeTokenRequestSchema;
     output: typeof RevokeTokenResponseSchema;
+  },
+  /**
+   * The caller's console sessions (everyone's, for an admin).
+   *
+   * @generated from rpc eitri.v1.TokenService.ListSessions
+   */
+  listSessions: {
+    methodKind: "unary";
+    input: typeof ListSessionsRequestSchema;
+    output: typeof ListSessionsResponseSchema;
+  },
+  /**
+   * Ends a console session at once, with the streams it holds open.
+   *
+   * @generated from rpc eitri.v1.TokenService.RevokeSession
+   */
+  revokeSession: {
+    methodKind: "unary";
+    input: typeof RevokeSessionRequestSchema;
+    output: typeof RevokeSessionResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_eitri_v1_token, 0);
