@@ -35,6 +35,8 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 		}),
 	}
 	h := handlers{f: f, log: log}
+	// After auth, so the principal whose streams are counted is known.
+	opts = append(opts, connect.WithInterceptors(streamQuota{h}))
 	for _, mount := range []func() (string, http.Handler){
 		func() (string, http.Handler) { return eitriv1connect.NewVMServiceHandler(vmService{h}, opts...) },
 		func() (string, http.Handler) {
@@ -42,6 +44,7 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 		},
 		func() (string, http.Handler) { return eitriv1connect.NewHostServiceHandler(hostService{h}, opts...) },
 		func() (string, http.Handler) { return eitriv1connect.NewTokenServiceHandler(tokenService{h}, opts...) },
+		func() (string, http.Handler) { return eitriv1connect.NewQuotaServiceHandler(quotaService{h}, opts...) },
 		func() (string, http.Handler) { return eitriv1connect.NewAgentServiceHandler(agentService{h}, opts...) },
 	} {
 		path, handler := mount()
@@ -62,6 +65,7 @@ var codes = map[fleet.Kind]connect.Code{
 	fleet.Denied:          connect.CodePermissionDenied,
 	fleet.Precondition:    connect.CodeFailedPrecondition,
 	fleet.Unauthenticated: connect.CodeUnauthenticated,
+	fleet.Exhausted:       connect.CodeResourceExhausted,
 }
 
 // toConnect maps a fleet error to its Connect code. Internal errors are

@@ -33,6 +33,8 @@ const (
 	Denied
 	Precondition
 	Unauthenticated
+	// Exhausted: a quota or cap would be exceeded.
+	Exhausted
 )
 
 // Error is a domain error with a message meant for the caller.
@@ -93,6 +95,9 @@ type Fleet struct {
 	touched  map[string]time.Time
 	dups     map[string]*duplicate // host id → a refused second agent
 
+	quota    quotaState
+	reserved *reservedPorts
+
 	creds credStreams // open streams by credential, ended on revoke
 }
 
@@ -122,6 +127,7 @@ func New(cfg Config, st *store.Store) *Fleet {
 		lastGen:   make(map[string]uint64),
 		touched:   make(map[string]time.Time),
 		dups:      make(map[string]*duplicate),
+		reserved:  builtinReserved(cfg.PublicURL),
 	}
 }
 
