@@ -29,6 +29,7 @@ type client struct {
 	host  eitriv1connect.HostServiceClient
 	exp   eitriv1connect.ExposureServiceClient
 	token eitriv1connect.TokenServiceClient
+	quota eitriv1connect.QuotaServiceClient
 	out   io.Writer
 	json  bool
 }
@@ -57,6 +58,7 @@ func newClient(out io.Writer, asJSON bool) (*client, error) {
 		host:  eitriv1connect.NewHostServiceClient(hc, base, opt),
 		exp:   eitriv1connect.NewExposureServiceClient(hc, base, opt),
 		token: eitriv1connect.NewTokenServiceClient(hc, base, opt),
+		quota: eitriv1connect.NewQuotaServiceClient(hc, base, opt),
 		out:   out, json: asJSON,
 	}, nil
 }
@@ -82,6 +84,9 @@ func cmdClient(ctx context.Context, noun string, args []string, out io.Writer) e
 		return usagef("eitri %s needs a subcommand", noun)
 	}
 	verb, args := args[0], args[1:]
+	if noun == "quota" {
+		return cmdQuota(ctx, verb, args, out)
+	}
 	fs := flag.NewFlagSet(noun+" "+verb, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	output := fs.String("o", "table", "output: table or json")

@@ -31,6 +31,9 @@ Usage:
   eitri host ls | get ID | join-token [--ttl 1h] | decommission ID
   eitri expose create VM_ID GUEST_PORT [--host-port N --udp --local --max N] | ls [VM_ID] | rm ID
   eitri token create NAME [--ttl 720h --user NAME] | ls | revoke ID
+  eitri quota get [--user NAME]
+  eitri quota set [--user NAME | --defaults] [--vms N --vcpus N --mem-mb N --disk-gb N --exposures N --streams N]
+                  (admins; a value of "default" makes a user's limit follow the default again)
 
 Client commands read EITRI_URL (default http://127.0.0.1:8080) and EITRI_TOKEN.
 Add -o json to a client command for the API's JSON.
@@ -69,7 +72,7 @@ func run(args []string, out io.Writer) error {
 	case "version", "--version", "-v":
 		fmt.Fprintln(out, "eitri", version)
 		return nil
-	case "vm", "host", "expose", "token":
+	case "vm", "host", "expose", "token", "quota":
 		return cmdClient(ctx, args[0], args[1:], out)
 	case "help", "-h", "--help":
 		fmt.Fprint(out, usage)
