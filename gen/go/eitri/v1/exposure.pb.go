@@ -176,7 +176,9 @@ type CreateExposureRequest struct {
 	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
 	// 1-65535.
 	GuestPort uint32 `protobuf:"varint,2,opt,name=guest_port,json=guestPort,proto3" json:"guest_port,omitempty"`
-	// 1-65535, or 0 to allocate one from the control plane's range.
+	// 0 to allocate one from the control plane's range. Only an admin may
+	// name a port outside that range, and nobody the ports the fleet itself
+	// uses (the control plane's, the agent's DHCP server's 67/udp).
 	HostPort uint32 `protobuf:"varint,3,opt,name=host_port,json=hostPort,proto3" json:"host_port,omitempty"`
 	// "tcp" (default when empty) or "udp".
 	Protocol string `protobuf:"bytes,4,opt,name=protocol,proto3" json:"protocol,omitempty"`

@@ -259,13 +259,14 @@ type CreateVMRequest struct {
 	// The host to place it on; empty lets the control plane choose the
 	// connected host with the most free capacity.
 	HostId string `protobuf:"bytes,2,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
-	// http(s) URL of a raw, gzip raw or qcow2 image.
+	// http(s) URL of a raw, gzip raw or qcow2 image; at most 2048 bytes.
 	ImageUrl string `protobuf:"bytes,3,opt,name=image_url,json=imageUrl,proto3" json:"image_url,omitempty"`
 	// sha256 of the image as served, 64 lowercase hex characters.
-	ImageSha256      string `protobuf:"bytes,4,opt,name=image_sha256,json=imageSha256,proto3" json:"image_sha256,omitempty"`
-	Vcpus            int32  `protobuf:"varint,5,opt,name=vcpus,proto3" json:"vcpus,omitempty"`
-	MemMb            int64  `protobuf:"varint,6,opt,name=mem_mb,json=memMb,proto3" json:"mem_mb,omitempty"`
-	DiskGb           int64  `protobuf:"varint,7,opt,name=disk_gb,json=diskGb,proto3" json:"disk_gb,omitempty"`
+	ImageSha256 string `protobuf:"bytes,4,opt,name=image_sha256,json=imageSha256,proto3" json:"image_sha256,omitempty"`
+	Vcpus       int32  `protobuf:"varint,5,opt,name=vcpus,proto3" json:"vcpus,omitempty"`
+	MemMb       int64  `protobuf:"varint,6,opt,name=mem_mb,json=memMb,proto3" json:"mem_mb,omitempty"`
+	DiskGb      int64  `protobuf:"varint,7,opt,name=disk_gb,json=diskGb,proto3" json:"disk_gb,omitempty"`
+	// One line, at most 8 KiB.
 	SshAuthorizedKey string `protobuf:"bytes,8,opt,name=ssh_authorized_key,json=sshAuthorizedKey,proto3" json:"ssh_authorized_key,omitempty"`
 	// "running" (default when empty) or "stopped".
 	PowerState    string `protobuf:"bytes,9,opt,name=power_state,json=powerState,proto3" json:"power_state,omitempty"`

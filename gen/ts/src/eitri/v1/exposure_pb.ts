@@ -126,7 +126,9 @@ export type CreateExposureRequest = Message<"eitri.v1.CreateExposureRequest"> & 
   guestPort: number;
 
   /**
-   * 1-65535, or 0 to allocate one from the control plane's range.
+   * 0 to allocate one from the control plane's range. Only an admin may
+   * name a port outside that range, and nobody the ports the fleet itself
+   * uses (the control plane's, the agent's DHCP server's 67/udp).
    *
    * @generated from field: uint32 host_port = 3;
    */

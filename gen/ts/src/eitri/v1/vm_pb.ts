@@ -185,7 +185,7 @@ export type CreateVMRequest = Message<"eitri.v1.CreateVMRequest"> & {
   hostId: string;
 
   /**
-   * http(s) URL of a raw, gzip raw or qcow2 image.
+   * http(s) URL of a raw, gzip raw or qcow2 image; at most 2048 bytes.
    *
    * @generated from field: string image_url = 3;
    */
@@ -214,6 +214,8 @@ export type CreateVMRequest = Message<"eitri.v1.CreateVMRequest"> & {
   diskGb: bigint;
 
   /**
+   * One line, at most 8 KiB.
+   *
    * @generated from field: string ssh_authorized_key = 8;
    */
   sshAuthorizedKey: string;
