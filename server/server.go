@@ -4,6 +4,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -13,12 +14,17 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/go-chi/chi/v5"
 
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server/api"
+	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/server/httpguard"
 	"github.com/a73x/eitri/server/mcp"
 	"github.com/a73x/eitri/server/pki"
 	"github.com/a73x/eitri/server/store"
@@ -45,6 +51,9 @@ type Config struct {
 	// Routes adds extra routes (dev mode serves the test guest image).
 	Routes func(chi.Router)
 	Log    *slog.Logger
+	// BodyTimeout and IdleTimeout replace DefaultBodyTimeout and
+	// DefaultIdleTimeout (tests shorten them).
+	BodyTimeout, IdleTimeout time.Duration
 }
 
 // Server is a started control plane.
@@ -57,6 +66,7 @@ type Server struct {
 	handler     http.Handler
 	tls         *tls.Config
 	log         *slog.Logger
+	idle        time.Duration
 }
 
 // New opens the store, prepares TLS and builds the handler.
@@ -67,7 +77,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return nil, err
 	}
-	s := &Server{log: cfg.Log}
+	s := &Server{log: cfg.Log, idle: cmp.Or(cfg.IdleTimeout, DefaultIdleTimeout)}
 	if !cfg.Plaintext {
 		var cert tls.Certificate
 		var err error
@@ -109,9 +119,90 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if console == nil {
 		console = http.HandlerFunc(noConsole)
 	}
-	r.Handle("/*", console)
-	s.handler = r
+	r.Handle("/*", httpguard.Console(console))
+	guard := &httpguard.Guard{Route: s.route, BodyTimeout: cmp.Or(cfg.BodyTimeout, DefaultBodyTimeout), Log: cfg.Log}
+	s.handler = guard.Wrap(r)
 	return s, nil
+}
+
+// MaxOpenBody bounds the body of every route anyone may call without a
+// credential in its headers: the console's files and /healthz take none,
+// and /auth/login's holds one token.
+const MaxOpenBody = 16 << 10
+
+// rpcPrefix starts the path of every Connect procedure (/eitri.v1.VMService/…).
+const rpcPrefix = "/eitri.v1."
+
+// route says what a request may cost before its handler runs: whether it
+// must show a credential first, how large its body may be, and whether its
+// body is a stream.
+func (s *Server) route(r *http.Request) httpguard.Rule {
+	p := r.URL.Path // what Connect dispatches on
+	switch {
+	case p == eitriv1connect.AgentServiceEnrollProcedure:
+		// The join token in the body is the credential.
+		return httpguard.Rule{MaxBody: api.MaxEnrollMessage + api.EnvelopeSlack, RPC: true}
+	case strings.HasPrefix(p, "/"+eitriv1connect.AgentServiceName+"/"):
+		// Sync lasts as long as the host is up; Connect bounds each report.
+		return httpguard.Rule{Check: s.checkHost, Stream: true, RPC: true}
+	case strings.HasPrefix(p, rpcPrefix):
+		// One request message, also for the Watch streams.
+		return httpguard.Rule{Check: s.checkUser, MaxBody: api.MaxUserMessage + api.EnvelopeSlack, RPC: true}
+	case p == "/mcp":
+		return httpguard.Rule{Check: s.checkBearer, MaxBody: api.MaxUserMessage}
+	default:
+		return httpguard.Rule{MaxBody: MaxOpenBody}
+	}
+}
+
+// checkUser accepts what the API's interceptor will: a personal access token
+// as a bearer token, or without an Authorization header the console's
+// session cookie (auth.SessionSecret says when a cookie counts).
+func (s *Server) checkUser(r *http.Request) error {
+	if r.Header.Get("Authorization") == "" {
+		if secret := auth.SessionSecret(r); secret != "" {
+			_, err := s.Fleet.ResolveSession(r.Context(), secret)
+			return credentialError(err)
+		}
+	}
+	return s.checkBearer(r)
+}
+
+// checkBearer accepts a personal access token only (MCP takes no cookie).
+func (s *Server) checkBearer(r *http.Request) error {
+	secret := auth.Secret(r.Header)
+	if secret == "" {
+		return connect.NewError(connect.CodeUnauthenticated, errors.New("missing credentials: send Authorization: Bearer <token>"))
+	}
+	_, err := s.Fleet.Resolve(r.Context(), secret)
+	return credentialError(err)
+}
+
+// checkHost accepts a host credential (the agent's Sync stream).
+func (s *Server) checkHost(r *http.Request) error {
+	cred := auth.Secret(r.Header)
+	if cred == "" {
+		return connect.NewError(connect.CodeUnauthenticated, errors.New("missing host credential"))
+	}
+	_, err := s.Fleet.HostByCredential(r.Context(), cred)
+	if err != nil && fleet.KindOf(err) == fleet.Unauthenticated {
+		return connect.NewError(connect.CodeUnauthenticated, err)
+	}
+	return credentialError(err)
+}
+
+func credentialError(err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, auth.ErrBadCredential) {
+		return connect.NewError(connect.CodeUnauthenticated, err)
+	}
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		return ce
+	}
+	return connect.NewError(connect.CodeInternal, err)
 }
 
 func noConsole(w http.ResponseWriter, _ *http.Request) {
@@ -132,6 +223,19 @@ const (
 	KeepaliveTimeout = 10 * time.Second
 )
 
+// Defaults for Config.BodyTimeout and Config.IdleTimeout. A body (one
+// request message: at most 64 KiB, 16 KiB unauthenticated) must arrive
+// within DefaultBodyTimeout of its headers; a keep-alive connection with no
+// request in flight is closed after DefaultIdleTimeout. Streams (Watch*, the
+// agent's Sync) are never idle, and their bodies are not timed.
+const (
+	DefaultBodyTimeout = 10 * time.Second
+	DefaultIdleTimeout = 30 * time.Second
+	// MaxHeaderBytes bounds what is read before anyone is authenticated: a
+	// token, a cookie and the usual headers are a few KiB.
+	MaxHeaderBytes = 64 << 10
+)
+
 // Serve serves on ln until ctx ends, then shuts down gracefully.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	if a, ok := ln.Addr().(*net.TCPAddr); ok {
@@ -140,8 +244,12 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
 		Handler:           s.handler,
 		ReadHeaderTimeout: 10 * time.Second,
-		Protocols:         new(http.Protocols),
-		BaseContext:       func(net.Listener) context.Context { return ctx },
+		// No ReadTimeout or WriteTimeout: they would cut every stream. The
+		// guard gives each body its own deadline instead.
+		IdleTimeout:    s.idle,
+		MaxHeaderBytes: MaxHeaderBytes,
+		Protocols:      new(http.Protocols),
+		BaseContext:    func(net.Listener) context.Context { return ctx },
 		// A host that loses power sends no FIN: without pings its stream
 		// would look open forever and keep getting VMs placed on it.
 		HTTP2: &http.HTTP2Config{SendPingTimeout: KeepaliveIdle, PingTimeout: KeepaliveTimeout},

@@ -27,6 +27,8 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 		connect.WithCodec(protoCodec{}),
 		connect.WithCodec(jsonCodec{name: "json"}),
 		connect.WithCodec(jsonCodec{name: "json; charset=utf-8"}),
+		// Every message is bounded, compressed and inflated (limits.go).
+		connect.WithConditionalHandlerOptions(messageLimits),
 		connect.WithInterceptors(auth.Interceptor{
 			Resolve: f.Resolve, ResolveSession: f.ResolveSession, Hold: f.Hold,
 			Skip: func(procedure string) bool {

@@ -1,0 +1,93 @@
+package api
+
+import (
+	"compress/gzip"
+	"errors"
+	"io"
+	"strings"
+
+	"connectrpc.com/connect"
+
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+)
+
+// Bounds on one message, after decompression. Connect refuses a larger one
+// with ResourceExhausted before decoding it; the HTTP layer (see
+// server.route) bounds the bytes as sent.
+const (
+	// MaxUserMessage: the largest call a person makes is a CreateVM with an
+	// SSH key, a URL and a few names, a few KiB. 64 KiB leaves room for
+	// long keys and JSON escaping and still keeps a caller from costing more
+	// than that per request.
+	MaxUserMessage = 64 << 10
+	// MaxEnrollMessage: Enroll is open to anyone (the join token in its body
+	// is the credential), and holds only that token, a hostname and a
+	// version string: a few hundred bytes.
+	MaxEnrollMessage = 16 << 10
+	// MaxReportMessage: one frame of an agent's Sync stream. A complete
+	// report for a host with a thousand VMs, their exposures and quarantined
+	// records is well under 2 MiB; 8 MiB is headroom for the biggest hosts,
+	// and only a host credential can send one.
+	MaxReportMessage = 8 << 20
+)
+
+// EnvelopeSlack is what the wire adds around one message in a request body:
+// a 5-byte frame prefix (gRPC, gRPC-Web, Connect streaming), and gzip's
+// header and block overhead when a message does not compress.
+const EnvelopeSlack = 1 << 10
+
+// MessageLimit is the decompressed bound for one procedure.
+func MessageLimit(procedure string) int64 {
+	switch {
+	case procedure == eitriv1connect.AgentServiceEnrollProcedure:
+		return MaxEnrollMessage
+	case strings.HasPrefix(procedure, "/"+eitriv1connect.AgentServiceName+"/"):
+		return MaxReportMessage
+	default:
+		return MaxUserMessage
+	}
+}
+
+// messageLimits bounds every procedure's messages, and swaps Connect's gzip
+// for one that stops inflating past the bound: Connect otherwise inflates an
+// oversized message to the end just to say how large it was, which for a
+// bomb is seconds of CPU.
+func messageLimits(spec connect.Spec) []connect.HandlerOption {
+	limit := MessageLimit(spec.Procedure)
+	return []connect.HandlerOption{
+		connect.WithReadMaxBytes(int(limit)),
+		connect.WithCompression("gzip",
+			func() connect.Decompressor { return &boundedGzip{limit: limit} },
+			func() connect.Compressor { return gzip.NewWriter(io.Discard) }),
+	}
+}
+
+var errInflatesTooFar = errors.New("it inflates past the limit")
+
+// boundedGzip is a gzip reader that yields at most limit+1 bytes (one more
+// than a legitimate message, so Connect sees it is too large) and then an
+// error.
+type boundedGzip struct {
+	gz    gzip.Reader
+	limit int64
+	left  int64
+}
+
+func (b *boundedGzip) Read(p []byte) (int, error) {
+	if b.left <= 0 {
+		return 0, errInflatesTooFar
+	}
+	if int64(len(p)) > b.left {
+		p = p[:b.left]
+	}
+	n, err := b.gz.Read(p)
+	b.left -= int64(n)
+	return n, err
+}
+
+func (b *boundedGzip) Reset(r io.Reader) error {
+	b.left = b.limit + 1
+	return b.gz.Reset(r)
+}
+
+func (b *boundedGzip) Close() error { return b.gz.Close() }
