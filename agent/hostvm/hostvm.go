@@ -9,7 +9,9 @@
 //   - seed: wherever the engine puts it (state.Store.SeedPath), removed by
 //     Destroy too;
 //   - tap: netsetup.TapName(id); address: a netsetup lease keyed by the VM id
-//     with MAC netsetup.MAC(id), so the guest's address is stable.
+//     with MAC netsetup.MAC(id), so the guest's address is stable. The lease
+//     also carries the VM's owner (state.VMSpec.Owner), which the bridge
+//     filter uses to let only guests of one owner reach each other.
 package hostvm
 
 import (
@@ -198,13 +200,9 @@ func (h *Hypervisor) PrepareRootDisk(ctx context.Context, spec state.VMSpec, bas
 //     retry boots it afresh and a failed VM holds no QEMU.
 func (h *Hypervisor) Boot(ctx context.Context, spec state.VMSpec, seedPath string) error {
 	id := spec.ID
-	mac := netsetup.MAC(id)
-	if _, err := h.net.Allocate(id, mac); err != nil {
-		return fmt.Errorf("hostvm: vm %s: address: %w", id, err)
-	}
-	tap := netsetup.TapName(id)
-	if err := h.net.AddTap(tap); err != nil {
-		return fmt.Errorf("hostvm: vm %s: %w", id, err)
+	mac, tap := netsetup.MAC(id), netsetup.TapName(id)
+	if err := h.plug(id, spec.Owner); err != nil {
+		return err
 	}
 	vm := qemu.VM{
 		ID:       id,
@@ -302,16 +300,39 @@ func (h *Hypervisor) adopt(ctx context.Context, id string) error {
 		return err
 	}
 	if running {
-		// Both are idempotent; they matter when the bridge or the lease file
-		// was rebuilt while the agent was down.
-		if _, err := h.net.Allocate(id, netsetup.MAC(id)); err != nil {
-			h.log.Warn("adopted vm: cannot reserve its address", "vm", id, "err", err)
-		}
-		if err := h.net.AddTap(netsetup.TapName(id)); err != nil {
-			h.log.Warn("adopted vm: cannot restore its tap", "vm", id, "err", err)
+		// Idempotent; it matters when the bridge, the lease file or the
+		// guest filter was rebuilt while the agent was down. A VM without a
+		// record has no owner: isolated.
+		rec, _, err := h.st.LoadVM(id)
+		if err != nil {
+			h.log.Warn("adopted vm: cannot read its record; its network stays as it is", "vm", id, "err", err)
+		} else if err := h.plug(id, rec.Spec.Owner); err != nil {
+			h.log.Warn("adopted vm: cannot restore its network", "vm", id, "err", err)
 		}
 	}
 	h.markKnown(id)
+	return nil
+}
+
+// plug gives the VM its place on the guest network: its address reserved
+// under its owner, its tap on the bridge, the bridge filter written for both.
+func (h *Hypervisor) plug(id, owner string) error {
+	if _, err := h.net.Allocate(id, netsetup.MAC(id), owner); err != nil {
+		return fmt.Errorf("hostvm: vm %s: address: %w", id, err)
+	}
+	if err := h.net.AddTap(netsetup.TapName(id)); err != nil {
+		return fmt.Errorf("hostvm: vm %s: %w", id, err)
+	}
+	return nil
+}
+
+// SetOwner moves a VM to another owner: which guests it may reach changes
+// at once, running or not. A VM that holds no address yet takes the owner
+// at its next Boot.
+func (h *Hypervisor) SetOwner(ctx context.Context, id, owner string) error {
+	if err := h.net.SetOwner(id, owner); err != nil {
+		return fmt.Errorf("hostvm: vm %s: owner: %w", id, err)
+	}
 	return nil
 }
 

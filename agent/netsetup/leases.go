@@ -18,10 +18,15 @@ var ErrPoolExhausted = errors.New("netsetup: no free address left in the prefix"
 // lease is one VM's reservation. AckedAt is set the first time the guest
 // accepts the address (DHCPACK sent) and is kept across agent restarts:
 // the address never changes for the VM, so the fact stays true.
+//
+// Owner is the VM's tenant key, kept here so the guest filter can be
+// rebuilt from this table alone when the agent starts; an older file
+// without it reads as "" (isolated) until the agent allocates again.
 type lease struct {
 	VMID    string     `json:"vm_id"`
 	MAC     string     `json:"mac"`
 	Addr    netip.Addr `json:"addr"`
+	Owner   string     `json:"owner,omitempty"`
 	AckedAt *time.Time `json:"acked_at,omitempty"`
 }
 

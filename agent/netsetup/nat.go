@@ -22,7 +22,7 @@ func ensureNAT(prefix netip.Prefix, bridge string) error {
 	if err != nil {
 		return fmt.Errorf("netsetup: nftables: %w", err)
 	}
-	if err := deleteTableIfExists(c); err != nil {
+	if err := deleteTable(c, nftables.TableFamilyIPv4, nftTable); err != nil {
 		return err
 	}
 	t := c.AddTable(&nftables.Table{Family: nftables.TableFamilyIPv4, Name: nftTable})
@@ -61,7 +61,7 @@ func removeNAT() error {
 	if err != nil {
 		return fmt.Errorf("netsetup: nftables: %w", err)
 	}
-	if err := deleteTableIfExists(c); err != nil {
+	if err := deleteTable(c, nftables.TableFamilyIPv4, nftTable); err != nil {
 		return err
 	}
 	if err := c.Flush(); err != nil {
@@ -70,15 +70,15 @@ func removeNAT() error {
 	return nil
 }
 
-// deleteTableIfExists queues deletion of the eitri table; deleting a table
-// that is not there would fail the whole batch.
-func deleteTableIfExists(c *nftables.Conn) error {
-	tables, err := c.ListTablesOfFamily(nftables.TableFamilyIPv4)
+// deleteTable queues deletion of one of eitri's tables if it exists;
+// deleting a table that is not there would fail the whole batch.
+func deleteTable(c *nftables.Conn, family nftables.TableFamily, name string) error {
+	tables, err := c.ListTablesOfFamily(family)
 	if err != nil {
 		return fmt.Errorf("netsetup: list nftables tables: %w", err)
 	}
 	for _, t := range tables {
-		if t.Name == nftTable {
+		if t.Name == name {
 			c.DelTable(t)
 		}
 	}

@@ -1,6 +1,8 @@
 // Package netsetup gives guests their network: a host bridge with NAT for
-// egress, one tap per VM enslaved to it, and an embedded DHCP server that
-// hands each VM a stable address the agent chose and knows.
+// egress, one tap per VM enslaved to it, an embedded DHCP server that
+// hands each VM a stable address the agent chose and knows, and a guest
+// filter (filter.go) that keeps guests from taking each other's addresses
+// and lets only guests of one owner reach each other.
 //
 // It works in the network namespace of the calling process.
 package netsetup
@@ -45,9 +47,9 @@ type Config struct {
 	DNS []netip.Addr
 	// LeaseTime is the DHCP lease time (default 1h).
 	LeaseTime time.Duration
-	// Teardown makes Close also delete the bridge and the NAT table. By
-	// default they stay: they belong to the host and running guests need
-	// them while the agent restarts.
+	// Teardown makes Close also delete the bridge, the NAT table and the
+	// guest filter. By default they stay: they belong to the host and
+	// running guests need them while the agent restarts.
 	Teardown bool
 	Log      *slog.Logger
 }
@@ -113,6 +115,7 @@ func Setup(ctx context.Context, cfg Config) (*Network, error) {
 		{"bridge", n.ensureBridge},
 		{"forwarding", enableForwarding},
 		{"nat", func() error { return ensureNAT(p.prefix, cfg.Bridge) }},
+		{"guest filter", n.syncFilter},
 		{"dhcp", n.startDHCP},
 	}
 	for _, s := range steps {
@@ -192,7 +195,10 @@ func (n *Network) ensureBridge() error {
 
 // AddTap creates a persistent tap for one VM (single queue, which is what a
 // QEMU netdev without queues= opens), enslaves it to the bridge and brings
-// it up. An existing tap is reused.
+// it up. An existing tap is reused. The guest filter is written again
+// before the tap comes up (which also restores it if someone flushed the
+// host's ruleset); a tap carries traffic only if it is TapName of a VM that
+// holds a lease.
 func (n *Network) AddTap(name string) error {
 	if name == "" || len(name) > 15 {
 		return fmt.Errorf("netsetup: tap name %q must be 1 to 15 bytes", name)
@@ -226,6 +232,9 @@ func (n *Network) AddTap(name string) error {
 			return fmt.Errorf("netsetup: enslave tap %s: %w", name, err)
 		}
 	}
+	if err := n.syncFilter(); err != nil {
+		return err
+	}
 	if err := netlink.LinkSetUp(link); err != nil {
 		return fmt.Errorf("netsetup: bring up tap %s: %w", name, err)
 	}
@@ -253,11 +262,15 @@ func (n *Network) RemoveTap(name string) error {
 	return nil
 }
 
+// tapPrefix begins the name of every tap eitri makes; the guest filter
+// knows eitri's bridge ports by it.
+const tapPrefix = "eitri"
+
 // TapName derives a VM's tap name: interface names are at most 15 bytes,
 // VM ids are longer, so it is a short hash.
 func TapName(vmID string) string {
 	h := sha256.Sum256([]byte(vmID))
-	return fmt.Sprintf("eitri%x", h[:5])
+	return fmt.Sprintf("%s%x", tapPrefix, h[:5])
 }
 
 // MAC derives a stable, locally administered unicast MAC for a VM, so the
@@ -273,7 +286,11 @@ func MAC(vmID string) net.HardwareAddr {
 // time. The reservation is written to the lease file before it is returned,
 // so it survives restarts. A VM whose MAC changed keeps its address, but the
 // new NIC has to ask for it again before Leased reports true.
-func (n *Network) Allocate(vmID string, mac net.HardwareAddr) (netip.Addr, error) {
+//
+// owner is the VM's tenant key: guests with the same non-empty owner may
+// reach each other, any other guest pair never does. The guest filter
+// follows every change of the table.
+func (n *Network) Allocate(vmID string, mac net.HardwareAddr, owner string) (netip.Addr, error) {
 	if vmID == "" {
 		return netip.Addr{}, errors.New("netsetup: empty vm id")
 	}
@@ -287,34 +304,59 @@ func (n *Network) Allocate(vmID string, mac net.HardwareAddr) (netip.Addr, error
 		return netip.Addr{}, fmt.Errorf("netsetup: MAC %s already belongs to vm %s", key, other.VMID)
 	}
 	if l, ok := n.leases[vmID]; ok {
-		if l.MAC == key {
+		if l.MAC == key && l.Owner == owner {
 			return l.Addr, nil
 		}
 		old := *l
-		delete(n.byMAC, l.MAC)
-		l.MAC, l.AckedAt = key, nil
-		n.byMAC[key] = l
+		if l.MAC != key {
+			delete(n.byMAC, l.MAC)
+			l.MAC, l.AckedAt = key, nil
+			n.byMAC[key] = l
+		}
+		l.Owner = owner
 		if err := n.saveLocked(); err != nil {
 			delete(n.byMAC, key)
 			*l = old
 			n.byMAC[old.MAC] = l
 			return netip.Addr{}, err
 		}
-		return l.Addr, nil
+		if old.Owner != owner {
+			n.log.Info("vm owner changed", "vm", vmID, "owner", owner, "was", old.Owner)
+		}
+		return l.Addr, n.syncFilterLocked()
 	}
 	addr, ok := n.freeLocked()
 	if !ok {
 		return netip.Addr{}, ErrPoolExhausted
 	}
-	l := &lease{VMID: vmID, MAC: key, Addr: addr}
+	l := &lease{VMID: vmID, MAC: key, Addr: addr, Owner: owner}
 	n.leases[vmID], n.byMAC[key] = l, l
 	if err := n.saveLocked(); err != nil {
 		delete(n.leases, vmID)
 		delete(n.byMAC, key)
 		return netip.Addr{}, err
 	}
-	n.log.Info("address allocated", "vm", vmID, "addr", addr, "mac", key)
-	return addr, nil
+	n.log.Info("address allocated", "vm", vmID, "addr", addr, "mac", key, "owner", owner)
+	return addr, n.syncFilterLocked()
+}
+
+// SetOwner changes the owner of a VM that holds a lease, and the guest
+// filter with it; a VM without one is left for its next Allocate.
+func (n *Network) SetOwner(vmID, owner string) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	l, ok := n.leases[vmID]
+	if !ok || l.Owner == owner {
+		return nil
+	}
+	old := l.Owner
+	l.Owner = owner
+	if err := n.saveLocked(); err != nil {
+		l.Owner = old
+		return err
+	}
+	n.log.Info("vm owner changed", "vm", vmID, "owner", owner, "was", old)
+	return n.syncFilterLocked()
 }
 
 func (n *Network) freeLocked() (netip.Addr, bool) {
@@ -345,7 +387,7 @@ func (n *Network) Release(vmID string) error {
 		return err
 	}
 	n.log.Info("address released", "vm", vmID, "addr", l.Addr)
-	return nil
+	return n.syncFilterLocked()
 }
 
 // Leased returns the VM's address and whether its guest has accepted it
@@ -383,8 +425,8 @@ func (n *Network) saveLocked() error {
 	return err
 }
 
-// Close stops the DHCP server. The bridge and NAT stay (running guests still
-// use them) unless Config.Teardown is set.
+// Close stops the DHCP server. The bridge, NAT and guest filter stay
+// (running guests still use them) unless Config.Teardown is set.
 func (n *Network) Close() error {
 	n.closeOnce.Do(func() {
 		var errs []error
@@ -393,7 +435,7 @@ func (n *Network) Close() error {
 			<-n.serveDone
 		}
 		if n.cfg.Teardown {
-			errs = append(errs, removeNAT())
+			errs = append(errs, removeNAT(), removeFilter())
 			if link, err := netlink.LinkByName(n.cfg.Bridge); err == nil {
 				if err := netlink.LinkDel(link); err != nil {
 					errs = append(errs, fmt.Errorf("netsetup: delete bridge: %w", err))

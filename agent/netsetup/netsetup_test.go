@@ -32,18 +32,20 @@ func linkUp(t *testing.T, name string) {
 	require.NoError(t, netlink.LinkSetUp(l))
 }
 
-// guestPort adds a veth pair standing in for a guest NIC: the host end is
-// enslaved to the bridge, the guest end carries mac.
-func guestPort(t *testing.T, bridge, name string, mac net.HardwareAddr) {
+// guestPort adds a veth pair standing in for a guest NIC: the host end,
+// port, is enslaved to the bridge (the guest filter lets it carry traffic
+// only if it is named TapName of a VM with a lease), the guest end "g-"+name
+// carries mac.
+func guestPort(t *testing.T, bridge, port, name string, mac net.HardwareAddr) {
 	t.Helper()
 	br, err := netlink.LinkByName(bridge)
 	require.NoError(t, err)
 	veth := &netlink.Veth{
-		LinkAttrs: netlink.LinkAttrs{Name: "h-" + name, MasterIndex: br.Attrs().Index},
+		LinkAttrs: netlink.LinkAttrs{Name: port, MasterIndex: br.Attrs().Index},
 		PeerName:  "g-" + name, PeerHardwareAddr: mac,
 	}
 	require.NoError(t, netlink.LinkAdd(veth))
-	linkUp(t, "h-"+name)
+	linkUp(t, port)
 	linkUp(t, "g-"+name)
 }
 
@@ -102,13 +104,13 @@ func TestNetworkInNamespace(t *testing.T) {
 
 		// DHCP: the allocated MAC gets its address.
 		mac1 := MAC("vm-1")
-		addr1, err := n.Allocate("vm-1", mac1)
+		addr1, err := n.Allocate("vm-1", mac1, "alice")
 		require.NoError(t, err)
 		assert.Equal(t, netip.MustParseAddr("10.77.0.2"), addr1)
 		_, leased := n.Leased("vm-1")
 		assert.False(t, leased, "no guest has asked yet")
 
-		guestPort(t, DefaultBridge, "vm1", mac1)
+		guestPort(t, DefaultBridge, TapName("vm-1"), "vm1", mac1)
 		lease, err := dhcpClient(t, "g-vm1", 2*time.Second).Request(ctx)
 		require.NoError(t, err)
 		ack := lease.ACK
@@ -124,7 +126,7 @@ func TestNetworkInNamespace(t *testing.T) {
 		assert.Equal(t, addr1, a)
 
 		// An unknown MAC gets no offer.
-		guestPort(t, DefaultBridge, "stray", net.HardwareAddr{0x02, 0, 0, 0, 0, 0x99})
+		guestPort(t, DefaultBridge, "h-stray", "stray", net.HardwareAddr{0x02, 0, 0, 0, 0, 0x99})
 		_, err = dhcpClient(t, "g-stray", 700*time.Millisecond).DiscoverOffer(ctx)
 		assert.Error(t, err)
 
@@ -132,10 +134,10 @@ func TestNetworkInNamespace(t *testing.T) {
 		_, err = dhcpClient(t, "g-vm1", 2*time.Second).Request(ctx, dhcpv4.WithOption(dhcpv4.OptRequestedIPAddress(net.IPv4(10, 77, 0, 50))))
 		assert.Error(t, err)
 
-		addr2, err := n.Allocate("vm-2", MAC("vm-2"))
+		addr2, err := n.Allocate("vm-2", MAC("vm-2"), "alice")
 		require.NoError(t, err)
 		assert.Equal(t, netip.MustParseAddr("10.77.0.3"), addr2)
-		_, err = n.Allocate("vm-x", mac1)
+		_, err = n.Allocate("vm-x", mac1, "alice")
 		assert.ErrorContains(t, err, "already belongs to vm vm-1")
 		require.NoError(t, n.Close())
 
@@ -146,7 +148,7 @@ func TestNetworkInNamespace(t *testing.T) {
 
 		n, err = Setup(ctx, Config{LeaseFile: leaseFile, Log: testLogger(t), Teardown: true})
 		require.NoError(t, err)
-		again, err := n.Allocate("vm-1", mac1)
+		again, err := n.Allocate("vm-1", mac1, "alice")
 		require.NoError(t, err)
 		assert.Equal(t, addr1, again)
 		_, leased = n.Leased("vm-1")
@@ -165,7 +167,7 @@ func TestNetworkInNamespace(t *testing.T) {
 		// A released address goes to the next VM.
 		require.NoError(t, n.Release("vm-2"))
 		require.NoError(t, n.Release("vm-2"))
-		addr3, err := n.Allocate("vm-3", MAC("vm-3"))
+		addr3, err := n.Allocate("vm-3", MAC("vm-3"), "bob")
 		require.NoError(t, err)
 		assert.Equal(t, addr2, addr3)
 

@@ -44,6 +44,10 @@ type Hypervisor interface {
 	Power(ctx context.Context, id string) (running bool, err error)
 	// Address is the guest's leased address, if one is known.
 	Address(ctx context.Context, id string) (netip.Addr, bool)
+	// SetOwner changes whose VM this is (state.VMSpec.Owner, which Boot
+	// also carries) while it exists: the guest's network lets it reach
+	// guests of the same owner only.
+	SetOwner(ctx context.Context, id, owner string) error
 	// Destroy removes everything the VM holds on this host: process, disk,
 	// tap, lease.
 	Destroy(ctx context.Context, id string) error

@@ -23,6 +23,8 @@ type fakeHyper struct {
 	running      map[string]bool
 	addr         map[string]netip.Addr
 	disks        map[string]bool
+	owners       map[string]string // as booted, then as set
+	setOwnerErr  error
 	calls        map[string]int // "boot", "prepare", ... across all VMs
 	preflightErr error
 	bootErr      error
@@ -34,7 +36,7 @@ type fakeHyper struct {
 func newFakeHyper() *fakeHyper {
 	return &fakeHyper{
 		running: map[string]bool{}, addr: map[string]netip.Addr{},
-		disks: map[string]bool{}, calls: map[string]int{}, nextHost: 10,
+		disks: map[string]bool{}, owners: map[string]string{}, calls: map[string]int{}, nextHost: 10,
 	}
 }
 
@@ -98,6 +100,7 @@ func (h *fakeHyper) Boot(_ context.Context, spec state.VMSpec, seedPath string) 
 		return errors.New("boot without disk or seed")
 	}
 	h.running[spec.ID] = true
+	h.owners[spec.ID] = spec.Owner
 	if _, ok := h.addr[spec.ID]; !ok {
 		h.addr[spec.ID] = netip.AddrFrom4([4]byte{10, 0, 0, h.nextHost})
 		h.nextHost++
@@ -130,6 +133,23 @@ func (h *fakeHyper) Address(_ context.Context, id string) (netip.Addr, bool) {
 		return netip.Addr{}, false
 	}
 	return a, true
+}
+
+func (h *fakeHyper) SetOwner(_ context.Context, id, owner string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.calls["setowner"]++
+	if h.setOwnerErr != nil {
+		return h.setOwnerErr
+	}
+	h.owners[id] = owner
+	return nil
+}
+
+func (h *fakeHyper) ownerOf(id string) string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.owners[id]
 }
 
 func (h *fakeHyper) Destroy(_ context.Context, id string) error {

@@ -236,6 +236,9 @@ func (e *Engine) acquireCreateSlot(ctx context.Context) (release func(), err err
 // address.
 func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, prev *eitriv1.ActualVM) outcome {
 	id := d.GetVmId()
+	if rec.Spec.Owner != d.GetOwner() {
+		rec = e.setOwner(ctx, id, rec, d.GetOwner())
+	}
 	running, err := e.cfg.Hyper.Power(ctx, id)
 	if err != nil {
 		return outcome{row: unknownPowerRow(id, rec, prev, err)}
@@ -260,6 +263,24 @@ func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 		return e.observeKnown(ctx, d, rec, running, "")
 	}
 	return e.observe(ctx, d, rec, lastErr)
+}
+
+// setOwner moves a created VM to the owner the desired state names. The
+// owner is the one part of a created VM's spec that follows the desired
+// state: a control plane that starts sending owners must not leave its
+// guests isolated until they reboot. The record changes only once the
+// hypervisor has, so a failure is retried by the next pass.
+func (e *Engine) setOwner(ctx context.Context, id string, rec state.Record, owner string) state.Record {
+	if err := e.cfg.Hyper.SetOwner(ctx, id, owner); err != nil {
+		e.log.Warn("changing the VM's owner failed; will retry", "vm", id, "err", err)
+		return rec
+	}
+	e.log.Info("VM owner changed", "vm", id, "owner", owner, "was", rec.Spec.Owner)
+	rec.Spec.Owner = owner
+	if err := e.cfg.St.SaveVM(id, rec); err != nil {
+		e.log.Error("saving VM owner", "vm", id, "err", err)
+	}
+	return rec
 }
 
 // observe reads power and address and builds the VM's settled row.
@@ -441,6 +462,7 @@ func specFrom(d *eitriv1.VMDesired) state.VMSpec {
 		MemMB:            d.GetMemMb(),
 		DiskGB:           d.GetDiskGb(),
 		SSHAuthorizedKey: d.GetSshAuthorizedKey(),
+		Owner:            d.GetOwner(),
 	}
 }
 

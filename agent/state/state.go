@@ -53,6 +53,10 @@ type VMSpec struct {
 	MemMB            int64
 	DiskGB           int64
 	SSHAuthorizedKey string
+	// Owner is the VM's tenant key: guests with the same owner may reach
+	// each other on the host's bridge. Records from before it existed read
+	// as "", which isolates the guest from every other.
+	Owner string `json:",omitempty"`
 }
 
 // Record is everything the agent keeps about one VM between passes and

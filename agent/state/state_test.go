@@ -59,7 +59,7 @@ func TestVMRecordRoundTrip(t *testing.T) {
 	s := open(t)
 	now := time.Date(2026, 12, 2, 10, 0, 0, 0, time.UTC)
 	want := Record{
-		Spec:           VMSpec{ID: "vm-1", Name: "web-1", ImageURL: "http://x/img", ImageSHA256: strings.Repeat("a", 64), VCPUs: 2, MemMB: 512, DiskGB: 10, SSHAuthorizedKey: "ssh-ed25519 AAA user"},
+		Spec:           VMSpec{ID: "vm-1", Name: "web-1", ImageURL: "http://x/img", ImageSHA256: strings.Repeat("a", 64), VCPUs: 2, MemMB: 512, DiskGB: 10, SSHAuthorizedKey: "ssh-ed25519 AAA user", Owner: "user-7"},
 		BootID:         "b1",
 		IP:             "10.0.0.5",
 		HostPubKey:     "pub",
@@ -91,6 +91,21 @@ func TestVMRecordRoundTrip(t *testing.T) {
 	ids, err := s.ListVMs()
 	require.NoError(t, err)
 	assert.ElementsMatch(t, []string{"vm-1", "vm-2"}, ids)
+}
+
+// A record written before VMs had owners reads as owned by nobody, which
+// the agent takes as "isolate this guest".
+func TestRecordFromBeforeOwnersReadsAsNoOwner(t *testing.T) {
+	s := open(t)
+	old := `{"Spec":{"ID":"vm-1","Name":"web-1","ImageURL":"http://x/img","ImageSHA256":"` + strings.Repeat("a", 64) +
+		`","VCPUs":1,"MemMB":256,"DiskGB":1,"SSHAuthorizedKey":""},"BootID":"b1","IP":"10.77.0.2"}`
+	require.NoError(t, os.WriteFile(s.recordPath("vm-1"), []byte(old), 0o600))
+	got, ok, err := s.LoadVM("vm-1")
+	require.NoError(t, err)
+	require.True(t, ok)
+	assert.Equal(t, "web-1", got.Spec.Name)
+	assert.Equal(t, "b1", got.BootID)
+	assert.Empty(t, got.Spec.Owner)
 }
 
 func TestAbsentRecordIsNotAnError(t *testing.T) {
