@@ -314,10 +314,42 @@ func cmdClient(ctx context.Context, noun string, args []string, out io.Writer) e
 			fmt.Fprintln(out, "revoked", pos[0])
 			return nil
 		}
+	case "token sessions":
+		return c.sessions(ctx)
+	case "token end-session":
+		if err := need(1, "a session id"); err != nil {
+			return err
+		}
+		return c.endSession(ctx, pos[0])
 	default:
 		return usagef("unknown command: eitri %s %s", noun, verb)
 	}
 	return apiError(callErr)
+}
+
+// sessions lists console sessions and the token each acts for.
+func (c *client) sessions(ctx context.Context) error {
+	r, err := c.token.ListSessions(ctx, connect.NewRequest(&eitriv1.ListSessionsRequest{}))
+	if err != nil {
+		return apiError(err)
+	}
+	return c.print(r.Msg, func(w io.Writer) {
+		fmt.Fprintln(w, "ID\tUSER\tTOKEN\tCREATED\tEXPIRES\tLAST USED")
+		for _, s := range r.Msg.Sessions {
+			fmt.Fprintf(w, "%s\t%s\t%s (%s)\t%s\t%s\t%s\n", s.Id, s.UserName, s.TokenName, s.TokenId,
+				when(s.CreatedAt.AsTime()), whenPB(s.ExpiresAt, "never"), whenPB(s.LastUsedAt, "never"))
+		}
+	})
+}
+
+// endSession signs a console session out; its open pages lose their
+// streams at once.
+func (c *client) endSession(ctx context.Context, id string) error {
+	if _, err := c.token.RevokeSession(ctx, connect.NewRequest(&eitriv1.RevokeSessionRequest{Id: id})); err != nil {
+		return apiError(err)
+	}
+	fmt.Fprintln(c.out, "ended", id)
+	return nil
 }
 
 // apiError words a Connect error for a terminal: the code, then the

@@ -30,7 +30,7 @@ Usage:
   eitri vm ls | get ID | start ID | stop ID | rm ID | restore ID | events ID | watch
   eitri host ls | get ID | join-token [--ttl 1h] | decommission ID
   eitri expose create VM_ID GUEST_PORT [--host-port N --udp --local --max N] | ls [VM_ID] | rm ID
-  eitri token create NAME [--ttl 720h --user NAME] | ls | revoke ID
+  eitri token create NAME [--ttl 720h --user NAME] | ls | revoke ID | sessions | end-session ID
   eitri quota get [--user NAME]
   eitri quota set [--user NAME | --defaults] [--vms N --vcpus N --mem-mb N --disk-gb N --exposures N --streams N]
                   (admins; a value of "default" makes a user's limit follow the default again)
