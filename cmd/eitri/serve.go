@@ -64,12 +64,24 @@ func cmdServer(ctx context.Context, args []string) error {
 	return srv.Serve(ctx, ln)
 }
 
+// announce says where the first admin's token is. The token itself goes to
+// the file only (mode 0600): stderr ends up in journals and CI logs that
+// other people read.
 func announce(srv *server.Server, dataDir, url string) {
 	if srv.AdminToken == "" {
 		return
 	}
-	fmt.Fprintf(os.Stderr, "\nFirst start: created the admin user. Its token (also in %s):\n\n  export EITRI_URL=%s\n  export EITRI_TOKEN=%s\n\n",
-		filepath.Join(dataDir, "admin.token"), url, srv.AdminToken)
+	path := filepath.Join(dataDir, "admin.token")
+	fmt.Fprintf(os.Stderr, "\nFirst start: created the admin user. Its token is in %s (readable by this user only):\n\n  export EITRI_URL=%s\n  export EITRI_TOKEN=$(cat %s)\n\n",
+		path, url, shellQuote(path))
+}
+
+// shellQuote quotes s for a POSIX shell when it needs it.
+func shellQuote(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+:@%") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 func portOf(a net.Addr) string {
