@@ -69,9 +69,12 @@ type host struct {
 func (h *host) qemuDir() string  { return filepath.Join(h.dir, "vms") }
 func (h *host) stateDir() string { return filepath.Join(h.dir, "state") }
 
+// hostOption adjusts the QEMU backend or the engine startHost builds.
+type hostOption func(*qemu.Config, *reconcile.Config)
+
 // startHost builds a Hypervisor and a reconcile engine over dir. teardown
 // says whether closing it removes the bridge (the last agent of a test).
-func startHost(t *testing.T, dir string, prefix netip.Prefix, teardown bool) *host {
+func startHost(t *testing.T, dir string, prefix netip.Prefix, teardown bool, opts ...hostOption) *host {
 	t.Helper()
 	ctx := context.Background()
 	log := testLogger(t)
@@ -82,17 +85,20 @@ func startHost(t *testing.T, dir string, prefix netip.Prefix, teardown bool) *ho
 		Teardown: teardown, Log: log,
 	})
 	require.NoError(t, err)
-	h.qemu, err = qemu.New(qemu.Config{Dir: h.qemuDir(), Log: log, ShutdownGrace: 20 * time.Second})
+	qcfg := qemu.Config{Dir: h.qemuDir(), Log: log, ShutdownGrace: 20 * time.Second}
+	ecfg := reconcile.Config{VMTimeout: 2 * time.Minute, ResyncInterval: 300 * time.Millisecond, Log: log}
+	for _, o := range opts {
+		o(&qcfg, &ecfg)
+	}
+	h.qemu, err = qemu.New(qcfg)
 	require.NoError(t, err)
 	h.st, err = state.Open(h.stateDir())
 	require.NoError(t, err)
 	images := NewImages(imagecache.New(filepath.Join(dir, "images"), imagecache.WithLogger(log)))
 	h.hyper, err = New(Config{QEMU: h.qemu, Net: h.net, St: h.st, Images: images, AddressWait: readyWithin, Log: log})
 	require.NoError(t, err)
-	h.eng, err = reconcile.New(reconcile.Config{
-		Hyper: h.hyper, Images: images.Resolve, Seed: WriteSeed, St: h.st,
-		VMTimeout: 2 * time.Minute, ResyncInterval: 300 * time.Millisecond, Log: log,
-	})
+	ecfg.Hyper, ecfg.Images, ecfg.Seed, ecfg.St = h.hyper, images.Resolve, WriteSeed, h.st
+	h.eng, err = reconcile.New(ecfg)
 	require.NoError(t, err)
 	return h
 }

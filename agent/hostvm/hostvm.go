@@ -127,9 +127,6 @@ func (h *Hypervisor) RootDisk(id string) string {
 	return filepath.Join(h.qemu.VMDir(id), rootDiskName)
 }
 
-// Accelerator is "kvm" when guests get hardware virtualisation, else "tcg".
-func (h *Hypervisor) Accelerator() string { return h.qemu.Accelerator() }
-
 // Preflight refuses, permanently, a VM this host can never run: no QEMU, no
 // tun device, or a spec beyond the host's CPUs or memory.
 func (h *Hypervisor) Preflight(ctx context.Context, spec state.VMSpec) error {
@@ -197,7 +194,10 @@ func (h *Hypervisor) PrepareRootDisk(ctx context.Context, spec state.VMSpec, bas
 //     shutdown): the error wraps ctx's error and QEMU keeps running, so a
 //     slow guest keeps booting and the next attempt picks it up;
 //   - AddressWait passes first, or QEMU exits: the guest is killed so a
-//     retry boots it afresh and a failed VM holds no QEMU.
+//     retry boots it afresh and a failed VM holds no QEMU;
+//   - KVM stops the guest: the guest is killed, the host moves to its next
+//     accelerator, and the error (a *qemu.AccelError) tells the engine the
+//     attempt was the host's fault, so the retry costs the VM nothing.
 func (h *Hypervisor) Boot(ctx context.Context, spec state.VMSpec, seedPath string) error {
 	id := spec.ID
 	mac, tap := netsetup.MAC(id), netsetup.TapName(id)
@@ -232,6 +232,11 @@ func (h *Hypervisor) waitAddress(ctx context.Context, id string) error {
 		if addr, ok := h.leased(id); ok {
 			h.log.Info("guest is up", "vm", id, "addr", addr, "after", time.Since(start).Round(time.Millisecond))
 			return nil
+		}
+		// Before the exit check: a QEMU that KVM killed is the host's
+		// fault, not the guest's.
+		if err := h.qemu.CheckAccel(ctx, id); err != nil {
+			return fmt.Errorf("hostvm: vm %s: %w", id, err)
 		}
 		if _, ok := h.qemu.PID(id); !ok {
 			return fmt.Errorf("hostvm: vm %s: QEMU exited before the guest took an address%s", id, h.tail(id))

@@ -2,6 +2,10 @@
 // runs each VM as a daemonized qemu-system-x86_64 process supervised over
 // QMP. The QEMU process belongs to the host, not to the agent: it outlives an
 // agent restart and the next agent adopts it again from its state directory.
+//
+// Guests run under KVM only where a probe guest has proved KVM runs what
+// guests do (see Backend.Probe), else under TCG; a KVM failure a real VM
+// meets later moves the host down the same list.
 package qemu
 
 import (
@@ -27,6 +31,12 @@ const (
 	pidFileName    = "qemu.pid"
 	qmpSockName    = "qmp.sock"
 	serialFileName = "serial.log"
+	// logFileName is QEMU's own stderr (-D): after -daemonize it is the only
+	// place a KVM failure or an assertion is written.
+	logFileName = "qemu.log"
+	// probeDirPrefix names the accelerator probe's scratch directories in
+	// Dir; the dot keeps them apart from VM directories (see validID).
+	probeDirPrefix = ".probe-"
 
 	defaultShutdownGrace = 30 * time.Second
 	// quitGrace is how long QEMU gets to exit after QMP quit before SIGKILL.
@@ -45,6 +55,12 @@ type Config struct {
 	// ShutdownGrace is how long a guest gets to power off after the ACPI
 	// power button before QEMU is told to quit. Default 30s.
 	ShutdownGrace time.Duration
+	// Accel is how the accelerator is chosen (default AccelAuto).
+	Accel AccelMode
+	// OnAccelChange, if set, is called with each probe result that differs
+	// from the one before (the first included), from the goroutine that
+	// probed; probes never overlap, so calls never do.
+	OnAccelChange func(Accel)
 }
 
 // VM is what the backend needs to run one guest.
@@ -68,6 +84,25 @@ type Backend struct {
 
 	mu    sync.Mutex
 	locks map[string]*vmLocks
+
+	// probeMu serializes probes: a second caller waits for the first's
+	// verdict instead of booting another probe guest.
+	probeMu sync.Mutex
+	// accelMu guards the fields below.
+	accelMu  sync.Mutex
+	accel    Accel
+	probeErr error
+	probed   bool // accel and probeErr hold a verdict Start may use
+	// demoted are candidates that passed a probe but then failed a real VM;
+	// probes skip them for the life of this Backend.
+	demoted []probeFailure
+	// launched is the accelerator of each QEMU this Backend started, so a
+	// KVM failure can be blamed on the right candidate after QEMU is gone.
+	launched map[string]Accel
+
+	// Probe bounds and the KVM device, fields so tests can change them.
+	kvmProbeTimeout, tcgProbeTimeout time.Duration
+	kvmDevice                        string
 }
 
 // vmLocks serializes work on one VM inside this process. Lifecycle changes
@@ -105,26 +140,46 @@ func New(cfg Config) (*Backend, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	return &Backend{cfg: cfg, log: cfg.Log.With("component", "qemu"), locks: map[string]*vmLocks{}}, nil
+	mode, err := ParseAccelMode(string(cfg.Accel))
+	if err != nil {
+		return nil, fmt.Errorf("qemu: %w", err)
+	}
+	cfg.Accel = mode
+	removeStaleProbes(cfg.Dir)
+	return &Backend{
+		cfg: cfg, log: cfg.Log.With("component", "qemu"), locks: map[string]*vmLocks{},
+		launched:        map[string]Accel{},
+		kvmProbeTimeout: defaultKVMProbeTimeout, tcgProbeTimeout: defaultTCGProbeTimeout,
+		kvmDevice: kvmDevice,
+	}, nil
 }
 
-// Accelerator is "kvm" when /dev/kvm can be opened read-write, else "tcg".
-func (b *Backend) Accelerator() string {
-	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
+// removeStaleProbes removes scratch left by a probe whose agent died
+// mid-probe. Only old scratch: another Backend over the same directory (a
+// test, a tool) may be probing right now, and no probe lasts this long.
+func removeStaleProbes(dir string) {
+	stale, err := filepath.Glob(filepath.Join(dir, probeDirPrefix+"*"))
 	if err != nil {
-		return "tcg"
+		return
 	}
-	f.Close()
-	return "kvm"
+	for _, d := range stale {
+		if fi, err := os.Stat(d); err == nil && time.Since(fi.ModTime()) > 10*time.Minute {
+			_ = os.RemoveAll(d)
+		}
+	}
 }
 
 // Preflight fails permanently when this host can never run a guest, so a
-// create can stop before downloading anything.
+// create can stop before downloading anything: no QEMU, or a probe that
+// found no accelerator the mode allows.
 func (b *Backend) Preflight() error {
 	if _, err := b.binary(); err != nil {
 		return err
 	}
-	_, err := b.imgBinary()
+	if _, err := b.imgBinary(); err != nil {
+		return err
+	}
+	_, err, _ := b.recorded()
 	return err
 }
 
@@ -174,6 +229,7 @@ func (b *Backend) sockPath(id string) string { return filepath.Join(b.VMDir(id),
 func (b *Backend) serialPath(id string) string {
 	return filepath.Join(b.VMDir(id), serialFileName)
 }
+func (b *Backend) logPath(id string) string { return filepath.Join(b.VMDir(id), logFileName) }
 
 // optEscape escapes a value for QEMU's comma-separated option syntax.
 func optEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
@@ -254,6 +310,11 @@ func (b *Backend) PrepareRootDisk(ctx context.Context, dst, base string, sizeGB 
 // Start boots vm unless its QEMU is already running, in which case it does
 // nothing: an agent restart or a repeated create must never boot a second
 // QEMU on the same disk.
+//
+// The guest runs under the accelerator the last probe chose (Start probes
+// first if nothing has). When QEMU fails at start because of KVM, Start
+// moves the host to its next accelerator and boots again: KVM's fault is
+// not the VM's.
 func (b *Backend) Start(ctx context.Context, vm VM) error {
 	if err := checkID(vm.ID); err != nil {
 		return err
@@ -274,6 +335,10 @@ func (b *Backend) Start(ctx context.Context, vm VM) error {
 	if len(b.sockPath(vm.ID)) > maxUnixPath {
 		return permanent("qemu: QMP socket path %s is longer than %d bytes; use a shorter state dir", b.sockPath(vm.ID), maxUnixPath)
 	}
+	accel, err := b.current(ctx)
+	if err != nil {
+		return err
+	}
 
 	l := b.lock(vm.ID)
 	l.life.Lock()
@@ -287,8 +352,6 @@ func (b *Backend) Start(ctx context.Context, vm VM) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("qemu: vm dir: %w", err)
 	}
-	_ = os.Remove(b.pidPath(vm.ID))
-	_ = os.Remove(b.sockPath(vm.ID))
 
 	rootFormat, err := diskFormat(vm.RootDisk)
 	if err != nil {
@@ -300,57 +363,98 @@ func (b *Backend) Start(ctx context.Context, vm VM) error {
 		}
 	}
 
-	accel := b.Accelerator()
-	args := b.args(vm, accel, rootFormat)
-	cmd := exec.CommandContext(ctx, bin, args...)
+	// Each round demotes the candidate that failed, and there are only a
+	// few, so this ends.
+	for range len(candidates(AccelAuto)) + 1 {
+		err := b.launch(ctx, bin, vm, accel, rootFormat)
+		var kf *kvmStartFault
+		if !errors.As(err, &kf) {
+			return err
+		}
+		b.log.Warn("vm start failed under kvm", "id", vm.ID, "cpu", accel.CPU, "cause", kf.cause)
+		next, perr := b.accelFailed(ctx, accel, kf.cause, vm.ID)
+		if perr != nil {
+			return errors.Join(err, perr)
+		}
+		b.log.Info("starting vm again under the new accelerator", "id", vm.ID, "accel", next.Name, "cpu", next.CPU)
+		accel = next
+	}
+	return fmt.Errorf("qemu: vm %s: no accelerator starts it", vm.ID)
+}
+
+// launch runs one QEMU for vm under accel. A failure KVM caused comes back
+// as a *kvmStartFault. b.lock(vm.ID).life is held.
+func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, rootFormat string) error {
+	_ = os.Remove(b.pidPath(vm.ID))
+	_ = os.Remove(b.sockPath(vm.ID))
+	_ = os.Remove(b.logPath(vm.ID))
+	kvm := accel.Name == accelKVM
+	kvmFault := func(out string, err error) error {
+		if kvm && isKVMFailure(out) {
+			return &kvmStartFault{cause: qemuCause(out), err: err}
+		}
+		return err
+	}
+
+	b.setLaunched(vm.ID, accel)
+	cmd := exec.CommandContext(ctx, bin, b.args(vm, accel, rootFormat)...)
 	// With -daemonize the parent exits once the guest is set up; the child
-	// points its stdio at /dev/null. WaitDelay guards against a child that
-	// keeps our pipe open anyway.
+	// points its stdio at /dev/null (stderr at the -D log). WaitDelay guards
+	// against a child that keeps our pipe open anyway.
 	cmd.WaitDelay = 5 * time.Second
 	out, err := cmd.CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("qemu: start vm %s: %w: %s", vm.ID, err, bytes.TrimSpace(out))
+		text := strings.TrimSpace(string(out) + "\n" + b.qemuLog(vm.ID))
+		return kvmFault(text, fmt.Errorf("qemu: start vm %s: %w: %s", vm.ID, err, text))
 	}
 	pid, ok := b.alive(vm.ID)
 	if !ok {
-		return fmt.Errorf("qemu: vm %s exited right after start: %s", vm.ID, b.SerialTail(vm.ID, 20))
+		logText, serial := b.qemuLog(vm.ID), b.SerialTail(vm.ID, 20)
+		return kvmFault(logText+"\n"+serial,
+			fmt.Errorf("qemu: vm %s exited right after start: %s", vm.ID, strings.TrimSpace(logText+"\n"+serial)))
 	}
-	if _, err := b.status(ctx, vm.ID); err != nil {
+	st, err := b.status(ctx, vm.ID)
+	if err != nil {
 		// Half-started is worse than not started: the caller retries Start.
 		_ = syscall.Kill(pid, syscall.SIGKILL)
 		return fmt.Errorf("qemu: vm %s started but QMP does not answer: %w", vm.ID, err)
 	}
-	b.log.Info("vm started", "id", vm.ID, "pid", pid, "accel", accel, "vcpus", vm.VCPUs, "mem_mb", vm.MemMB, "tap", vm.Tap)
+	if kvm && st.Status == statusInternalError {
+		cause := b.internalErrorCause(vm.ID)
+		if err := b.killLocked(ctx, vm.ID, pid); err != nil {
+			return err
+		}
+		return &kvmStartFault{cause: cause, err: fmt.Errorf("qemu: vm %s stopped at start: %s", vm.ID, cause)}
+	}
+	b.log.Info("vm started", "id", vm.ID, "pid", pid, "accel", accel.Name, "cpu", accel.CPU, "vcpus", vm.VCPUs, "mem_mb", vm.MemMB, "tap", vm.Tap)
 	return nil
 }
 
-func (b *Backend) args(vm VM, accel, rootFormat string) []string {
-	cpu := "max"
-	if accel == "kvm" {
-		cpu = "host"
-	}
-	args := []string{
-		"-name", "guest=" + vm.ID,
-		"-machine", "q35,accel=" + accel,
-		"-cpu", cpu,
+func (b *Backend) args(vm VM, accel Accel, rootFormat string) []string {
+	args := []string{"-name", "guest=" + vm.ID}
+	args = append(args, machineArgs(accel)...)
+	args = append(args,
 		"-smp", strconv.Itoa(vm.VCPUs),
-		"-m", strconv.FormatInt(vm.MemMB, 10) + "M",
+		"-m", strconv.FormatInt(vm.MemMB, 10)+"M",
 		// No default devices (VGA, default NIC, monitor): everything the
 		// guest gets is listed below.
 		"-nodefaults", "-no-user-config",
 		"-display", "none",
 		"-rtc", "base=utc",
-		"-chardev", "file,id=serial0,path=" + optEscape(b.serialPath(vm.ID)),
+		"-chardev", "file,id=serial0,path="+optEscape(b.serialPath(vm.ID)),
 		"-serial", "chardev:serial0",
-		"-chardev", "socket,id=qmp,path=" + optEscape(b.sockPath(vm.ID)) + ",server=on,wait=off",
+		"-chardev", "socket,id=qmp,path="+optEscape(b.sockPath(vm.ID))+",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		// The pidfile argument also identifies the process as this VM's
 		// QEMU when adopting it (see alive).
 		"-pidfile", b.pidPath(vm.ID),
 		"-daemonize",
-		"-drive", "if=none,id=root,format=" + rootFormat + ",discard=unmap,file=" + optEscape(vm.RootDisk),
+		// Keeps QEMU's stderr after -daemonize (which would send it to
+		// /dev/null): KVM failures are written there.
+		"-D", b.logPath(vm.ID),
+		"-drive", "if=none,id=root,format="+rootFormat+",discard=unmap,file="+optEscape(vm.RootDisk),
 		"-device", "virtio-blk-pci,drive=root,bootindex=1",
-	}
+	)
 	if vm.SeedISO != "" {
 		args = append(args,
 			"-drive", "if=none,id=seed,format=raw,readonly=on,file="+optEscape(vm.SeedISO),
@@ -480,11 +584,20 @@ func (b *Backend) Adopt(ctx context.Context, id string) (bool, error) {
 
 // Running reports whether the VM's QEMU exists and its guest is running
 // (QMP status "running"; paused or crashed guests are not).
+//
+// A guest KVM stopped (status "internal-error", or QEMU dead with a KVM
+// error in its log) is not running either, and is cleared away: its QEMU
+// is killed and the host moves to its next accelerator, so booting the VM
+// again works. Only an error doing that is returned.
 func (b *Backend) Running(ctx context.Context, id string) (bool, error) {
 	if err := checkID(id); err != nil {
 		return false, err
 	}
-	if _, ok := b.alive(id); !ok {
+	pid, ok := b.alive(id)
+	if !ok {
+		if used, cause := b.deadKVMFault(id); cause != "" {
+			return false, ignoreAccelError(b.recoverKVMFault(ctx, id, used, cause))
+		}
 		return false, nil
 	}
 	st, err := b.status(ctx, id)
@@ -495,7 +608,22 @@ func (b *Backend) Running(ctx context.Context, id string) (bool, error) {
 		}
 		return false, fmt.Errorf("qemu: vm %s: %w", id, err)
 	}
+	if st.Status == statusInternalError {
+		if used := accelOf(pid); used.Name == accelKVM {
+			return false, ignoreAccelError(b.recoverKVMFault(ctx, id, used, b.internalErrorCause(id)))
+		}
+	}
 	return st.Status == "running", nil
+}
+
+// ignoreAccelError drops the *AccelError that reports a recovery which
+// worked: the caller of Running only needs to know the guest is not running.
+func ignoreAccelError(err error) error {
+	var ae *AccelError
+	if errors.As(err, &ae) {
+		return nil
+	}
+	return err
 }
 
 // Shutdown presses the ACPI power button, waits up to ShutdownGrace for the
@@ -610,6 +738,7 @@ func (b *Backend) Destroy(ctx context.Context, id string) error {
 	if err := os.RemoveAll(b.VMDir(id)); err != nil {
 		return fmt.Errorf("qemu: destroy vm %s: %w", id, err)
 	}
+	b.forgetLaunched(id)
 	b.log.Info("vm destroyed", "id", id)
 	return nil
 }
@@ -626,7 +755,17 @@ func (b *Backend) SerialTail(id string, lines int) string {
 	if checkID(id) != nil || lines <= 0 {
 		return ""
 	}
-	f, err := os.Open(b.serialPath(id))
+	return fileTail(b.serialPath(id), lines)
+}
+
+// qemuLogLines bounds how much of QEMU's own log explains a failure.
+const qemuLogLines = 40
+
+// qemuLog is the last lines QEMU wrote to its stderr (the -D log).
+func (b *Backend) qemuLog(id string) string { return fileTail(b.logPath(id), qemuLogLines) }
+
+func fileTail(path string, lines int) string {
+	f, err := os.Open(path)
 	if err != nil {
 		return ""
 	}

@@ -246,6 +246,35 @@ func TestTransientFailureSaysItWillRetry(t *testing.T) {
 	assert.Equal(t, "attempt 1 of 3 failed, will retry", r.GetStatusDetail())
 }
 
+// hostFaultErr is a failure the host owns and has dealt with (KVM broke and
+// the host moved to another accelerator).
+type hostFaultErr struct{ msg string }
+
+func (e hostFaultErr) Error() string   { return e.msg }
+func (e hostFaultErr) HostFault() bool { return true }
+
+func TestHostFaultIsRetriedWithoutSpendingAnAttempt(t *testing.T) {
+	f := setup(t, func(c *Config) {
+		c.MaxCreateAttempts = 1
+		c.ResyncInterval = 5 * time.Millisecond
+	})
+	fault := fmt.Errorf("hostvm: vm vm1: %w", hostFaultErr{"kvm with -cpu host failed; this host now runs guests under tcg"})
+	f.hv.set(func(h *fakeHyper) { h.bootErr = fault })
+
+	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
+	r := f.eventuallyRow("vm1", detailIs("host fault, will retry"), "the attempt is refunded")
+	assert.Equal(t, "creating", r.GetPhase())
+	assert.Equal(t, fault.Error(), r.GetLastError())
+	require.Eventually(t, func() bool { return f.hv.count("boot") >= 3 }, 5*time.Second, time.Millisecond,
+		"more boots than the budget of one allows")
+	rec := f.record("vm1")
+	assert.Equal(t, 0, rec.CreateAttempts)
+	assert.False(t, rec.Failed)
+
+	f.hv.set(func(h *fakeHyper) { h.bootErr = nil })
+	f.eventuallyRow("vm1", phaseIs("ready"), "the next attempt boots it")
+}
+
 func TestPreflightRefusalHappensBeforeTheImageFetch(t *testing.T) {
 	f := setup(t)
 	f.hv.set(func(h *fakeHyper) { h.preflightErr = permErr{"needs 64 GiB of memory; host has 8"} })

@@ -60,6 +60,16 @@ func isPermanent(err error) bool {
 	return errors.As(err, &p) && p.Permanent()
 }
 
+// hostFault is how building blocks mark a failure that was the host's, not
+// the VM's, and that the host has already dealt with (KVM broke and the
+// host moved to another accelerator): retried without spending an attempt.
+type hostFault interface{ HostFault() bool }
+
+func isHostFault(err error) bool {
+	var h hostFault
+	return errors.As(err, &h) && h.HostFault()
+}
+
 // pass is one VM's complete unit of work: load its record and drive it toward
 // d (nil: no snapshot names it). Bounded by VMTimeout.
 func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, prev *eitriv1.ActualVM, pub publisher) outcome {
@@ -191,8 +201,9 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 }
 
 // failCreate settles a failed create attempt. A failure of the pass's own
-// context (VMTimeout, or shutdown) is refunded: waiting is not the VM's
-// fault. A permanent error fails at once; anything else spends one attempt.
+// context (VMTimeout, or shutdown) or a host fault is refunded: neither is
+// the VM's fault. A permanent error fails at once; anything else spends one
+// attempt.
 func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) outcome {
 	id := rec.Spec.ID
 	if e.ctx.Err() != nil {
@@ -204,6 +215,9 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 	case ctx.Err() != nil:
 		detail = "timed out, will retry"
 		e.log.Warn("create timed out; attempt refunded", "vm", id, "err", err)
+	case isHostFault(err):
+		detail = "host fault, will retry"
+		e.log.Warn("create hit a host fault; attempt refunded", "vm", id, "err", err)
 	default:
 		rec.CreateAttempts++
 		if isPermanent(err) || rec.CreateAttempts >= e.cfg.MaxCreateAttempts {
