@@ -1,23 +1,34 @@
 // End-to-end test of the console against a real `eitri dev`.
 //
-// The outer process (root) makes a network namespace and a temp dir, then runs
-// this same file again inside the namespace ("--inside"). The inner process
-// starts everything on the namespace's loopback: a slow image server, `eitri
-// dev` (bridge, taps, NAT, DHCP, QEMU guests), and Debian's Chromium driven by
-// playwright-core. Whatever happens, the outer process then kills every pid
-// left in the namespace, deletes it and removes the temp dir.
+// The outer process (root) makes two network namespaces and a temp dir, then
+// runs this same file again inside the first ("--inside"), the dev namespace.
+// The inner process starts, on that namespace's loopback, a slow image server
+// and `eitri dev` (bridge, taps, NAT, DHCP, QEMU guests). Debian's Chromium,
+// driven by playwright-core, runs in the second, the browser namespace, and
+// reaches the console at the same URL through a relay (see startRelay).
+// Whatever happens, the outer process then kills every pid left in either
+// namespace, deletes both and removes the temp dir.
+//
+// Why Chromium has a namespace of its own: Chromium watches its namespace's
+// links and addresses over netlink, and when they change it aborts requests in
+// flight with net::ERR_NETWORK_CHANGED. In the dev namespace they change all
+// the time: the agent makes its bridge at start and a tap for every VM it
+// boots. Nothing in the browser namespace ever changes after the outer process
+// has set up its loopback, before anything starts, so Chromium has no network
+// change to see, whatever the agent does and whenever it does it.
 //
 //   EITRI_BIN=bin/eitri EITRI_GUEST=.cache/guest node frontend/e2e/run.mjs
 //
-// Screenshots (and, on failure, the dev log) go to frontend/e2e/artifacts/.
+// Screenshots (and, on failure, the dev log and the guests' serial logs) go to
+// frontend/e2e/artifacts/.
 import { spawn, spawnSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { createServer } from 'node:http';
-import { createWriteStream, existsSync, readFileSync, statSync } from 'node:fs';
-import { copyFile, mkdir, mkdtemp, readFile, rm } from 'node:fs/promises';
+import { createWriteStream, existsSync, readFileSync, statSync, writeFileSync } from 'node:fs';
+import { copyFile, mkdir, mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
+import http from 'node:http';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
-import { dirname, join, resolve } from 'node:path';
+import { basename, dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
 const HERE = dirname(fileURLToPath(import.meta.url));
@@ -28,6 +39,9 @@ const BASE = `http://${LISTEN}`;
 const IMAGE_SIZE = 72 << 20; // past 32 MiB, so the host narrates progress
 const CHUNK = 4 << 20;
 const CHUNK_EVERY_MS = 150;
+// The image server holds the download here (past the host's first 32 MiB
+// progress step) until the test has seen the progress line; see slowImageServer.
+const HOLD_AT = 36 << 20;
 const OVERALL_MS = 10 * 60_000;
 
 const log = (...a) => console.log('e2e:', ...a);
@@ -54,6 +68,7 @@ async function outside() {
 	if (!existsSync(CHROMIUM)) return skip(`${CHROMIUM} is missing (apt-get install chromium)`);
 	if (!onPath('qemu-system-x86_64')) return skip('qemu-system-x86_64 is missing');
 	if (!onPath('ip')) return skip('ip (iproute2) is missing');
+	if (!onPath('socat')) return skip('socat is missing (apt-get install socat)');
 	const bin = process.env.EITRI_BIN && resolve(process.env.EITRI_BIN);
 	if (!bin || !existsSync(bin)) return skip(`EITRI_BIN ${bin ? bin + ' does not exist' : 'is not set'} (make build)`);
 	const guest = process.env.EITRI_GUEST && resolve(process.env.EITRI_GUEST);
@@ -65,59 +80,91 @@ async function outside() {
 		return skip('playwright-core is not installed (npm ci)');
 	}
 
-	const ns = `eitri-ui-${process.pid.toString(16)}`;
+	const ns = `eitri-ui-${process.pid.toString(16)}`; // dev, agent, QEMU, image server
+	const bns = `eitri-uib-${process.pid.toString(16)}`; // Chromium, and nothing that changes links
+	const namespaces = [ns, bns];
 	const tmp = await mkdtemp(join(tmpdir(), 'eitri-ui-'));
 	let child;
-	let cleaned = false;
-	const cleanup = async () => {
-		if (cleaned) return;
-		cleaned = true;
-		if (child && child.exitCode === null) child.kill('SIGTERM');
-		// Everything still in the namespace (dev, QEMU, Chromium, servers) goes.
-		for (let i = 0; i < 3; i++) {
-			const pids = nsPids(ns);
-			if (pids.length === 0) break;
-			for (const p of pids) {
-				try {
-					process.kill(p, 'SIGKILL');
-				} catch {}
+	let cleaning;
+	const cleanup = () =>
+		(cleaning ??= (async () => {
+			if (child && child.exitCode === null && child.signalCode === null) child.kill('SIGKILL');
+			// Everything still in either namespace (dev, QEMU, Chromium, relays,
+			// servers) goes; again until none is left, as a dying process may
+			// have started another.
+			for (let i = 0; ; i++) {
+				const pids = namespaces.flatMap(nsPids);
+				if (pids.length === 0) break;
+				if (i === 100) {
+					console.error(`e2e: pids ${pids.join(' ')} survive SIGKILL; deleting the namespaces anyway`);
+					break;
+				}
+				for (const p of pids) {
+					try {
+						process.kill(p, 'SIGKILL');
+					} catch {}
+				}
+				await sleep(100);
 			}
-			await sleep(300);
-		}
-		spawnSync('ip', ['netns', 'del', ns], { stdio: 'ignore' });
-		await rm(tmp, { recursive: true, force: true });
-	};
+			for (const n of namespaces) spawnSync('ip', ['netns', 'del', n], { stdio: 'ignore' });
+			await rm(tmp, { recursive: true, force: true });
+		})());
+	let signalled = false;
 	const onSignal = async (sig) => {
+		if (signalled) return; // a second ^C must not cut the cleanup short
+		signalled = true;
 		console.error(`e2e: ${sig}, cleaning up`);
 		await cleanup();
 		process.exit(1);
 	};
-	process.once('SIGINT', onSignal);
-	process.once('SIGTERM', onSignal);
+	for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP']) process.on(sig, onSignal);
 
-	const mk = spawnSync('ip', ['netns', 'add', ns], { encoding: 'utf8' });
-	if (mk.status !== 0) {
-		console.error(`e2e: ip netns add ${ns}: ${mk.stderr.trim()}`);
+	try {
+		for (const n of namespaces) {
+			const mk = spawnSync('ip', ['netns', 'add', n], { encoding: 'utf8' });
+			if (mk.status !== 0) throw new Error(`ip netns add ${n}: ${(mk.stderr ?? '').trim()}`);
+			const lo = spawnSync('ip', ['-n', n, 'link', 'set', 'lo', 'up'], { encoding: 'utf8' });
+			if (lo.status !== 0) throw new Error(`ip -n ${n} link set lo up: ${(lo.stderr ?? '').trim()}`);
+		}
+	} catch (e) {
+		console.error(`e2e: ${e.message}`);
 		console.log('e2e: 0 passed, 1 failed');
-		await rm(tmp, { recursive: true, force: true });
+		await cleanup();
 		return 1;
 	}
 	try {
-		spawnSync('ip', ['netns', 'exec', ns, 'ip', 'link', 'set', 'lo', 'up'], { stdio: 'inherit' });
 		child = spawn('ip', ['netns', 'exec', ns, process.execPath, fileURLToPath(import.meta.url), '--inside', bin, guest], {
 			stdio: 'inherit',
 			// Chromium's profile (playwright makes one per launch) lands in our temp dir.
-			env: { ...process.env, TMPDIR: tmp, E2E_TMP: tmp, E2E_NS: ns }
+			env: { ...process.env, TMPDIR: tmp, E2E_TMP: tmp, E2E_NS: ns, E2E_BROWSER_NS: bns }
 		});
 		const timer = setTimeout(() => {
 			console.error(`e2e: gave up after ${OVERALL_MS / 1000} s`);
 			child.kill('SIGKILL');
 		}, OVERALL_MS);
-		const code = await new Promise((r) => child.on('exit', (c, s) => r(c ?? (s ? 1 : 1))));
+		const code = await new Promise((r) => {
+			child.on('error', (e) => {
+				console.error(`e2e: ${e.message}`);
+				r(1);
+			});
+			child.on('exit', (c) => r(c ?? 1));
+		});
 		clearTimeout(timer);
-		return code;
+		// The inner process ends on its pass/fail line; if it died first, the
+		// tally it kept says how far it got, and the run still ends on one.
+		const tally = readTally(tmp);
+		if (!tally.final) console.log(`e2e: ${tally.passed} passed, ${tally.failed + 1} failed`);
+		return tally.final ? code : 1;
 	} finally {
 		await cleanup();
+	}
+}
+
+function readTally(tmp) {
+	try {
+		return JSON.parse(readFileSync(join(tmp, 'tally.json'), 'utf8'));
+	} catch {
+		return { passed: 0, failed: 0, final: false };
 	}
 }
 
@@ -138,7 +185,13 @@ function sleep(ms) {
 
 async function inside(bin, guest) {
 	const tmp = process.env.E2E_TMP;
+	const browserNs = process.env.E2E_BROWSER_NS;
 	const results = [];
+	const tally = (final = false) =>
+		writeFileSync(
+			join(tmp, 'tally.json'),
+			JSON.stringify({ passed: results.filter((r) => r.ok).length, failed: results.filter((r) => !r.ok).length, final })
+		);
 	const check = async (name, fn) => {
 		const t = Date.now();
 		try {
@@ -150,11 +203,14 @@ async function inside(bin, guest) {
 			results.push({ name, ok: false });
 			log(`FAIL ${name}: ${e?.message?.split('\n').slice(0, 6).join('\n    ') ?? e}`);
 			return false;
+		} finally {
+			tally();
 		}
 	};
 	const fail = (name, why) => {
 		results.push({ name, ok: false });
 		log(`FAIL ${name}: ${why}`);
+		tally();
 	};
 
 	await rm(ARTIFACTS, { recursive: true, force: true });
@@ -186,13 +242,16 @@ async function inside(bin, guest) {
 
 	const { chromium } = await import('playwright-core');
 	let browser;
+	let relay;
 	let failed = false;
 	try {
 		const token = await waitForDev(dataDir, () => devExited);
 		log('eitri dev is up');
+		relay = await startRelay(tmp, browserNs);
+		log(`console relayed into namespace ${browserNs}`);
 
 		browser = await chromium.launch({
-			executablePath: CHROMIUM,
+			executablePath: await chromiumIn(tmp, browserNs),
 			headless: true,
 			args: [
 				'--no-sandbox',
@@ -285,16 +344,27 @@ async function inside(bin, guest) {
 				new MutationObserver(read).observe(document.body, { subtree: true, childList: true, characterData: true });
 			});
 			const status = factsValue(page, 'Status');
-			await status.getByText(/downloading image/).waitFor({ timeout: 60_000 });
-			await shot('vm-detail-downloading');
+			const progressRe = /downloading image \d+(\.\d+)?\/72(\.0)? MiB/;
+			// The image server holds the download past the first progress step
+			// until the page has shown that step, so how fast the host, the
+			// server and the page are cannot decide whether it is seen.
+			try {
+				await status.getByText(/downloading image/).waitFor({ timeout: 60_000 });
+				await waitFor(
+					async () => (await page.evaluate(() => window.__e2eStatus)).some((t) => progressRe.test(t)),
+					60_000,
+					'the page shows a "downloading image N/72 MiB" progress line'
+				);
+				await shot('vm-detail-downloading');
+			} finally {
+				image.release();
+			}
 			await factsValue(page, 'Address').getByText(/^10\.81\.0\.\d+$/).waitFor({ timeout: 180_000 });
 			const word = (await status.textContent())?.trim().replace(/\s+/g, ' ');
 			if (!/^ready$/.test(word ?? '')) throw new Error(`status is "${word}" once the address is set, want "ready" alone`);
 			if (!(await page.evaluate(() => window.__e2eNoReload === true))) throw new Error('the page reloaded');
 			const seen = await page.evaluate(() => window.__e2eStatus);
 			log(`status lines seen: ${seen.map((t) => JSON.stringify(t)).join(' → ')}`);
-			if (!seen.some((t) => /downloading image \d+(\.\d+)?\/72(\.0)? MiB/.test(t)))
-				throw new Error('no "downloading image N/72 MiB" progress line was shown');
 			vmReady = true;
 			log(`ready at ${(await factsValue(page, 'Address').locator('.mono').textContent())?.trim()}`);
 			await shot('vm-detail');
@@ -363,16 +433,35 @@ async function inside(bin, guest) {
 
 		// 4. Idle: nothing is polled.
 		await check('idle fleet page makes no API request for 10 s (streams stay open)', async () => {
+			const loaded = Date.now();
 			await page.goto(BASE + '/');
 			await page.locator('table.vms tbody tr').first().waitFor();
 			await page.getByText('live', { exact: true }).waitFor();
-			await sleep(1500);
+			// Settled: both watch streams of this page are open and every other
+			// request it made has finished, with nothing new for a second.
+			// (Waiting on the page's own work, not on a guess of how long it takes.)
+			const isApi = (r) => r.path.startsWith('/eitri.v1.') || r.path.startsWith('/auth/');
+			const isWatch = (r) => /\/Watch[A-Za-z]+$/.test(r.path);
+			await waitFor(
+				async () => {
+					const mine = requests.filter((r) => r.t >= loaded);
+					const open = mine.filter((r) => isWatch(r) && !r.done).map((r) => r.path);
+					return (
+						open.some((p) => p.endsWith('/WatchVMs')) &&
+						open.some((p) => p.endsWith('/WatchHosts')) &&
+						mine.every((r) => isWatch(r) || r.done) &&
+						mine.every((r) => Date.now() - r.t >= 1000)
+					);
+				},
+				20_000,
+				'the fleet page has settled (its watch streams open, every other request finished)'
+			);
 			await shot('fleet');
 			const from = Date.now();
 			await sleep(10_000);
 			const during = requests.filter((r) => r.t >= from);
-			const api = during.filter((r) => r.path.startsWith('/eitri.v1.') || r.path.startsWith('/auth/'));
-			const watches = requests.filter((r) => r.t < from && /\/Watch[A-Za-z]+$/.test(r.path) && !r.done);
+			const api = during.filter(isApi);
+			const watches = requests.filter((r) => r.t >= loaded && r.t < from && isWatch(r) && !r.done);
 			log(`idle: ${during.length} requests in 10 s; ${watches.length} watch streams open (${[...new Set(watches.map((w) => w.path.split('/').pop()))].join(', ')})`);
 			if (api.length) {
 				const counts = {};
@@ -387,18 +476,124 @@ async function inside(bin, guest) {
 		log(`aborted: ${e?.message ?? e}`);
 	} finally {
 		await browser?.close().catch(() => {});
+		relay?.stop();
 		image.close();
 		await stopDev(dev);
-		devOut.end();
+		await new Promise((r) => devOut.end(r));
 	}
-	const failures = results.filter((r) => !r.ok).length + (failed ? 1 : 0);
+	if (failed) results.push({ name: 'aborted', ok: false });
+	const failures = results.filter((r) => !r.ok).length;
 	if (failures) {
 		await copyFile(devLog, join(ARTIFACTS, 'dev.log')).catch(() => {});
 		log(`dev log copied to ${join(ARTIFACTS, 'dev.log')}`);
+		// The guests' consoles say why one never came up.
+		for (const f of await findFiles(dataDir, 'serial.log')) {
+			const to = join(ARTIFACTS, `serial-${basename(dirname(f))}.log`);
+			await copyFile(f, to).catch(() => {});
+			log(`guest serial log copied to ${to}`);
+		}
 	}
 	log(`screenshots in ${ARTIFACTS}`);
+	tally(true);
 	console.log(`e2e: ${results.filter((r) => r.ok).length} passed, ${failures} failed`);
 	return failures ? 1 : 0;
+}
+
+async function findFiles(dir, name) {
+	const entries = await readdir(dir, { recursive: true, withFileTypes: true }).catch(() => []);
+	return entries.filter((e) => e.isFile() && e.name === name).map((e) => join(e.parentPath ?? e.path, e.name));
+}
+
+// The browser namespace has only its loopback, so the console's port is
+// relayed into it: socat in the dev namespace listens on a unix socket in the
+// temp dir and connects each caller to the console on the dev loopback; socat
+// in the browser namespace listens on the same address there (127.0.0.1:18090)
+// and connects each caller to that socket. A unix socket is a file, and files
+// do not care about network namespaces. The URL, its origin and its cookies are
+// the same as without the relay.
+//
+// The console is the only thing the browser talks to: the image URL is typed
+// into a form and fetched by the agent (dev namespace), and the published port
+// is exercised by this process (dev namespace), so nothing else is relayed.
+async function startRelay(tmp, browserNs) {
+	const sock = join(tmp, 'console.sock');
+	if (Buffer.byteLength(sock) > 100) throw new Error(`relay socket path ${sock} is too long for a unix socket`);
+	const [host, port] = LISTEN.split(':');
+	const procs = [];
+	const start = (argv, what) => {
+		// Own process group, so stop() takes socat's forked children with it.
+		const p = spawn(argv[0], argv.slice(1), { stdio: ['ignore', 'ignore', 'pipe'], detached: true });
+		let err = '';
+		p.stderr.on('data', (d) => (err += d));
+		p.on('exit', (c, s) => (p.died = `${what} exited (${s ?? c}) ${err.trim()}`));
+		p.on('error', (e) => (p.died = `${what}: ${e.message}`));
+		procs.push(p);
+		return p;
+	};
+	const stop = () => {
+		for (const p of procs) {
+			try {
+				process.kill(-p.pid, 'SIGKILL');
+			} catch {}
+		}
+	};
+	try {
+		const devSide = start(['socat', `UNIX-LISTEN:${sock},fork,mode=600`, `TCP:${LISTEN}`], 'socat (dev side)');
+		await until(() => existsSync(sock), () => devSide.died, 10_000, 'the relay socket exists');
+		const browserSide = start(
+			['ip', 'netns', 'exec', browserNs, 'socat', `TCP-LISTEN:${port},bind=${host},fork,reuseaddr`, `UNIX-CONNECT:${sock}`],
+			'socat (browser side)'
+		);
+		// Ready when the console answers through both ends, asked from the
+		// browser namespace itself.
+		const probe =
+			`fetch(${JSON.stringify(BASE + '/healthz')})` + '.then((r) => process.exit(r.ok ? 0 : 1), () => process.exit(1))';
+		await until(
+			async () => (await inNamespace(browserNs, probe)) === 0,
+			() => browserSide.died || devSide.died,
+			20_000,
+			`${BASE}/healthz answers in namespace ${browserNs}`
+		);
+	} catch (e) {
+		stop();
+		throw e;
+	}
+	return { stop };
+}
+
+// Polls ok() until it holds; fails at once when dead() names a reason.
+async function until(ok, dead, ms, what) {
+	const end = Date.now() + ms;
+	for (;;) {
+		const why = dead();
+		if (why) throw new Error(why);
+		if (await ok()) return;
+		if (Date.now() > end) throw new Error(`timed out after ${ms / 1000} s waiting until ${what}`);
+		await sleep(100);
+	}
+}
+
+// Runs a snippet of JS with this node in another network namespace; resolves
+// to its exit code.
+function inNamespace(netns, js) {
+	return new Promise((r) => {
+		const p = spawn('ip', ['netns', 'exec', netns, process.execPath, '-e', js], { stdio: 'ignore' });
+		const t = setTimeout(() => p.kill('SIGKILL'), 5_000);
+		p.on('error', () => r(-1));
+		p.on('exit', (c) => {
+			clearTimeout(t);
+			r(c ?? -1);
+		});
+	});
+}
+
+// Playwright starts the browser itself, from a path, and talks to it over
+// inherited pipes (fds 3 and 4). This wrapper enters the browser namespace and
+// execs Chromium in place: same pid, same fds, same arguments.
+async function chromiumIn(tmp, browserNs) {
+	const path = join(tmp, 'chromium-in-netns');
+	await writeFile(path, `#!/bin/sh\nexec ip netns exec '${browserNs}' '${CHROMIUM}' "$@"\n`, { mode: 0o755 });
+	return path;
 }
 
 // The value cell (<dd>) after a <dt> in the VM detail's facts list.
@@ -444,21 +639,38 @@ async function stopDev(dev) {
 }
 
 // Serves the guest image padded with zeros to IMAGE_SIZE, slowly, so the host
-// has time to narrate the download.
+// has time to narrate the download. Past HOLD_AT bytes (beyond the host's
+// first 32 MiB progress step) it holds until release(): the host has then
+// reported that step and stays on it however long the test takes to look. While
+// held it sends one byte a second, so the host's stall timeout (60 s of
+// silence) never fires and the next progress step (64 MiB) is never reached.
 async function slowImageServer(raw) {
+	let release;
+	const released = new Promise((r) => (release = r));
+	let isReleased = false;
+	released.then(() => (isReleased = true));
 	const size = statSync(raw).size;
 	if (size > IMAGE_SIZE) throw new Error(`${raw} is larger than ${IMAGE_SIZE} bytes`);
 	const data = Buffer.alloc(IMAGE_SIZE);
 	(await readFile(raw)).copy(data);
 	const sha256 = createHash('sha256').update(data).digest('hex');
-	const server = createServer(async (req, res) => {
+	const server = http.createServer(async (req, res) => {
 		if (req.url !== '/guest.raw') {
 			res.writeHead(404).end();
 			return;
 		}
 		res.writeHead(200, { 'content-type': 'application/octet-stream', 'content-length': String(data.length) });
-		for (let off = 0; off < data.length && !res.destroyed; off += CHUNK) {
-			res.write(data.subarray(off, off + CHUNK));
+		for (let off = 0; off < data.length && !res.destroyed; ) {
+			if (off >= HOLD_AT && !isReleased) {
+				if (off === HOLD_AT) log(`image download held at ${HOLD_AT >> 20} MiB until the page has shown the progress`);
+				res.write(data.subarray(off, off + 1));
+				off += 1;
+				await Promise.race([released, sleep(1000)]);
+				continue;
+			}
+			const next = Math.min(off + CHUNK, data.length);
+			res.write(data.subarray(off, next));
+			off = next;
 			await sleep(CHUNK_EVERY_MS);
 		}
 		res.end();
@@ -467,22 +679,32 @@ async function slowImageServer(raw) {
 	return {
 		url: `http://127.0.0.1:${server.address().port}/guest.raw`,
 		sha256,
+		release,
 		close: () => {
+			release();
 			server.close();
 			server.closeAllConnections?.();
 		}
 	};
 }
 
-async function httpGet(url) {
-	const ac = new AbortController();
-	const t = setTimeout(() => ac.abort(), 10_000);
-	try {
-		const r = await fetch(url, { signal: ac.signal, headers: { connection: 'close' } });
-		return await r.text();
-	} finally {
-		clearTimeout(t);
-	}
+// One GET on a connection of its own that is closed once the answer is in:
+// no pooled keep-alive connection outlives it to count as an open session.
+function httpGet(url) {
+	return new Promise((res, rej) => {
+		const req = http.get(url, { agent: false, headers: { connection: 'close' }, timeout: 10_000 }, (r) => {
+			let body = '';
+			r.setEncoding('utf8');
+			r.on('data', (d) => (body += d));
+			r.on('end', () => {
+				r.socket.destroy();
+				res(body);
+			});
+			r.on('error', rej);
+		});
+		req.on('timeout', () => req.destroy(new Error(`GET ${url}: no answer in 10 s`)));
+		req.on('error', rej);
+	});
 }
 
 function openSocket(port) {
