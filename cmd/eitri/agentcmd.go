@@ -36,6 +36,7 @@ type agentFlags struct {
 	vmTimeout  time.Duration
 	maxCreates int
 	cacheGB    int64
+	accel      string
 	// joinToken mints a token in-process (dev mode); nil for a real agent.
 	joinToken func(context.Context) (string, error)
 }
@@ -49,6 +50,7 @@ func (a *agentFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&a.vmTimeout, "vm-timeout", 15*time.Minute, "bound on one create or converge pass (image download included)")
 	fs.IntVar(&a.maxCreates, "max-creates", 2, "creates running at once on this host")
 	fs.Int64Var(&a.cacheGB, "image-cache-gb", 50, "image cache size cap in GiB")
+	fs.StringVar(&a.accel, "accel", "auto", "guest accelerator: auto (prove KVM with a probe guest, else TCG), kvm or tcg")
 }
 
 func cmdAgent(ctx context.Context, args []string) error {
@@ -73,6 +75,10 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("--subnet: %w", err)
 	}
+	accelMode, err := qemu.ParseAccelMode(a.accel)
+	if err != nil {
+		return err
+	}
 	lock, err := state.LockDir(a.dataDir)
 	if err != nil {
 		return err
@@ -93,9 +99,19 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 		return fmt.Errorf("host network: %w", err)
 	}
 	defer network.Close()
-	qb, err := qemu.New(qemu.Config{Dir: filepath.Join(a.dataDir, "vms"), Log: log})
+	qb, err := qemu.New(qemu.Config{Dir: filepath.Join(a.dataDir, "vms"), Accel: accelMode, Log: log,
+		OnAccelChange: func(acc qemu.Accel) {
+			log.Warn("guest accelerator changed", "accelerator", acc.Name, "cpu", acc.CPU, "why", acc.Reason)
+		}})
 	if err != nil {
 		return err
+	}
+	// Prove the accelerator before taking on any VM. A host where nothing
+	// works still connects, so the fleet can see why it runs no guests.
+	if acc, err := qb.Probe(ctx); err != nil {
+		log.Error("no usable guest accelerator", "err", err)
+	} else {
+		log.Info("guest accelerator", "accelerator", acc.Name, "cpu", acc.CPU, "why", acc.Reason)
 	}
 	cache := imagecache.New(filepath.Join(a.dataDir, "images"), imagecache.WithMaxBytes(a.cacheGB<<30), imagecache.WithLogger(log))
 	images := hostvm.NewImages(cache)
@@ -125,6 +141,10 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 			return &eitriv1.Capacity{Vcpus: vcpus, MemMb: mem, DiskGb: disk}
 		},
 		Metrics: node.HostMetrics(a.dataDir),
+		Accelerator: func() (string, string) {
+			acc := qb.Accel()
+			return acc.Name, acc.Reason
+		},
 	})
 	go n.Run(ctx)
 
@@ -132,13 +152,14 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	if addr == "" {
 		addr = defaultAddress()
 	}
-	accel := qb.Accelerator()
 	instance := rand.Text()
-	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", accel, "address", addr)
+	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", qb.Accel().Name, "address", addr)
 	return syncclient.Run(ctx, syncclient.Config{
 		Identity: id, Source: n, Log: log,
 		Hello: func() *eitriv1.Hello {
-			return &eitriv1.Hello{HostId: id.HostID, AgentVersion: version, Hostname: a.name, Accelerator: accel, Address: addr, InstanceId: instance}
+			acc := qb.Accel()
+			return &eitriv1.Hello{HostId: id.HostID, AgentVersion: version, Hostname: a.name, Address: addr, InstanceId: instance,
+				Accelerator: acc.Name, AcceleratorReason: acc.Reason}
 		},
 	})
 }
