@@ -250,9 +250,19 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		MaxHeaderBytes: MaxHeaderBytes,
 		Protocols:      new(http.Protocols),
 		BaseContext:    func(net.Listener) context.Context { return ctx },
-		// A host that loses power sends no FIN: without pings its stream
-		// would look open forever and keep getting VMs placed on it.
-		HTTP2: &http.HTTP2Config{SendPingTimeout: KeepaliveIdle, PingTimeout: KeepaliveTimeout},
+		HTTP2: &http.HTTP2Config{
+			// A host that loses power sends no FIN: without pings its stream
+			// would look open forever and keep getting VMs placed on it.
+			SendPingTimeout: KeepaliveIdle, PingTimeout: KeepaliveTimeout,
+			// HTTP/2 buffers what a client sends up to its flow-control
+			// window before any handler runs, so the window is what an
+			// unauthenticated stream costs (1 MiB by default: 100 such
+			// connections held 100 MiB). 64 KiB holds any user message
+			// whole; a large agent report just takes a few more round trips.
+			MaxReceiveBufferPerConnection: 64 << 10,
+			MaxReceiveBufferPerStream:     64 << 10,
+			MaxReadFrameSize:              16 << 10,
+		},
 	}
 	srv.Protocols.SetHTTP1(true)
 	if s.tls != nil {

@@ -362,7 +362,7 @@ func TestHostGzipBombOnSyncIsCutOffAtTheReportLimit(t *testing.T) {
 // The bound leaves room for the biggest real hosts: a report carrying 2,000
 // quarantined VMs with their specs (over 2 MiB) lands.
 func TestALargeHostsReportStillFits(t *testing.T) {
-	e, _ := probedEnv(t, server.Config{})
+	e := serve(t, server.Config{}) // with Serve's small HTTP/2 windows
 	h, cred := e.enroll("h1")
 	a := e.connect(h, cred, big())
 	rep := &eitriv1.ActualStateReport{Capacity: &eitriv1.Capacity{Vcpus: 64, MemMb: 1 << 20, DiskGb: 10000}}
