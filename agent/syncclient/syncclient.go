@@ -14,6 +14,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net"
@@ -169,9 +170,10 @@ func Run(ctx context.Context, cfg Config) error {
 			// time out and otherwise keep the noise down.
 			backoff = max(backoff, refusedBackoff)
 		}
-		// Full jitter: a control plane restart must not be met by every
-		// agent reconnecting in the same instant.
-		wait := time.Duration(rand.Int64N(int64(backoff))) + backoff/2
+		// Jitter: a control plane restart must not be met by every agent
+		// reconnecting in the same instant. Waits stay within
+		// [backoff/2, backoff], so MaxBackoff is the longest wait.
+		wait := backoff/2 + time.Duration(rand.Int64N(int64(backoff/2)+1))
 		if refused {
 			var ce *connect.Error
 			errors.As(err, &ce)
@@ -199,7 +201,7 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 		_ = st.CloseResponse()
 	}()
 	if err := st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: cfg.Hello()}}); err != nil {
-		return false, err
+		return false, sendErr(st, err)
 	}
 
 	recvErr := make(chan error, 1)
@@ -242,6 +244,16 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 			return nil
 		}
 		if err := st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Report{Report: rep}}); err != nil {
+			// The receiving goroutine holds the real cause (see sendErr).
+			if errors.Is(err, io.EOF) {
+				select {
+				case rerr := <-recvErr:
+					if rerr != nil && !errors.Is(rerr, io.EOF) {
+						return rerr
+					}
+				case <-time.After(time.Second):
+				}
+			}
 			return err
 		}
 		last, lastSent = rep, time.Now()
@@ -280,6 +292,21 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 			}
 		}
 	}
+}
+
+// sendErr turns a failed Send, before anything else reads the stream, into
+// the stream's real error. connect reports
+// a send on a broken stream as io.EOF and keeps the cause (a refused
+// certificate, the server's error) for Receive; without this, a pinned
+// certificate that doesn't match reads like a server that is down.
+func sendErr(st *connect.BidiStreamForClient[eitriv1.SyncRequest, eitriv1.SyncResponse], err error) error {
+	if !errors.Is(err, io.EOF) {
+		return err
+	}
+	if _, rerr := st.Receive(); rerr != nil && !errors.Is(rerr, io.EOF) {
+		return rerr
+	}
+	return err
 }
 
 // Bearer is a client interceptor that sends token as

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -172,4 +173,88 @@ func TestEnrollRefusesACertificateThatDoesNotMatchThePin(t *testing.T) {
 	require.NoError(t, err, "the genuine token still works: the failed attempt spent nothing")
 	_, err = syncclient.Enroll(context.Background(), jt.Token, "h2", "test")
 	assert.Equal(t, connect.CodeUnauthenticated, connect.CodeOf(err), "and only once")
+}
+
+// logBuffer is a concurrency-safe sink for an agent's log lines.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func (l *logBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *logBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+func runAgentStream(t *testing.T, id syncclient.Identity, instance string, logs *logBuffer) *source {
+	t.Helper()
+	src := &source{}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	go func() {
+		defer close(done)
+		_ = syncclient.Run(ctx, syncclient.Config{
+			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
+			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+			Log:   slog.New(slog.NewTextHandler(logs, nil)),
+			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", InstanceId: instance} },
+		})
+	}()
+	return src
+}
+
+func TestAnAgentSaysWhyItWillNotTalkToAnImposter(t *testing.T) {
+	cp := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
+	jt, err := cp.srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
+	require.NoError(t, err)
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err)
+
+	// Another control plane (another certificate) where the real one was.
+	addr := cp.addr
+	cp.stop()
+	imposter := startControlPlane(t, t.TempDir(), addr)
+	var logs logBuffer
+	runAgentStream(t, id, "a", &logs)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "does not match the pinned") }, 10*time.Second, 20*time.Millisecond,
+		"the agent's log names the refused certificate, not just a lost stream:\n%s", logs.String())
+	hosts, err := imposter.srv.Fleet.ListHosts(imposter.admin())
+	require.NoError(t, err)
+	assert.Empty(t, hosts, "the imposter learned of no host")
+}
+
+func TestASecondAgentWithOneIdentityIsRefusedAndBacksOff(t *testing.T) {
+	cp := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
+	jt, err := cp.srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
+	require.NoError(t, err)
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err)
+
+	var firstLogs, cloneLogs logBuffer
+	first := runAgentStream(t, id, "first", &firstLogs)
+	require.Eventually(t, func() bool { return first.last() != nil }, 10*time.Second, 10*time.Millisecond)
+
+	runAgentStream(t, id, "clone", &cloneLogs)
+	require.Eventually(t, func() bool { return strings.Contains(cloneLogs.String(), "refused this agent") }, 10*time.Second, 20*time.Millisecond)
+	assert.Contains(t, cloneLogs.String(), "new join token", "the refused agent is told what to do")
+
+	h, err := cp.srv.Fleet.GetHost(cp.admin(), id.HostID)
+	require.NoError(t, err)
+	assert.True(t, h.Connected)
+	require.Len(t, h.Conditions, 1)
+	assert.Equal(t, "duplicate_agent", h.Conditions[0].Type)
+
+	// Seconds, not the 50 ms this client would otherwise retry at: in two
+	// seconds the clone tries once, and the first agent is never replaced.
+	time.Sleep(2 * time.Second)
+	assert.Equal(t, 1, strings.Count(cloneLogs.String(), "refused this agent"), cloneLogs.String())
+	assert.NotContains(t, firstLogs.String(), "stream lost", "the first agent's stream was never replaced")
 }
