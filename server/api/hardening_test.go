@@ -567,7 +567,8 @@ func TestStreamsOutliveTheBodyAndIdleTimeouts(t *testing.T) {
 
 // Item 9: the console may not be framed or content-sniffed, and runs only
 // its own scripts: the one inline script SvelteKit's static build boots
-// from is allowed by its hash, nothing else inline.
+// from is allowed by its hash, no other inline script. (That the real
+// console still runs under this policy was checked in Chromium.)
 func TestConsoleAndAPIResponsesForbidFramingAndSniffing(t *testing.T) {
 	const boot = "\n\t\t\t\t{\n\t\t\t\t\t__sveltekit_x = { base: \"\" };\n\t\t\t\t\tPromise.all([import(\"/_app/immutable/entry/start.js\")]);\n\t\t\t\t}\n\t\t\t"
 	page := `<!doctype html><html><head><link href="/_app/immutable/entry/start.js" rel="modulepreload"></head>` +
@@ -601,8 +602,8 @@ func TestConsoleAndAPIResponsesForbidFramingAndSniffing(t *testing.T) {
 		assert.Contains(t, csp, "frame-ancestors 'none'", path)
 		assert.Contains(t, csp, "default-src 'none'", path)
 		assert.Contains(t, csp, "script-src 'self' "+hash(boot)+";", path)
-		assert.Contains(t, csp, "style-src 'self' 'unsafe-hashes' "+hash("display: contents")+";", path)
-		assert.NotContains(t, csp, "unsafe-inline", path)
+		assert.Contains(t, csp, "style-src 'self';", path)
+		assert.NotContains(t, csp, "script-src 'unsafe-inline'", path)
 		assert.NotContains(t, csp, "unsafe-eval", path)
 	}
 
