@@ -94,7 +94,7 @@ func startHost(t *testing.T, dir string, prefix netip.Prefix, teardown bool, opt
 	require.NoError(t, err)
 	h.st, err = state.Open(h.stateDir())
 	require.NoError(t, err)
-	images := NewImages(imagecache.New(filepath.Join(dir, "images"), imagecache.WithLogger(log)))
+	images := NewImages(imagecache.New(filepath.Join(dir, "images"), imagecache.WithLogger(log), allowLoopback))
 	h.hyper, err = New(Config{QEMU: h.qemu, Net: h.net, St: h.st, Images: images, AddressWait: readyWithin, Log: log})
 	require.NoError(t, err)
 	ecfg.Hyper, ecfg.Images, ecfg.Seed, ecfg.St = h.hyper, images.Resolve, WriteSeed, h.st
@@ -405,7 +405,7 @@ func TestBootTimeoutsCarrySerialTail(t *testing.T) {
 		// last_error ends with the console.
 		hv2, err := New(Config{QEMU: qb, Net: net, St: st, AddressWait: 2 * time.Second, Log: log})
 		require.NoError(t, err)
-		images := NewImages(imagecache.New(filepath.Join(dir, "images"), imagecache.WithLogger(log)))
+		images := NewImages(imagecache.New(filepath.Join(dir, "images"), imagecache.WithLogger(log), allowLoopback))
 		eng, err := reconcile.New(reconcile.Config{
 			Hyper: hv2, Images: images.Resolve, Seed: WriteSeed, St: st,
 			VMTimeout: time.Minute, MaxCreateAttempts: 1, ResyncInterval: 300 * time.Millisecond, Log: log,

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -152,6 +153,10 @@ func TestWriteSeed(t *testing.T) {
 	assert.True(t, isPermanent(err), "a hostname the seed refuses never becomes valid on retry")
 }
 
+// allowLoopback lets the image cache fetch from the tests' loopback
+// servers, as --image-allow would; by default it refuses loopback.
+var allowLoopback = imagecache.WithDialPolicy(imagecache.AddressPolicy{Allow: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}})
+
 // serveImage serves body over loopback HTTP and returns its URL and digest.
 func serveImage(t *testing.T, body []byte) (url, sha string) {
 	t.Helper()
@@ -174,7 +179,7 @@ func TestImagesPinUntilRootDisk(t *testing.T) {
 		u, s := serveImage(t, bytes.Repeat([]byte{byte(i + 1)}, size))
 		urls, shas = append(urls, u), append(shas, s)
 	}
-	cache := imagecache.New(t.TempDir(), imagecache.WithMaxBytes(size+size/2))
+	cache := imagecache.New(t.TempDir(), imagecache.WithMaxBytes(size+size/2), allowLoopback)
 	im := NewImages(cache)
 	b, err := qemu.New(qemu.Config{Dir: t.TempDir(), Log: testLogger(t)})
 	require.NoError(t, err)

@@ -11,10 +11,9 @@ import (
 	neturl "net/url"
 	"os"
 	"sync"
-	"time"
 )
 
-var errStalled = errors.New("download stalled")
+var errStalled = errors.New("image download stalled")
 
 // download fetches url into a temp file in the cache dir, hashing the bytes
 // as they are written. It returns the temp path (the caller removes or
@@ -30,17 +29,26 @@ func (c *Cache) download(ctx context.Context, url, sha string, progress func(don
 
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	// The watchdog runs from before the first dial: connecting, redirects
+	// and headers must fit one stall window too.
+	wd := newWatchdog(c.stall, c.minProgress, cancel)
+	defer wd.stop()
+	resp, hops, err := c.get(ctx, u)
 	if err != nil {
-		return "", 0, permanentf("image url %q: %w", url, err)
-	}
-	resp, err := c.http.Do(req)
-	if err != nil {
+		if cause := context.Cause(ctx); errors.Is(cause, errStalled) {
+			return "", 0, fmt.Errorf("GET %s: %w", url, cause)
+		}
+		if _, ok := errors.AsType[*RefusedAddressError](err); ok {
+			return "", 0, err // says it all, starting with "image_url:"
+		}
 		return "", 0, fmt.Errorf("GET %s: %w", url, err)
 	}
 	defer resp.Body.Close()
+	wd.progress()
 	if resp.StatusCode != http.StatusOK {
-		err := fmt.Errorf("GET %s: %s", url, resp.Status)
+		// The code and our own words for it only: the reason phrase is the
+		// server's text, and this error reaches whoever named the URL.
+		err := fmt.Errorf("GET %s: %s%s", url, statusText(resp.StatusCode), afterRedirects(hops))
 		// A 4xx names a request that will keep failing, except these two,
 		// which say "not now".
 		if resp.StatusCode >= 400 && resp.StatusCode < 500 &&
@@ -71,9 +79,7 @@ func (c *Cache) download(ctx context.Context, url, sha string, progress func(don
 	if progress != nil {
 		sinks = append(sinks, &progressWriter{total: total, step: c.progressStep, report: progress})
 	}
-	sr := &stallReader{r: resp.Body, d: c.stall, cancel: cancel}
-	defer sr.stop()
-	var body io.Reader = sr
+	var body io.Reader = wd.reader(resp.Body)
 	if c.maxBytes > 0 {
 		// One byte over the cap is enough to know.
 		body = io.LimitReader(body, c.maxBytes+1)
@@ -81,7 +87,7 @@ func (c *Cache) download(ctx context.Context, url, sha string, progress func(don
 	n, err := pipeCopy(io.MultiWriter(sinks...), body, func() { cancel(nil) })
 	if err != nil {
 		if cause := context.Cause(ctx); errors.Is(cause, errStalled) {
-			return "", n, fmt.Errorf("GET %s: no data for %s after %d bytes: %w", url, c.stall, n, errStalled)
+			return "", n, fmt.Errorf("GET %s: %w (after %d bytes)", url, cause, n)
 		}
 		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
 			return "", n, fmt.Errorf("GET %s: %w", url, err)
@@ -119,31 +125,6 @@ func (w *progressWriter) Write(p []byte) (int, error) {
 		w.report(w.done, w.total)
 	}
 	return len(p), nil
-}
-
-// stallReader cancels the download when no byte has arrived for d. The timer
-// is reset on each read that yields data, so only silence trips it.
-type stallReader struct {
-	r      io.Reader
-	d      time.Duration
-	cancel context.CancelCauseFunc
-	once   sync.Once
-	t      *time.Timer
-}
-
-func (s *stallReader) Read(p []byte) (int, error) {
-	s.once.Do(func() { s.t = time.AfterFunc(s.d, func() { s.cancel(errStalled) }) })
-	n, err := s.r.Read(p)
-	if n > 0 {
-		s.t.Reset(s.d)
-	}
-	return n, err
-}
-
-func (s *stallReader) stop() {
-	if s.t != nil {
-		s.t.Stop()
-	}
 }
 
 // pipeCopy copies src to dst with the reading on its own goroutine, so the

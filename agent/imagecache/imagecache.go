@@ -18,7 +18,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -33,10 +32,16 @@ import (
 // enough for a watcher to see the number climb and rare enough to cost nothing.
 const DefaultProgressStep = 32 << 20
 
-// DefaultStallTimeout is how long a download may go without receiving a byte
-// before it is abandoned. There is no cap on total time, so big images on
-// slow links finish, but a hung connection cannot hold a worker forever.
+// DefaultStallTimeout is the window in which a download must make progress
+// (get its response, then DefaultMinProgress more bytes) or be abandoned.
+// There is no cap on total time, so big images on slow links finish, but a
+// hung or trickling connection cannot hold a worker for long.
 const DefaultStallTimeout = 60 * time.Second
+
+// DefaultMinProgress is how many bytes a download must receive in each stall
+// window: 1 MiB per 60 s, about 17 KiB/s, far below any link an image could
+// be fetched over within a pass timeout, and far above a trickle.
+const DefaultMinProgress = 1 << 20
 
 // Option configures a Cache.
 type Option func(*Cache)
@@ -56,7 +61,7 @@ func WithProgressStep(n int64) Option {
 	}
 }
 
-// WithStallTimeout sets how long a download may receive nothing.
+// WithStallTimeout sets the window in which a download must make progress.
 func WithStallTimeout(d time.Duration) Option {
 	return func(c *Cache) {
 		if d > 0 {
@@ -64,6 +69,20 @@ func WithStallTimeout(d time.Duration) Option {
 		}
 	}
 }
+
+// WithMinProgress sets how many bytes a download must receive in each stall
+// window; fewer ends it as stalled. 0 counts any byte as progress.
+func WithMinProgress(n int64) Option {
+	return func(c *Cache) {
+		if n >= 0 {
+			c.minProgress = n
+		}
+	}
+}
+
+// WithDialPolicy sets which addresses downloads may connect to. Without it
+// only public addresses are allowed.
+func WithDialPolicy(p AddressPolicy) Option { return func(c *Cache) { c.policy = p } }
 
 // WithLogger sets the logger; the default is slog.Default().
 func WithLogger(l *slog.Logger) Option { return func(c *Cache) { c.log = l } }
@@ -82,7 +101,9 @@ type Cache struct {
 	maxBytes     int64
 	progressStep int64
 	stall        time.Duration
-	http         *http.Client
+	minProgress  int64
+	policy       AddressPolicy
+	resolver     *net.Resolver // nil: the system's; tests set their own
 	log          *slog.Logger
 
 	sweepOnce sync.Once
@@ -98,24 +119,13 @@ func New(dir string, opts ...Option) *Cache {
 		dir:          dir,
 		progressStep: DefaultProgressStep,
 		stall:        DefaultStallTimeout,
+		minProgress:  DefaultMinProgress,
 		log:          slog.Default(),
 		flights:      map[string]*flight{},
 		pins:         map[string]int{},
 	}
 	for _, o := range opts {
 		o(c)
-	}
-	if c.http == nil {
-		c.http = &http.Client{Transport: &http.Transport{
-			Proxy:                 http.ProxyFromEnvironment,
-			DialContext:           (&net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-			TLSHandshakeTimeout:   30 * time.Second,
-			ResponseHeaderTimeout: c.stall,
-			// Images are usually compressed already; transparent gzip would
-			// also hide the bytes the digest is of.
-			DisableCompression: true,
-			ForceAttemptHTTP2:  true,
-		}}
 	}
 	return c
 }

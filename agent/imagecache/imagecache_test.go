@@ -128,7 +128,7 @@ func TestEnsureFormats(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ts, sum := serve(t, tc.body)
 			dir := t.TempDir()
-			c := New(dir)
+			c := loopbackCache(dir)
 			p, err := c.Ensure(context.Background(), ts.URL+"/img", sum, nil)
 			require.NoError(t, err)
 			assert.Equal(t, filepath.Join(dir, sum+".raw"), p)
@@ -182,7 +182,7 @@ func TestEnsureQemuImgFixtures(t *testing.T) {
 			img := qemuImg(t, raw, tc.args...)
 			ts, sum := serve(t, img)
 			dir := t.TempDir()
-			p, err := New(dir).Ensure(context.Background(), ts.URL+"/img.qcow2", sum, nil)
+			p, err := loopbackCache(dir).Ensure(context.Background(), ts.URL+"/img.qcow2", sum, nil)
 			require.NoError(t, err)
 			got, err := os.ReadFile(p)
 			require.NoError(t, err)
@@ -251,7 +251,7 @@ func TestEnsureRefusesPermanently(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ts, sum := serve(t, tc.body(t))
 			dir := t.TempDir()
-			_, err := New(dir).Ensure(context.Background(), ts.URL+"/img", sum, nil)
+			_, err := loopbackCache(dir).Ensure(context.Background(), ts.URL+"/img", sum, nil)
 			require.Error(t, err)
 			var p interface{ Permanent() bool }
 			require.ErrorAs(t, err, &p)
@@ -267,7 +267,7 @@ func TestEnsureChecksumMismatchLeavesNothing(t *testing.T) {
 	ts, _ := serve(t, []byte("tampered bytes"))
 	want := strings.Repeat("0", 64)
 	dir := t.TempDir()
-	_, err := New(dir).Ensure(context.Background(), ts.URL+"/img", want, nil)
+	_, err := loopbackCache(dir).Ensure(context.Background(), ts.URL+"/img", want, nil)
 	require.Error(t, err)
 	assert.True(t, IsPermanent(err))
 	assert.ErrorIs(t, err, ErrChecksumMismatch)
@@ -278,7 +278,7 @@ func TestEnsureChecksumMismatchLeavesNothing(t *testing.T) {
 func TestEnsureRejectsInvalidDigestBeforeTouchingAnything(t *testing.T) {
 	ts, _ := serve(t, []byte("x"))
 	dir := filepath.Join(t.TempDir(), "cache") // must never be created
-	c := New(dir)
+	c := loopbackCache(dir)
 	for name, sha := range map[string]string{
 		"uppercase":      strings.Repeat("A", 64),
 		"too short":      "abc123",
@@ -325,7 +325,7 @@ func TestEnsureHTTPErrors(t *testing.T) {
 			t.Cleanup(ts.Close)
 			dir := t.TempDir()
 			url := ts.URL + "/images/disk.qcow2"
-			_, err := New(dir).Ensure(context.Background(), url, digest(body), nil)
+			_, err := loopbackCache(dir).Ensure(context.Background(), url, digest(body), nil)
 			require.Error(t, err)
 			assert.Equal(t, tc.permanent, IsPermanent(err), "permanent? %v", err)
 			assert.Contains(t, err.Error(), "GET "+url+tc.want)
@@ -338,7 +338,7 @@ func TestEnsureNetworkErrorIsNotPermanent(t *testing.T) {
 	ts := httptest.NewServer(http.NotFoundHandler())
 	url := ts.URL + "/img"
 	ts.Close() // connection refused from here on
-	_, err := New(t.TempDir()).Ensure(context.Background(), url, digest([]byte("x")), nil)
+	_, err := loopbackCache(t.TempDir()).Ensure(context.Background(), url, digest([]byte("x")), nil)
 	require.Error(t, err)
 	assert.False(t, IsPermanent(err))
 	assert.Contains(t, err.Error(), "GET "+url)
@@ -358,7 +358,7 @@ func TestEnsureStalledDownloadIsNotPermanent(t *testing.T) {
 	}))
 	t.Cleanup(func() { close(release); ts.Close() })
 	dir := t.TempDir()
-	_, err := New(dir, WithStallTimeout(200*time.Millisecond)).Ensure(context.Background(), ts.URL+"/img", digest(body), nil)
+	_, err := loopbackCache(dir, WithStallTimeout(200*time.Millisecond)).Ensure(context.Background(), ts.URL+"/img", digest(body), nil)
 	require.Error(t, err)
 	assert.ErrorIs(t, err, errStalled)
 	assert.False(t, IsPermanent(err))
@@ -368,7 +368,7 @@ func TestEnsureStalledDownloadIsNotPermanent(t *testing.T) {
 func TestEnsureCacheHitDownloadsAndReportsNothing(t *testing.T) {
 	body := testImage(64 << 10)
 	ts, sum := serve(t, body)
-	c := New(t.TempDir(), WithProgressStep(1024))
+	c := loopbackCache(t.TempDir(), WithProgressStep(1024))
 	var first int
 	p1, err := c.Ensure(context.Background(), ts.URL, sum, func(int64, int64) { first++ })
 	require.NoError(t, err)
@@ -387,7 +387,7 @@ func TestEnsureProgress(t *testing.T) {
 	for _, declare := range []bool{true, false} {
 		t.Run(fmt.Sprintf("content-length=%v", declare), func(t *testing.T) {
 			ts, sum := serveBody(t, body, declare)
-			c := New(t.TempDir(), WithProgressStep(4<<10))
+			c := loopbackCache(t.TempDir(), WithProgressStep(4<<10))
 			type report struct{ done, total int64 }
 			var reports []report
 			_, err := c.Ensure(context.Background(), ts.URL, sum, func(done, total int64) {
@@ -456,7 +456,7 @@ func TestEnsureConcurrentCallersShareOneDownload(t *testing.T) {
 	body := testImage(256 << 10)
 	sum := digest(body)
 	ts, open, _ := gatedServer(t, body)
-	c := New(t.TempDir(), WithProgressStep(512))
+	c := loopbackCache(t.TempDir(), WithProgressStep(512))
 
 	const n = 8
 	var wg sync.WaitGroup
@@ -491,7 +491,7 @@ func TestEnsureWaiterCancelDoesNotCancelFetch(t *testing.T) {
 	sum := digest(body)
 	ts, open, aborted := gatedServer(t, body)
 	dir := t.TempDir()
-	c := New(dir, WithProgressStep(1))
+	c := loopbackCache(dir, WithProgressStep(1))
 
 	// The leader starts the fetch, then gives up; a second caller stays.
 	leaderCtx, cancelLeader := context.WithCancel(context.Background())
@@ -538,7 +538,7 @@ func TestEnsureLastWaiterLeavingCancelsFetch(t *testing.T) {
 	ts, open, aborted := gatedServer(t, body)
 	defer close(open)
 	dir := t.TempDir()
-	c := New(dir)
+	c := loopbackCache(dir)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -568,7 +568,7 @@ func TestEnsureReplacesLeftoverPartial(t *testing.T) {
 	for _, name := range []string{sum + ".1234.download.part", sum + ".5678.raw.part"} {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte("corrupt partial"), 0o644))
 	}
-	p, err := New(dir).Ensure(context.Background(), ts.URL, sum, nil)
+	p, err := loopbackCache(dir).Ensure(context.Background(), ts.URL, sum, nil)
 	require.NoError(t, err)
 	got, err := os.ReadFile(p)
 	require.NoError(t, err)
@@ -587,7 +587,7 @@ func TestEnsureEvictsLeastRecentlyUsed(t *testing.T) {
 		shas[i], urls[i] = sha, ts.URL
 	}
 	dir := t.TempDir()
-	c := New(dir, WithMaxBytes(3*size))
+	c := loopbackCache(dir, WithMaxBytes(3*size))
 	ctx := context.Background()
 	for i := range 3 {
 		_, err := c.Ensure(ctx, urls[i], shas[i], nil)
@@ -621,7 +621,7 @@ func TestEnsureNeverEvictsPinnedImages(t *testing.T) {
 		ts, sha := serve(t, bytes.Repeat([]byte{byte(i + 1)}, size))
 		shas, urls = append(shas, sha), append(urls, ts.URL)
 	}
-	c := New(t.TempDir(), WithMaxBytes(size+size/2))
+	c := loopbackCache(t.TempDir(), WithMaxBytes(size+size/2))
 	ctx := context.Background()
 
 	c.Acquire(shas[0]) // pinned before Ensure, as callers should
@@ -657,7 +657,7 @@ func TestEnsureImageLargerThanCap(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ts, sum := serveBody(t, tc.body, tc.declare)
 			dir := t.TempDir()
-			_, err := New(dir, WithMaxBytes(tc.cap)).Ensure(context.Background(), ts.URL, sum, nil)
+			_, err := loopbackCache(dir, WithMaxBytes(tc.cap)).Ensure(context.Background(), ts.URL, sum, nil)
 			require.Error(t, err)
 			assert.ErrorIs(t, err, ErrTooLarge)
 			assert.True(t, IsPermanent(err))
@@ -669,7 +669,7 @@ func TestEnsureImageLargerThanCap(t *testing.T) {
 
 func TestEnsureRejectsNonHTTPURL(t *testing.T) {
 	dir := t.TempDir()
-	_, err := New(dir).Ensure(context.Background(), "file:///etc/passwd", digest([]byte("x")), nil)
+	_, err := loopbackCache(dir).Ensure(context.Background(), "file:///etc/passwd", digest([]byte("x")), nil)
 	require.Error(t, err)
 	assert.True(t, IsPermanent(err))
 	assert.Contains(t, err.Error(), "scheme")
