@@ -37,6 +37,12 @@ type agentFlags struct {
 	maxCreates int
 	cacheGB    int64
 	accel      string
+	// imageAllow admits these prefixes to image downloads beyond the public
+	// internet: an operator's own mirrors.
+	imageAllow prefixList
+	// imageEndpoints are image servers the process runs itself (dev mode's
+	// test guest), admitted for their paths only.
+	imageEndpoints []imagecache.Endpoint
 	// joinToken mints a token in-process (dev mode); nil for a real agent.
 	joinToken func(context.Context) (string, error)
 }
@@ -51,6 +57,55 @@ func (a *agentFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&a.maxCreates, "max-creates", 2, "creates running at once on this host")
 	fs.Int64Var(&a.cacheGB, "image-cache-gb", 50, "image cache size cap in GiB")
 	fs.StringVar(&a.accel, "accel", "auto", "guest accelerator: auto (prove KVM with a probe guest, else TCG), kvm or tcg")
+	fs.Var(&a.imageAllow, "image-allow", "CIDR,... image downloads may also reach (your own mirrors); by default only public addresses, never loopback, private, link-local or the like")
+}
+
+// imagePolicy is what image downloads may connect to: public addresses,
+// plus what the operator allowed and the process serves itself.
+func (a *agentFlags) imagePolicy() imagecache.AddressPolicy {
+	return imagecache.AddressPolicy{
+		Allow:     a.imageAllow,
+		Endpoints: a.imageEndpoints,
+		Hint:      "an operator can allow it with --image-allow",
+	}
+}
+
+// prefixList is a flag of comma-separated CIDRs or bare addresses; it may
+// be repeated.
+type prefixList []netip.Prefix
+
+func (l *prefixList) String() string {
+	if l == nil {
+		return ""
+	}
+	s := make([]string, len(*l))
+	for i, p := range *l {
+		s[i] = p.String()
+	}
+	return strings.Join(s, ",")
+}
+
+func (l *prefixList) Set(v string) error {
+	for f := range strings.SplitSeq(v, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		if !strings.Contains(f, "/") {
+			ip, err := netip.ParseAddr(f)
+			if err != nil {
+				return fmt.Errorf("%q: want a CIDR (10.0.0.0/8) or an address", f)
+			}
+			*l = append(*l, netip.PrefixFrom(ip.WithZone(""), ip.BitLen()))
+			continue
+		}
+		p, err := netip.ParsePrefix(f)
+		if err != nil {
+			return fmt.Errorf("%q: want a CIDR (10.0.0.0/8) or an address", f)
+		}
+		*l = append(*l, p.Masked())
+	}
+	return nil
 }
 
 func cmdAgent(ctx context.Context, args []string) error {
@@ -113,7 +168,14 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	} else {
 		log.Info("guest accelerator", "accelerator", acc.Name, "cpu", acc.CPU, "why", acc.Reason)
 	}
-	cache := imagecache.New(filepath.Join(a.dataDir, "images"), imagecache.WithMaxBytes(a.cacheGB<<30), imagecache.WithLogger(log))
+	policy := a.imagePolicy()
+	own := make([]string, len(policy.Endpoints))
+	for i, e := range policy.Endpoints {
+		own[i] = e.AddrPort.String() + e.PathPrefix
+	}
+	log.Info("image downloads reach public addresses", "image_allow", a.imageAllow.String(), "own", own)
+	cache := imagecache.New(filepath.Join(a.dataDir, "images"), imagecache.WithMaxBytes(a.cacheGB<<30),
+		imagecache.WithDialPolicy(policy), imagecache.WithLogger(log))
 	images := hostvm.NewImages(cache)
 	hv, err := hostvm.New(hostvm.Config{QEMU: qb, Net: network, St: st, Images: images, Log: log})
 	if err != nil {

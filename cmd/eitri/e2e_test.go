@@ -92,7 +92,9 @@ func startDev(t *testing.T, dir string) *devInstance {
 	d := &devInstance{cancel: cancel, done: make(chan error, 1)}
 	go func() {
 		d.done <- cmdDev(ctx, []string{"--listen", "127.0.0.1:18080", "--data-dir", dir,
-			"--bridge", "eitrie2e0", "--subnet", "10.79.0.1/24", "--vm-timeout", "3m", "--delete-grace", "2s", "--log-level", "warn"})
+			"--bridge", "eitrie2e0", "--subnet", "10.79.0.1/24", "--vm-timeout", "3m", "--delete-grace", "2s", "--log-level", "warn",
+			// slowImage serves on loopback, which image downloads refuse unless allowed.
+			"--image-allow", "127.0.0.1/32"})
 	}()
 	require.Eventually(t, func() bool {
 		resp, err := http.Get("http://127.0.0.1:18080/healthz")

@@ -250,7 +250,9 @@ func (f *fleetRun) runOnce(t *testing.T, name, ns string, within time.Duration, 
 
 func (f *fleetRun) agentArgs(name, dir string, extra ...string) []string {
 	args := []string{"agent", "--data-dir", dir, "--name", "host-" + name,
-		"--address", hostIP(name), "--vm-timeout", "5m", "--log-level", "debug"}
+		"--address", hostIP(name), "--vm-timeout", "5m", "--log-level", "debug",
+		// The image server is on the private LAN, refused unless allowed.
+		"--image-allow", lanPrefix + "0/24"}
 	args = append(args, f.accelFlags...)
 	return append(args, extra...)
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
+	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/frontend"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
@@ -133,6 +134,9 @@ func cmdDev(ctx context.Context, args []string) error {
 	// The local agent enrolls itself with a token minted in-process, so dev
 	// mode needs no copy and paste.
 	ac.dataDir = filepath.Join(*dataDir, "agent")
+	if *guestImage != "" {
+		ac.imageEndpoints = guestImageEndpoints(ln.Addr())
+	}
 	ac.joinToken = func(ctx context.Context) (string, error) {
 		admin := auth.WithPrincipal(ctx, auth.Principal{Name: "dev", Admin: true})
 		r, err := srv.Fleet.CreateJoinToken(admin, 10*time.Minute)
@@ -212,6 +216,19 @@ func serveGuestImage(r chi.Router, dir, base string) {
 		return
 	}
 	r.Handle("/guest-image/*", http.StripPrefix("/guest-image/", http.FileServer(http.Dir(dir))))
+}
+
+// guestImageEndpoints admits dev mode's own test guest to its agent's image
+// downloads: this listener, /guest-image/ only. The rest of the port is the
+// control plane's API, which image_url must not reach, and loopback is
+// otherwise refused like everywhere else.
+func guestImageEndpoints(a net.Addr) []imagecache.Endpoint {
+	tcp, ok := a.(*net.TCPAddr)
+	if !ok {
+		return nil
+	}
+	ap := tcp.AddrPort()
+	return []imagecache.Endpoint{{AddrPort: netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), PathPrefix: "/guest-image/"}}
 }
 
 // guestImage picks the compressed qcow2 when built (smaller to copy), else
