@@ -109,12 +109,23 @@ async function outside() {
 			for (const n of namespaces) spawnSync('ip', ['netns', 'del', n], { stdio: 'ignore' });
 			await rm(tmp, { recursive: true, force: true });
 		})());
+	// The inner process ends on its pass/fail line; if it died or was stopped
+	// first, the tally it kept says how far it got, and the run still ends on
+	// one (once).
+	let summed = false;
+	const sumUp = (tally) => {
+		if (summed || tally.final) return;
+		summed = true;
+		console.log(`e2e: ${tally.passed} passed, ${tally.failed + 1} failed`);
+	};
 	let signalled = false;
 	const onSignal = async (sig) => {
 		if (signalled) return; // a second ^C must not cut the cleanup short
 		signalled = true;
 		console.error(`e2e: ${sig}, cleaning up`);
+		const tally = readTally(tmp);
 		await cleanup();
+		sumUp(tally);
 		process.exit(1);
 	};
 	for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP']) process.on(sig, onSignal);
@@ -150,10 +161,8 @@ async function outside() {
 			child.on('exit', (c) => r(c ?? 1));
 		});
 		clearTimeout(timer);
-		// The inner process ends on its pass/fail line; if it died first, the
-		// tally it kept says how far it got, and the run still ends on one.
 		const tally = readTally(tmp);
-		if (!tally.final) console.log(`e2e: ${tally.passed} passed, ${tally.failed + 1} failed`);
+		if (!signalled) sumUp(tally);
 		return tally.final ? code : 1;
 	} finally {
 		await cleanup();
