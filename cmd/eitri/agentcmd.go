@@ -155,9 +155,7 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	}
 	defer network.Close()
 	qb, err := qemu.New(qemu.Config{Dir: filepath.Join(a.dataDir, "vms"), Accel: accelMode, Log: log,
-		OnAccelChange: func(acc qemu.Accel) {
-			log.Warn("guest accelerator changed", "accelerator", acc.Name, "cpu", acc.CPU, "why", acc.Reason)
-		}})
+		OnAccelChange: accelChangeLogger(log)})
 	if err != nil {
 		return err
 	}
@@ -224,6 +222,19 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 				Accelerator: acc.Name, AcceleratorReason: acc.Reason}
 		},
 	})
+}
+
+// accelChangeLogger warns when a re-probe changes the accelerator. The
+// first choice is not a change; the start-up probe logs it.
+func accelChangeLogger(log *slog.Logger) func(qemu.Accel) {
+	first := true
+	return func(acc qemu.Accel) {
+		if first {
+			first = false
+			return
+		}
+		log.Warn("guest accelerator changed", "accelerator", acc.Name, "cpu", acc.CPU, "why", acc.Reason)
+	}
 }
 
 // identity loads this host's enrollment, or enrolls with the join token.
