@@ -34,6 +34,7 @@ type Session struct {
 // error that says what to do, and the open stream is kept: flapping between
 // two agents would let both of them act on the host's desired state.
 func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.Hello, peer string) (*Session, error) {
+	clipHello(hello)
 	now := f.now()
 	if err := f.refuseDuplicate(ctx, hostID, hello, peer, now); err != nil {
 		return nil, err
@@ -154,6 +155,7 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 
 // Apply takes one complete report from the host.
 func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
+	clipReport(rep)
 	f := s.f
 	now := f.now()
 	d, ok := f.reg.Apply(s.hostID, s.conn, rep, now)

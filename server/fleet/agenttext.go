@@ -1,0 +1,57 @@
+package fleet
+
+import (
+	"unicode/utf8"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+)
+
+// Bounds on what an agent says in words. An enrolled host is trusted to run
+// VMs, not to fill the database or every watcher's screen: text past these
+// bounds is cut (and marked), never refused, so a report's facts still land.
+const (
+	maxAgentShort  = 128  // versions, names, addresses, accelerator, ids
+	maxAgentLine   = 512  // narration and the accelerator's reason
+	maxAgentError  = 4096 // last_error may carry a serial tail
+	maxAgentPubkey = 8192 // an authorized_keys line
+)
+
+// clip cuts s to at most n bytes on a rune boundary, ending in "…".
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	cut := n - len("…")
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "…"
+}
+
+// clipHello bounds the free text of a Hello in place.
+func clipHello(h *eitriv1.Hello) {
+	h.AgentVersion = clip(h.GetAgentVersion(), maxAgentShort)
+	h.Hostname = clip(h.GetHostname(), maxAgentShort)
+	h.Address = clip(h.GetAddress(), maxAgentShort)
+	h.Accelerator = clip(h.GetAccelerator(), maxAgentShort)
+	h.AcceleratorReason = clip(h.GetAcceleratorReason(), maxAgentLine)
+	h.InstanceId = clip(h.GetInstanceId(), maxAgentShort)
+}
+
+// clipReport bounds the free text of a report in place.
+func clipReport(r *eitriv1.ActualStateReport) {
+	r.Accelerator = clip(r.GetAccelerator(), maxAgentShort)
+	r.AcceleratorReason = clip(r.GetAcceleratorReason(), maxAgentLine)
+	for _, v := range r.GetVms() {
+		v.Power = clip(v.GetPower(), maxAgentShort)
+		v.Phase = clip(v.GetPhase(), maxAgentShort)
+		v.Ip = clip(v.GetIp(), maxAgentShort)
+		v.StatusDetail = clip(v.GetStatusDetail(), maxAgentLine)
+		v.LastError = clip(v.GetLastError(), maxAgentError)
+		v.SshHostPubkey = clip(v.GetSshHostPubkey(), maxAgentPubkey)
+	}
+	for _, e := range r.GetExposures() {
+		e.State = clip(e.GetState(), maxAgentShort)
+		e.Reason = clip(e.GetReason(), maxAgentLine)
+	}
+}

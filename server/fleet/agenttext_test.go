@@ -1,0 +1,53 @@
+package fleet
+
+import (
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/stretchr/testify/assert"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+)
+
+func TestClipCutsOnARuneBoundaryAndMarksTheCut(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		n    int
+		want string
+	}{
+		{"short", 10, "short"},
+		{"exactly10!", 10, "exactly10!"},
+		{"0123456789abc", 10, "0123456…"},
+		{"ééééé", 8, "éé…"}, // a cut inside é steps back to its start
+	} {
+		got := clip(c.in, c.n)
+		assert.Equal(t, c.want, got, "clip(%q, %d)", c.in, c.n)
+		assert.LessOrEqual(t, len(got), c.n)
+		assert.True(t, utf8.ValidString(got))
+	}
+}
+
+func TestAHostileAgentsTextIsBounded(t *testing.T) {
+	huge := strings.Repeat("x", 1<<20)
+	h := &eitriv1.Hello{AgentVersion: huge, Hostname: huge, Address: huge, Accelerator: huge, AcceleratorReason: huge, InstanceId: huge}
+	clipHello(h)
+	for _, s := range []string{h.AgentVersion, h.Hostname, h.Address, h.Accelerator, h.InstanceId} {
+		assert.LessOrEqual(t, len(s), maxAgentShort)
+	}
+	assert.LessOrEqual(t, len(h.AcceleratorReason), maxAgentLine)
+
+	r := &eitriv1.ActualStateReport{
+		AcceleratorReason: huge,
+		Vms:               []*eitriv1.ActualVM{{VmId: "vm-1", StatusDetail: huge, LastError: huge, SshHostPubkey: huge, Ip: huge}},
+		Exposures:         []*eitriv1.ExposureActual{{Id: "x-1", Reason: huge}},
+	}
+	clipReport(r)
+	assert.LessOrEqual(t, len(r.AcceleratorReason), maxAgentLine)
+	assert.LessOrEqual(t, len(r.Vms[0].StatusDetail), maxAgentLine)
+	assert.LessOrEqual(t, len(r.Vms[0].LastError), maxAgentError)
+	assert.LessOrEqual(t, len(r.Vms[0].SshHostPubkey), maxAgentPubkey)
+	assert.LessOrEqual(t, len(r.Vms[0].Ip), maxAgentShort)
+	assert.LessOrEqual(t, len(r.Exposures[0].Reason), maxAgentLine)
+	assert.Equal(t, "vm-1", r.Vms[0].VmId, "ids are left alone: the registry matches on them")
+}
