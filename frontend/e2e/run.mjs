@@ -42,6 +42,7 @@ const CHUNK_EVERY_MS = 150;
 // The image server holds the download here (past the host's first 32 MiB
 // progress step) until the test has seen the progress line; see slowImageServer.
 const HOLD_AT = 36 << 20;
+const HOLD_TRICKLE = 64 << 10; // a second while held
 const OVERALL_MS = 10 * 60_000;
 
 const log = (...a) => console.log('e2e:', ...a);
@@ -239,7 +240,10 @@ async function inside(bin, guest) {
 			'--bridge', 'eitriui0',
 			'--subnet', '10.81.0.1/24',
 			'--guest-image', guest,
-			'--delete-grace', '5s'
+			'--delete-grace', '5s',
+			// The slow image server is on this loopback, which image downloads
+			// may not reach unless allowed.
+			'--image-allow', '127.0.0.1/32'
 		],
 		{ stdio: ['ignore', 'pipe', 'pipe'] }
 	);
@@ -651,8 +655,9 @@ async function stopDev(dev) {
 // has time to narrate the download. Past HOLD_AT bytes (beyond the host's
 // first 32 MiB progress step) it holds until release(): the host has then
 // reported that step and stays on it however long the test takes to look. While
-// held it sends one byte a second, so the host's stall timeout (60 s of
-// silence) never fires and the next progress step (64 MiB) is never reached.
+// held it sends HOLD_TRICKLE bytes a second: enough for the host's stall rule
+// (1 MiB in every 60 s), and the next progress step (64 MiB) is over seven
+// minutes away, far past the test's own 60 s wait for the progress line.
 async function slowImageServer(raw) {
 	let release;
 	const released = new Promise((r) => (release = r));
@@ -672,8 +677,8 @@ async function slowImageServer(raw) {
 		for (let off = 0; off < data.length && !res.destroyed; ) {
 			if (off >= HOLD_AT && !isReleased) {
 				if (off === HOLD_AT) log(`image download held at ${HOLD_AT >> 20} MiB until the page has shown the progress`);
-				res.write(data.subarray(off, off + 1));
-				off += 1;
+				res.write(data.subarray(off, off + HOLD_TRICKLE));
+				off += HOLD_TRICKLE;
 				await Promise.race([released, sleep(1000)]);
 				continue;
 			}
