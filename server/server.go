@@ -241,6 +241,10 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	if a, ok := ln.Addr().(*net.TCPAddr); ok {
 		s.Fleet.ReserveControlPort(uint16(a.Port))
 	}
+	// Requests live under base, not ctx: stopping cancels them with a cause
+	// the streams turn into Unavailable (see api.ErrShuttingDown).
+	base, stop := context.WithCancelCause(context.WithoutCancel(ctx))
+	defer stop(nil)
 	srv := &http.Server{
 		Handler:           s.handler,
 		ReadHeaderTimeout: 10 * time.Second,
@@ -249,7 +253,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		IdleTimeout:    s.idle,
 		MaxHeaderBytes: MaxHeaderBytes,
 		Protocols:      new(http.Protocols),
-		BaseContext:    func(net.Listener) context.Context { return ctx },
+		BaseContext:    func(net.Listener) context.Context { return base },
 		HTTP2: &http.HTTP2Config{
 			// A host that loses power sends no FIN: without pings its stream
 			// would look open forever and keep getting VMs placed on it.
@@ -279,9 +283,11 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		return err
 	case <-ctx.Done():
 	}
+	// Streams (watches, agents) never finish on their own: end them with
+	// their status first, then let Shutdown flush it; Close ends the rest.
+	stop(api.ErrShuttingDown)
 	shut, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	// Streams (watches, agents) never finish on their own; Close ends them.
 	if err := srv.Shutdown(shut); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		s.log.Warn("shutdown", "err", err)
 	}

@@ -68,12 +68,15 @@ func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.S
 	for {
 		select {
 		case <-sess.Context().Done():
+			if err := shutdownErr(sess.Context()); err != nil {
+				return err
+			}
 			cause := context.Cause(sess.Context())
 			return connect.NewError(connect.CodeAborted, cause)
 		case <-recvErr:
 			// The agent hung up (or the request ended); it reconnects and
 			// resends a full report, so there is nothing to keep.
-			return nil
+			return shutdownErr(ctx)
 		case rep := <-reports:
 			sess.Apply(ctx, rep)
 		case <-sess.Kicks():

@@ -97,7 +97,23 @@ func reply[T any](h handlers, msg *T, err error) (*connect.Response[T], error) {
 	return connect.NewResponse(msg), nil
 }
 
-// stream sends the starting list, then every change, until the client goes.
+// ErrShuttingDown is the cause a control plane cancels its requests with
+// when it stops (server.Serve does): a stream it ends says Unavailable, so
+// a client that reconnects on errors comes back once the control plane is
+// up again, while a clean end would read as "nothing more, ever".
+var ErrShuttingDown = errors.New("the control plane is shutting down; reconnect")
+
+// shutdownErr is the stream's final status when ctx ended because the
+// control plane is stopping, and nil otherwise (the client went away).
+func shutdownErr(ctx context.Context) error {
+	if errors.Is(context.Cause(ctx), ErrShuttingDown) {
+		return connect.NewError(connect.CodeUnavailable, ErrShuttingDown)
+	}
+	return nil
+}
+
+// stream sends the starting list, then every change, until the client goes
+// or the control plane stops.
 func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], first *R, send func(*R) error, wrap func(watch.Event[T]) *R) error {
 	defer w.Close()
 	if err := send(first); err != nil {
@@ -106,7 +122,7 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 	for {
 		evs, err := w.Next(ctx)
 		if err != nil {
-			return nil // the client went away
+			return shutdownErr(ctx)
 		}
 		for _, ev := range evs {
 			// Every watcher of this change sends the same message, built and
