@@ -2,6 +2,9 @@
 // per sha256 digest. Ensure downloads an image over HTTP(S), verifies its
 // digest while writing it, turns it into a raw image (qcow2 decoded natively,
 // gzip decompressed, raw kept as is) and places it in the cache atomically.
+// It connects only to addresses its AddressPolicy allows (public ones by
+// default), checked at every connect, and gives up on a download that stops
+// making progress.
 //
 // Layout of the cache directory:
 //
