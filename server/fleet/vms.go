@@ -171,7 +171,7 @@ func (f *Fleet) place(ctx context.Context, r *eitriv1.CreateVMRequest) (string, 
 		}
 	}
 	if best == "" {
-		return "", errorf(Precondition, "no connected host has room for %d vCPU, %d MiB memory and %d GiB disk", r.GetVcpus(), r.GetMemMb(), r.GetDiskGb())
+		return "", f.noRoom(ctx, hosts, r)
 	}
 	return best, nil
 }
