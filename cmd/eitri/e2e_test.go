@@ -118,7 +118,7 @@ func (d *devInstance) vms(t *testing.T, dir string) eitriv1connect.VMServiceClie
 	require.Eventually(t, func() bool {
 		r, err := eitriv1connect.NewHostServiceClient(hc, base, auth).ListHosts(context.Background(), connect.NewRequest(&eitriv1.ListHostsRequest{}))
 		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
-	}, 30*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity")
+	}, 90*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity (after proving its accelerator)")
 	return eitriv1connect.NewVMServiceClient(hc, base, auth)
 }
 
@@ -127,7 +127,7 @@ func (d *devInstance) stop(t *testing.T) {
 	select {
 	case err := <-d.done:
 		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
+	case <-time.After(60 * time.Second):
 		t.Fatal("eitri dev did not stop")
 	}
 }
@@ -154,7 +154,7 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 		r, err := eitriv1connect.NewHostServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token))).
 			ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
 		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
-	}, 30*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity")
+	}, 90*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity (after proving its accelerator)")
 
 	// Watch first, so every step of the create is seen as it is pushed.
 	var mu sync.Mutex
