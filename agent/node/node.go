@@ -8,9 +8,11 @@ import (
 	"context"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"sync"
 
 	"github.com/a73x/eitri/agent/exposeproxy"
+	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
@@ -27,20 +29,35 @@ type Ports interface {
 	Status() []exposeproxy.Status
 }
 
+// Records is where node keeps the published ports across agent restarts
+// (the agent's state store).
+type Records interface {
+	SaveExposures([]state.Exposure) error
+	LoadExposures() ([]state.Exposure, bool, error)
+}
+
 // Node composes one host's report.
 type Node struct {
-	eng      Engine
-	ports    Ports
-	capacity func() *eitriv1.Capacity
-	metrics  func() *eitriv1.Metrics
-	accel    func() (name, reason string)
-	log      *slog.Logger
+	eng       Engine
+	ports     Ports
+	records   Records
+	guestAddr func(vmID string) (netip.Addr, bool)
+	capacity  func() *eitriv1.Capacity
+	metrics   func() *eitriv1.Metrics
+	accel     func() (name, reason string)
+	log       *slog.Logger
 
 	changed chan struct{}
 
 	mu        sync.RWMutex
 	addrs     map[string]netip.Addr // vm id → guest address, for the proxy
+	reported  map[string]bool       // vm ids the engine has a row for
 	exposures []*eitriv1.ExposureDesired
+	applied   bool // a snapshot has been applied since start
+
+	// saveMu keeps a slow disk off Resolve's lock.
+	saveMu sync.Mutex
+	saved  []state.Exposure // what Records holds, as far as this process knows
 }
 
 // Config wires a Node.
@@ -52,7 +69,14 @@ type Config struct {
 	// Accelerator is what new guests start under and why; it can change
 	// when the hypervisor re-probes. nil: said only in Hello.
 	Accelerator func() (name, reason string)
-	Log         *slog.Logger
+	// Records keeps the published ports so Restore can serve them again
+	// after a restart; nil: not kept.
+	Records Records
+	// GuestAddr is the host's own word on a guest's address, asked for a VM
+	// the engine has no row for yet (after a restart, before the first
+	// snapshot or pass); nil: such a VM has no address.
+	GuestAddr func(vmID string) (netip.Addr, bool)
+	Log       *slog.Logger
 }
 
 // New returns a node; call Run to follow guest address changes.
@@ -60,15 +84,56 @@ func New(cfg Config) *Node {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	return &Node{eng: cfg.Engine, ports: cfg.Ports, capacity: cfg.Capacity, metrics: cfg.Metrics, accel: cfg.Accelerator, log: cfg.Log, addrs: map[string]netip.Addr{}, changed: make(chan struct{}, 1)}
+	return &Node{eng: cfg.Engine, ports: cfg.Ports, records: cfg.Records, guestAddr: cfg.GuestAddr,
+		capacity: cfg.Capacity, metrics: cfg.Metrics, accel: cfg.Accelerator, log: cfg.Log,
+		addrs: map[string]netip.Addr{}, reported: map[string]bool{}, changed: make(chan struct{}, 1)}
 }
 
 // Resolve is the exposure proxy's guest-address lookup.
 func (n *Node) Resolve(vmID string) (netip.Addr, bool) {
 	n.mu.RLock()
-	defer n.mu.RUnlock()
 	a, ok := n.addrs[vmID]
-	return a, ok
+	known := n.reported[vmID]
+	n.mu.RUnlock()
+	if ok || known || n.guestAddr == nil {
+		return a, ok
+	}
+	// The engine says nothing of this VM yet, but its port is published:
+	// ask the host, so a restarted agent serves its guests at once.
+	return n.guestAddr(vmID)
+}
+
+// Restore serves the published ports saved by an earlier run, so they come
+// back before the control plane answers (or while it is down). A snapshot
+// applied since start wins: it is newer than anything saved.
+func (n *Node) Restore() error {
+	if n.records == nil {
+		return nil
+	}
+	saved, ok, err := n.records.LoadExposures()
+	if err != nil || !ok {
+		return err
+	}
+	n.saveMu.Lock()
+	n.mu.Lock()
+	if n.applied {
+		n.mu.Unlock()
+		n.saveMu.Unlock()
+		return nil
+	}
+	n.saved = saved
+	n.exposures = make([]*eitriv1.ExposureDesired, len(saved))
+	for i, e := range saved {
+		n.exposures[i] = &eitriv1.ExposureDesired{
+			Id: e.ID, VmId: e.VMID, Protocol: e.Protocol, Scope: e.Scope,
+			HostPort: uint32(e.HostPort), GuestPort: uint32(e.GuestPort), MaxSessions: e.MaxSessions,
+		}
+	}
+	n.mu.Unlock()
+	n.saveMu.Unlock()
+	n.log.Info("published ports restored from the last snapshot", "count", len(saved))
+	n.converge()
+	return nil
 }
 
 // Run re-reads guest addresses whenever the engine's aggregate changes and
@@ -99,7 +164,9 @@ func (n *Node) refreshAddrs() bool {
 	var rep eitriv1.ActualStateReport
 	n.eng.Fill(&rep)
 	next := make(map[string]netip.Addr, len(rep.GetVms()))
+	reported := make(map[string]bool, len(rep.GetVms()))
 	for _, v := range rep.GetVms() {
+		reported[v.GetVmId()] = true
 		// A stopped guest has no address worth dialing, whatever it last had.
 		if v.GetPower() != "running" {
 			continue
@@ -116,7 +183,7 @@ func (n *Node) refreshAddrs() bool {
 			changed = true
 		}
 	}
-	n.addrs = next
+	n.addrs, n.reported = next, reported
 	return changed
 }
 
@@ -127,10 +194,45 @@ func (n *Node) Apply(snap *eitriv1.DesiredStateSnapshot) bool {
 	}
 	n.mu.Lock()
 	n.exposures = snap.GetExposures()
+	n.applied = true
 	n.mu.Unlock()
+	n.save(snap.GetExposures())
 	n.refreshAddrs()
 	n.converge()
 	return true
+}
+
+// save replaces the kept ports with the snapshot's, before they are served:
+// a crash right after publishing a port still remembers it. A failure is
+// logged and tried again with the next snapshot; the ports are served
+// either way.
+func (n *Node) save(desired []*eitriv1.ExposureDesired) {
+	if n.records == nil {
+		return
+	}
+	list := make([]state.Exposure, 0, len(desired))
+	for _, e := range desired {
+		scope := "lan" // as Spec: anything but "local" listens everywhere
+		if e.GetScope() == "local" {
+			scope = "local"
+		}
+		r := state.Exposure{
+			ID: e.GetId(), VMID: e.GetVmId(), Protocol: e.GetProtocol(), Scope: scope,
+			HostPort: uint16(e.GetHostPort()), GuestPort: uint16(e.GetGuestPort()), MaxSessions: e.GetMaxSessions(),
+		}
+		list = append(list, r)
+	}
+	n.saveMu.Lock()
+	defer n.saveMu.Unlock()
+	if n.saved != nil && slices.Equal(n.saved, list) {
+		return
+	}
+	if err := n.records.SaveExposures(list); err != nil {
+		n.log.Error("cannot keep the published ports for a restart", "err", err)
+		n.saved = nil
+		return
+	}
+	n.saved = list
 }
 
 func (n *Node) converge() {

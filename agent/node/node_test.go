@@ -20,9 +20,10 @@ import (
 type engine struct {
 	vms     []*eitriv1.ActualVM
 	changed chan struct{}
+	refuse  bool // Apply refuses every snapshot (a stale generation)
 }
 
-func (e *engine) Apply(*eitriv1.DesiredStateSnapshot) bool { return true }
+func (e *engine) Apply(*eitriv1.DesiredStateSnapshot) bool { return !e.refuse }
 func (e *engine) Fill(rep *eitriv1.ActualStateReport)      { rep.Vms = e.vms }
 func (e *engine) Changed() <-chan struct{}                 { return e.changed }
 

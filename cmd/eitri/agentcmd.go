@@ -192,7 +192,18 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	proxy := exposeproxy.New(exposeproxy.Config{Log: log, Resolve: func(vmID string) (netip.Addr, bool) { return n.Resolve(vmID) }})
 	defer proxy.Close()
 	n = node.New(node.Config{
-		Engine: eng, Ports: proxy, Log: log,
+		Engine: eng, Ports: proxy, Log: log, Records: st,
+		// Before the engine has a row for a VM (no snapshot since start),
+		// its published port reaches the guest on the host's own word:
+		// its QEMU is running (adopted, network back in place) and leased.
+		GuestAddr: func(vmID string) (netip.Addr, bool) {
+			ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			defer cancel()
+			if running, err := hv.Power(ctx, vmID); err != nil || !running {
+				return netip.Addr{}, false
+			}
+			return hv.Address(ctx, vmID)
+		},
 		Capacity: func() *eitriv1.Capacity {
 			vcpus, mem, disk, err := hostvm.Capacity(a.dataDir)
 			if err != nil {
@@ -207,6 +218,11 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 		},
 	})
 	go n.Run(ctx)
+	// Published ports come back now, not when the control plane answers:
+	// it may be down for a while.
+	if err := n.Restore(); err != nil {
+		log.Error("cannot restore the published ports; they come back with the next snapshot", "err", err)
+	}
 
 	addr := a.address
 	if addr == "" {
