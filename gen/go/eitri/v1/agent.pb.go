@@ -308,9 +308,18 @@ type Hello struct {
 	// instance id while a stream is open is a second agent with the same
 	// identity (a cloned disk) and is refused. Empty from older agents, whose
 	// newer stream always replaces the open one.
-	InstanceId    string `protobuf:"bytes,7,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	InstanceId string `protobuf:"bytes,7,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	// The control plane lineage of the newest snapshot this agent applied, as
+	// it remembers durably (see DesiredStateSnapshot): a control plane that
+	// finds an agent ahead of its own counter has lost writes (restored from
+	// an older backup, or its last commits) and starts a new epoch past it
+	// before it sends anything. Zero/empty from an agent that has applied
+	// nothing, or predates fencing.
+	ControlPlaneId    string `protobuf:"bytes,8,opt,name=control_plane_id,json=controlPlaneId,proto3" json:"control_plane_id,omitempty"`
+	AppliedEpoch      uint64 `protobuf:"varint,9,opt,name=applied_epoch,json=appliedEpoch,proto3" json:"applied_epoch,omitempty"`
+	AppliedGeneration uint64 `protobuf:"varint,10,opt,name=applied_generation,json=appliedGeneration,proto3" json:"applied_generation,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -392,6 +401,27 @@ func (x *Hello) GetInstanceId() string {
 	return ""
 }
 
+func (x *Hello) GetControlPlaneId() string {
+	if x != nil {
+		return x.ControlPlaneId
+	}
+	return ""
+}
+
+func (x *Hello) GetAppliedEpoch() uint64 {
+	if x != nil {
+		return x.AppliedEpoch
+	}
+	return 0
+}
+
+func (x *Hello) GetAppliedGeneration() uint64 {
+	if x != nil {
+		return x.AppliedGeneration
+	}
+	return 0
+}
+
 // ActualStateReport is everything the agent sees, every time. A VM or
 // exposure missing from a report is not being reported on; it is never
 // "unchanged since last time".
@@ -401,9 +431,11 @@ type ActualStateReport struct {
 	// VMs this host has destroyed for good (disk, seed, records gone). The
 	// control plane may forget them.
 	Destroyed []string `protobuf:"bytes,2,rep,name=destroyed,proto3" json:"destroyed,omitempty"`
-	// VMs this host holds that the desired state no longer names. They are kept
-	// stopped until destroy_at, so a control plane that lost its data can
-	// still recover them.
+	// VMs this host holds and will not act on the desired state's word: named
+	// by no snapshot although no delete ever reached them, or named with a
+	// record older than what this host already applied. Kept as they were
+	// (running stays running) until an admin adopts or destroys them, so a
+	// control plane that lost its data can recover them.
 	Quarantined []*QuarantinedVM `protobuf:"bytes,3,rep,name=quarantined,proto3" json:"quarantined,omitempty"`
 	// Unset until the agent has measured its host.
 	Capacity *Capacity `protobuf:"bytes,4,opt,name=capacity,proto3" json:"capacity,omitempty"`
@@ -418,8 +450,16 @@ type ActualStateReport struct {
 	// is open. Empty from an agent that says it only in Hello.
 	Accelerator       string `protobuf:"bytes,8,opt,name=accelerator,proto3" json:"accelerator,omitempty"`
 	AcceleratorReason string `protobuf:"bytes,9,opt,name=accelerator_reason,json=acceleratorReason,proto3" json:"accelerator_reason,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// The epoch of the newest snapshot applied (with applied_generation) and
+	// the control plane identity this agent trusts; 0/empty before the first,
+	// or from an agent that predates fencing.
+	AppliedEpoch   uint64 `protobuf:"varint,10,opt,name=applied_epoch,json=appliedEpoch,proto3" json:"applied_epoch,omitempty"`
+	ControlPlaneId string `protobuf:"bytes,11,opt,name=control_plane_id,json=controlPlaneId,proto3" json:"control_plane_id,omitempty"`
+	// Set while the agent refuses the control plane's snapshots; unset once it
+	// applies one again.
+	SnapshotRefused *SnapshotRefusal `protobuf:"bytes,12,opt,name=snapshot_refused,json=snapshotRefused,proto3" json:"snapshot_refused,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ActualStateReport) Reset() {
@@ -515,6 +555,98 @@ func (x *ActualStateReport) GetAcceleratorReason() string {
 	return ""
 }
 
+func (x *ActualStateReport) GetAppliedEpoch() uint64 {
+	if x != nil {
+		return x.AppliedEpoch
+	}
+	return 0
+}
+
+func (x *ActualStateReport) GetControlPlaneId() string {
+	if x != nil {
+		return x.ControlPlaneId
+	}
+	return ""
+}
+
+func (x *ActualStateReport) GetSnapshotRefused() *SnapshotRefusal {
+	if x != nil {
+		return x.SnapshotRefused
+	}
+	return nil
+}
+
+// SnapshotRefusal is a snapshot the agent would not apply, and why.
+type SnapshotRefusal struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// What the refused snapshot carried.
+	ControlPlaneId string `protobuf:"bytes,1,opt,name=control_plane_id,json=controlPlaneId,proto3" json:"control_plane_id,omitempty"`
+	Epoch          uint64 `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	Generation     uint64 `protobuf:"varint,3,opt,name=generation,proto3" json:"generation,omitempty"`
+	// For people: what the agent trusts instead and what to do.
+	Reason        string `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotRefusal) Reset() {
+	*x = SnapshotRefusal{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotRefusal) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotRefusal) ProtoMessage() {}
+
+func (x *SnapshotRefusal) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotRefusal.ProtoReflect.Descriptor instead.
+func (*SnapshotRefusal) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *SnapshotRefusal) GetControlPlaneId() string {
+	if x != nil {
+		return x.ControlPlaneId
+	}
+	return ""
+}
+
+func (x *SnapshotRefusal) GetEpoch() uint64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *SnapshotRefusal) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
+func (x *SnapshotRefusal) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
 // ActualVM is one VM as its host sees it right now.
 type ActualVM struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -542,7 +674,7 @@ type ActualVM struct {
 
 func (x *ActualVM) Reset() {
 	*x = ActualVM{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	mi := &file_eitri_v1_agent_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -554,7 +686,7 @@ func (x *ActualVM) String() string {
 func (*ActualVM) ProtoMessage() {}
 
 func (x *ActualVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	mi := &file_eitri_v1_agent_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -567,7 +699,7 @@ func (x *ActualVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActualVM.ProtoReflect.Descriptor instead.
 func (*ActualVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{6}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ActualVM) GetVmId() string {
@@ -619,23 +751,37 @@ func (x *ActualVM) GetStatusDetail() string {
 	return ""
 }
 
-// QuarantinedVM is a VM the host still holds although the desired state no
-// longer names it.
+// QuarantinedVM is a VM the host holds but will not take the desired
+// state's word on (see ActualStateReport.quarantined).
 type QuarantinedVM struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
 	Name  string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
 	// The agent's own record of the VM's spec, opaque to the control plane.
 	VmspecJson []byte `protobuf:"bytes,3,opt,name=vmspec_json,json=vmspecJson,proto3" json:"vmspec_json,omitempty"`
-	// When the agent will destroy it, in unix seconds.
+	// When the agent will destroy it, in unix seconds; 0 from agents that
+	// never destroy a VM on their own (they wait for an admin).
 	DestroyAtUnix int64 `protobuf:"varint,4,opt,name=destroy_at_unix,json=destroyAtUnix,proto3" json:"destroy_at_unix,omitempty"`
+	// The desired state the agent holds the VM to: its spec and owner as
+	// recorded, and the power and delete it last applied. Unset from older
+	// agents.
+	Held *VMDesired `protobuf:"bytes,5,opt,name=held,proto3" json:"held,omitempty"`
+	// "running" or "stopped", read from the hypervisor; empty when unknown.
+	Power string `protobuf:"bytes,6,opt,name=power,proto3" json:"power,omitempty"`
+	// Why the agent holds it, for people.
+	Reason string `protobuf:"bytes,7,opt,name=reason,proto3" json:"reason,omitempty"`
+	// True: the desired state names the VM, with a record older than what the
+	// agent applied. False: no snapshot names it.
+	Stale bool `protobuf:"varint,8,opt,name=stale,proto3" json:"stale,omitempty"`
+	// When the agent started holding it, in unix seconds by its own clock.
+	SinceUnix     int64 `protobuf:"varint,9,opt,name=since_unix,json=sinceUnix,proto3" json:"since_unix,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *QuarantinedVM) Reset() {
 	*x = QuarantinedVM{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[7]
+	mi := &file_eitri_v1_agent_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -647,7 +793,7 @@ func (x *QuarantinedVM) String() string {
 func (*QuarantinedVM) ProtoMessage() {}
 
 func (x *QuarantinedVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[7]
+	mi := &file_eitri_v1_agent_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -660,7 +806,7 @@ func (x *QuarantinedVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use QuarantinedVM.ProtoReflect.Descriptor instead.
 func (*QuarantinedVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{7}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *QuarantinedVM) GetVmId() string {
@@ -691,24 +837,69 @@ func (x *QuarantinedVM) GetDestroyAtUnix() int64 {
 	return 0
 }
 
+func (x *QuarantinedVM) GetHeld() *VMDesired {
+	if x != nil {
+		return x.Held
+	}
+	return nil
+}
+
+func (x *QuarantinedVM) GetPower() string {
+	if x != nil {
+		return x.Power
+	}
+	return ""
+}
+
+func (x *QuarantinedVM) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *QuarantinedVM) GetStale() bool {
+	if x != nil {
+		return x.Stale
+	}
+	return false
+}
+
+func (x *QuarantinedVM) GetSinceUnix() int64 {
+	if x != nil {
+		return x.SinceUnix
+	}
+	return 0
+}
+
 // DesiredStateSnapshot is everything one host should be running. Complete:
 // a VM absent from it is not wanted on this host.
 type DesiredStateSnapshot struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Rises with every change to this host's desired state. An agent ignores a
+	// Rises with every snapshot the control plane sends, from a durable
+	// counter (never from a clock). Within one epoch an agent refuses a
 	// snapshot older than the newest it has applied.
 	Generation uint64       `protobuf:"varint,1,opt,name=generation,proto3" json:"generation,omitempty"`
 	Vms        []*VMDesired `protobuf:"bytes,2,rep,name=vms,proto3" json:"vms,omitempty"`
 	// Unset when no upgrade is offered.
-	AgentUpgrade  *AgentUpgrade      `protobuf:"bytes,3,opt,name=agent_upgrade,json=agentUpgrade,proto3" json:"agent_upgrade,omitempty"`
-	Exposures     []*ExposureDesired `protobuf:"bytes,4,rep,name=exposures,proto3" json:"exposures,omitempty"`
+	AgentUpgrade *AgentUpgrade      `protobuf:"bytes,3,opt,name=agent_upgrade,json=agentUpgrade,proto3" json:"agent_upgrade,omitempty"`
+	Exposures    []*ExposureDesired `protobuf:"bytes,4,rep,name=exposures,proto3" json:"exposures,omitempty"`
+	// The control plane's durable identity, made on its first start. An agent
+	// pins the first it sees and refuses snapshots from any other. Empty from
+	// a control plane that predates fencing.
+	ControlPlaneId string `protobuf:"bytes,5,opt,name=control_plane_id,json=controlPlaneId,proto3" json:"control_plane_id,omitempty"`
+	// Rises each time the control plane finds it has lost writes (an agent had
+	// applied a generation it no longer knows of); its counter then restarts
+	// past everything agents applied. An agent refuses an epoch below the one
+	// it applied.
+	Epoch         uint64 `protobuf:"varint,6,opt,name=epoch,proto3" json:"epoch,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DesiredStateSnapshot) Reset() {
 	*x = DesiredStateSnapshot{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	mi := &file_eitri_v1_agent_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -720,7 +911,7 @@ func (x *DesiredStateSnapshot) String() string {
 func (*DesiredStateSnapshot) ProtoMessage() {}
 
 func (x *DesiredStateSnapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	mi := &file_eitri_v1_agent_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -733,7 +924,7 @@ func (x *DesiredStateSnapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DesiredStateSnapshot.ProtoReflect.Descriptor instead.
 func (*DesiredStateSnapshot) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{8}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DesiredStateSnapshot) GetGeneration() uint64 {
@@ -764,6 +955,20 @@ func (x *DesiredStateSnapshot) GetExposures() []*ExposureDesired {
 	return nil
 }
 
+func (x *DesiredStateSnapshot) GetControlPlaneId() string {
+	if x != nil {
+		return x.ControlPlaneId
+	}
+	return ""
+}
+
+func (x *DesiredStateSnapshot) GetEpoch() uint64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
 type VMDesired struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
@@ -777,23 +982,32 @@ type VMDesired struct {
 	DiskGb      int64  `protobuf:"varint,7,opt,name=disk_gb,json=diskGb,proto3" json:"disk_gb,omitempty"`
 	// "running" or "stopped".
 	PowerState string `protobuf:"bytes,8,opt,name=power_state,json=powerState,proto3" json:"power_state,omitempty"`
-	// Soft-deleted: stop the guest and keep its disk until destroy_at_unix,
-	// then destroy it. A restore clears it.
-	Deleted       bool  `protobuf:"varint,9,opt,name=deleted,proto3" json:"deleted,omitempty"`
+	// Soft-deleted: stop the guest and keep its disk until the control plane
+	// says destroy. A restore clears it.
+	Deleted bool `protobuf:"varint,9,opt,name=deleted,proto3" json:"deleted,omitempty"`
+	// When the control plane will say destroy, by its clock; for people only.
 	DestroyAtUnix int64 `protobuf:"varint,10,opt,name=destroy_at_unix,json=destroyAtUnix,proto3" json:"destroy_at_unix,omitempty"`
 	// The public key injected into the guest's authorized_keys; may be empty.
 	SshAuthorizedKey string `protobuf:"bytes,11,opt,name=ssh_authorized_key,json=sshAuthorizedKey,proto3" json:"ssh_authorized_key,omitempty"`
 	// Opaque tenant key: guests with the same owner may reach each other on
 	// the host's bridge, guests of different owners never do. Empty from an
 	// older control plane (the agent then isolates the guest from every other).
-	Owner         string `protobuf:"bytes,12,opt,name=owner,proto3" json:"owner,omitempty"`
+	Owner string `protobuf:"bytes,12,opt,name=owner,proto3" json:"owner,omitempty"`
+	// Destroy the soft-deleted VM now. Set by the control plane once its own
+	// clock passes destroy_at; an agent never destroys by its own clock.
+	Destroy bool `protobuf:"varint,13,opt,name=destroy,proto3" json:"destroy,omitempty"`
+	// The generation at which this VM's desired state last changed (the same
+	// counter as snapshot generations). An agent that applied a newer version
+	// of this VM holds it as it is rather than going back. 0 from a control
+	// plane that predates fencing.
+	Version       uint64 `protobuf:"varint,14,opt,name=version,proto3" json:"version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *VMDesired) Reset() {
 	*x = VMDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[9]
+	mi := &file_eitri_v1_agent_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -805,7 +1019,7 @@ func (x *VMDesired) String() string {
 func (*VMDesired) ProtoMessage() {}
 
 func (x *VMDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[9]
+	mi := &file_eitri_v1_agent_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -818,7 +1032,7 @@ func (x *VMDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMDesired.ProtoReflect.Descriptor instead.
 func (*VMDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{9}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *VMDesired) GetVmId() string {
@@ -905,6 +1119,20 @@ func (x *VMDesired) GetOwner() string {
 	return ""
 }
 
+func (x *VMDesired) GetDestroy() bool {
+	if x != nil {
+		return x.Destroy
+	}
+	return false
+}
+
+func (x *VMDesired) GetVersion() uint64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
 // AgentUpgrade offers the agent a newer build. The agent reports it and
 // keeps running its own version until upgrades are implemented.
 type AgentUpgrade struct {
@@ -918,7 +1146,7 @@ type AgentUpgrade struct {
 
 func (x *AgentUpgrade) Reset() {
 	*x = AgentUpgrade{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[10]
+	mi := &file_eitri_v1_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -930,7 +1158,7 @@ func (x *AgentUpgrade) String() string {
 func (*AgentUpgrade) ProtoMessage() {}
 
 func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[10]
+	mi := &file_eitri_v1_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -943,7 +1171,7 @@ func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentUpgrade.ProtoReflect.Descriptor instead.
 func (*AgentUpgrade) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{10}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *AgentUpgrade) GetVersion() string {
@@ -987,7 +1215,7 @@ type ExposureDesired struct {
 
 func (x *ExposureDesired) Reset() {
 	*x = ExposureDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[11]
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -999,7 +1227,7 @@ func (x *ExposureDesired) String() string {
 func (*ExposureDesired) ProtoMessage() {}
 
 func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[11]
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1012,7 +1240,7 @@ func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureDesired.ProtoReflect.Descriptor instead.
 func (*ExposureDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ExposureDesired) GetId() string {
@@ -1080,7 +1308,7 @@ type ExposureActual struct {
 
 func (x *ExposureActual) Reset() {
 	*x = ExposureActual{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1092,7 +1320,7 @@ func (x *ExposureActual) String() string {
 func (*ExposureActual) ProtoMessage() {}
 
 func (x *ExposureActual) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1105,7 +1333,7 @@ func (x *ExposureActual) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureActual.ProtoReflect.Descriptor instead.
 func (*ExposureActual) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ExposureActual) GetId() string {
@@ -1154,7 +1382,7 @@ type JoinToken struct {
 
 func (x *JoinToken) Reset() {
 	*x = JoinToken{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1166,7 +1394,7 @@ func (x *JoinToken) String() string {
 func (*JoinToken) ProtoMessage() {}
 
 func (x *JoinToken) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1179,7 +1407,7 @@ func (x *JoinToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
 func (*JoinToken) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *JoinToken) GetUrl() string {
@@ -1222,7 +1450,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x03msg\"S\n" +
 	"\fSyncResponse\x12<\n" +
 	"\bsnapshot\x18\x01 \x01(\v2\x1e.eitri.v1.DesiredStateSnapshotH\x00R\bsnapshotB\x05\n" +
-	"\x03msg\"\xed\x01\n" +
+	"\x03msg\"\xeb\x02\n" +
 	"\x05Hello\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12#\n" +
 	"\ragent_version\x18\x02 \x01(\tR\fagentVersion\x12\x1a\n" +
@@ -1231,7 +1459,11 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\aaddress\x18\x05 \x01(\tR\aaddress\x12-\n" +
 	"\x12accelerator_reason\x18\x06 \x01(\tR\x11acceleratorReason\x12\x1f\n" +
 	"\vinstance_id\x18\a \x01(\tR\n" +
-	"instanceId\"\xa7\x03\n" +
+	"instanceId\x12(\n" +
+	"\x10control_plane_id\x18\b \x01(\tR\x0econtrolPlaneId\x12#\n" +
+	"\rapplied_epoch\x18\t \x01(\x04R\fappliedEpoch\x12-\n" +
+	"\x12applied_generation\x18\n" +
+	" \x01(\x04R\x11appliedGeneration\"\xbc\x04\n" +
 	"\x11ActualStateReport\x12$\n" +
 	"\x03vms\x18\x01 \x03(\v2\x12.eitri.v1.ActualVMR\x03vms\x12\x1c\n" +
 	"\tdestroyed\x18\x02 \x03(\tR\tdestroyed\x129\n" +
@@ -1241,7 +1473,18 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\texposures\x18\x06 \x03(\v2\x18.eitri.v1.ExposureActualR\texposures\x12-\n" +
 	"\x12applied_generation\x18\a \x01(\x04R\x11appliedGeneration\x12 \n" +
 	"\vaccelerator\x18\b \x01(\tR\vaccelerator\x12-\n" +
-	"\x12accelerator_reason\x18\t \x01(\tR\x11acceleratorReason\"\xc7\x01\n" +
+	"\x12accelerator_reason\x18\t \x01(\tR\x11acceleratorReason\x12#\n" +
+	"\rapplied_epoch\x18\n" +
+	" \x01(\x04R\fappliedEpoch\x12(\n" +
+	"\x10control_plane_id\x18\v \x01(\tR\x0econtrolPlaneId\x12D\n" +
+	"\x10snapshot_refused\x18\f \x01(\v2\x19.eitri.v1.SnapshotRefusalR\x0fsnapshotRefused\"\x89\x01\n" +
+	"\x0fSnapshotRefusal\x12(\n" +
+	"\x10control_plane_id\x18\x01 \x01(\tR\x0econtrolPlaneId\x12\x14\n" +
+	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x03 \x01(\x04R\n" +
+	"generation\x12\x16\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xc7\x01\n" +
 	"\bActualVM\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x14\n" +
 	"\x05power\x18\x02 \x01(\tR\x05power\x12\x14\n" +
@@ -1250,20 +1493,28 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\n" +
 	"last_error\x18\x05 \x01(\tR\tlastError\x12&\n" +
 	"\x0fssh_host_pubkey\x18\x06 \x01(\tR\rsshHostPubkey\x12#\n" +
-	"\rstatus_detail\x18\a \x01(\tR\fstatusDetail\"\x81\x01\n" +
+	"\rstatus_detail\x18\a \x01(\tR\fstatusDetail\"\x8d\x02\n" +
 	"\rQuarantinedVM\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1f\n" +
 	"\vvmspec_json\x18\x03 \x01(\fR\n" +
 	"vmspecJson\x12&\n" +
-	"\x0fdestroy_at_unix\x18\x04 \x01(\x03R\rdestroyAtUnix\"\xd3\x01\n" +
+	"\x0fdestroy_at_unix\x18\x04 \x01(\x03R\rdestroyAtUnix\x12'\n" +
+	"\x04held\x18\x05 \x01(\v2\x13.eitri.v1.VMDesiredR\x04held\x12\x14\n" +
+	"\x05power\x18\x06 \x01(\tR\x05power\x12\x16\n" +
+	"\x06reason\x18\a \x01(\tR\x06reason\x12\x14\n" +
+	"\x05stale\x18\b \x01(\bR\x05stale\x12\x1d\n" +
+	"\n" +
+	"since_unix\x18\t \x01(\x03R\tsinceUnix\"\x93\x02\n" +
 	"\x14DesiredStateSnapshot\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x01 \x01(\x04R\n" +
 	"generation\x12%\n" +
 	"\x03vms\x18\x02 \x03(\v2\x13.eitri.v1.VMDesiredR\x03vms\x12;\n" +
 	"\ragent_upgrade\x18\x03 \x01(\v2\x16.eitri.v1.AgentUpgradeR\fagentUpgrade\x127\n" +
-	"\texposures\x18\x04 \x03(\v2\x19.eitri.v1.ExposureDesiredR\texposures\"\xe1\x02\n" +
+	"\texposures\x18\x04 \x03(\v2\x19.eitri.v1.ExposureDesiredR\texposures\x12(\n" +
+	"\x10control_plane_id\x18\x05 \x01(\tR\x0econtrolPlaneId\x12\x14\n" +
+	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\"\x95\x03\n" +
 	"\tVMDesired\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -1278,7 +1529,9 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x0fdestroy_at_unix\x18\n" +
 	" \x01(\x03R\rdestroyAtUnix\x12,\n" +
 	"\x12ssh_authorized_key\x18\v \x01(\tR\x10sshAuthorizedKey\x12\x14\n" +
-	"\x05owner\x18\f \x01(\tR\x05owner\"R\n" +
+	"\x05owner\x18\f \x01(\tR\x05owner\x12\x18\n" +
+	"\adestroy\x18\r \x01(\bR\adestroy\x12\x18\n" +
+	"\aversion\x18\x0e \x01(\x04R\aversion\"R\n" +
 	"\fAgentUpgrade\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x12\x16\n" +
@@ -1317,7 +1570,7 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
@@ -1325,40 +1578,43 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*SyncResponse)(nil),         // 3: eitri.v1.SyncResponse
 	(*Hello)(nil),                // 4: eitri.v1.Hello
 	(*ActualStateReport)(nil),    // 5: eitri.v1.ActualStateReport
-	(*ActualVM)(nil),             // 6: eitri.v1.ActualVM
-	(*QuarantinedVM)(nil),        // 7: eitri.v1.QuarantinedVM
-	(*DesiredStateSnapshot)(nil), // 8: eitri.v1.DesiredStateSnapshot
-	(*VMDesired)(nil),            // 9: eitri.v1.VMDesired
-	(*AgentUpgrade)(nil),         // 10: eitri.v1.AgentUpgrade
-	(*ExposureDesired)(nil),      // 11: eitri.v1.ExposureDesired
-	(*ExposureActual)(nil),       // 12: eitri.v1.ExposureActual
-	(*JoinToken)(nil),            // 13: eitri.v1.JoinToken
-	(*Capacity)(nil),             // 14: eitri.v1.Capacity
-	(*Metrics)(nil),              // 15: eitri.v1.Metrics
-	(*ExposureSessions)(nil),     // 16: eitri.v1.ExposureSessions
+	(*SnapshotRefusal)(nil),      // 6: eitri.v1.SnapshotRefusal
+	(*ActualVM)(nil),             // 7: eitri.v1.ActualVM
+	(*QuarantinedVM)(nil),        // 8: eitri.v1.QuarantinedVM
+	(*DesiredStateSnapshot)(nil), // 9: eitri.v1.DesiredStateSnapshot
+	(*VMDesired)(nil),            // 10: eitri.v1.VMDesired
+	(*AgentUpgrade)(nil),         // 11: eitri.v1.AgentUpgrade
+	(*ExposureDesired)(nil),      // 12: eitri.v1.ExposureDesired
+	(*ExposureActual)(nil),       // 13: eitri.v1.ExposureActual
+	(*JoinToken)(nil),            // 14: eitri.v1.JoinToken
+	(*Capacity)(nil),             // 15: eitri.v1.Capacity
+	(*Metrics)(nil),              // 16: eitri.v1.Metrics
+	(*ExposureSessions)(nil),     // 17: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
 	5,  // 1: eitri.v1.SyncRequest.report:type_name -> eitri.v1.ActualStateReport
-	8,  // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
-	6,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
-	7,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	14, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	15, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
-	12, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
-	9,  // 8: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
-	10, // 9: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
-	11, // 10: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	16, // 11: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	0,  // 12: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 13: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	1,  // 14: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 15: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	14, // [14:16] is the sub-list for method output_type
-	12, // [12:14] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	9,  // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
+	7,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
+	8,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
+	15, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	16, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	13, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
+	6,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
+	10, // 9: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
+	10, // 10: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
+	11, // 11: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
+	12, // 12: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
+	17, // 13: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	0,  // 14: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 15: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	1,  // 16: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 17: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	16, // [16:18] is the sub-list for method output_type
+	14, // [14:16] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -1380,7 +1636,7 @@ func file_eitri_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -181,6 +181,11 @@ type HostCondition struct {
 	// "duplicate_agent": a second agent with this host's identity (a cloned
 	// disk, or the same host started twice) keeps trying to connect and is
 	// refused; it lasts until that agent stops.
+	// "snapshot_refused": the agent refuses this control plane's desired
+	// state (another control plane identity, or an epoch or generation older
+	// than it applied); it lasts while the agent says so.
+	// "orphaned_vms": the host holds VMs it will not take this control
+	// plane's word on; an admin adopts or destroys them (ListOrphanedVMs).
 	Type string `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
 	// What is going on and what to do, in one or two sentences.
 	Message string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`

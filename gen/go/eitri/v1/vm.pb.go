@@ -63,8 +63,11 @@ type VM struct {
 	// The guest's SSH host key as its host reported it; empty until known.
 	SshHostPubkey string `protobuf:"bytes,21,opt,name=ssh_host_pubkey,json=sshHostPubkey,proto3" json:"ssh_host_pubkey,omitempty"`
 	OwnerId       string `protobuf:"bytes,22,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// Until when RestoreVM can still bring a deleted VM back (a safety margin
+	// before destroy_at); null unless deleted.
+	RestorableUntil *timestamppb.Timestamp `protobuf:"bytes,23,opt,name=restorable_until,json=restorableUntil,proto3" json:"restorable_until,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *VM) Reset() {
@@ -249,6 +252,13 @@ func (x *VM) GetOwnerId() string {
 		return x.OwnerId
 	}
 	return ""
+}
+
+func (x *VM) GetRestorableUntil() *timestamppb.Timestamp {
+	if x != nil {
+		return x.RestorableUntil
+	}
+	return nil
 }
 
 type CreateVMRequest struct {
@@ -1262,11 +1272,477 @@ func (*WatchVMsResponse_Changed) isWatchVMsResponse_Event() {}
 
 func (*WatchVMsResponse_RemovedId) isWatchVMsResponse_Event() {}
 
+// OrphanedVM is a VM a host holds without this control plane's trust in
+// its record; see ListOrphanedVMs.
+type OrphanedVM struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	HostId string                 `protobuf:"bytes,1,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	VmId   string                 `protobuf:"bytes,2,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	// As the host recorded them.
+	Name    string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	OwnerId string `protobuf:"bytes,4,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	// The owner's name when this control plane knows the owner; empty when it
+	// does not (adopting then needs AdoptOrphanedVMRequest.owner_id).
+	OwnerName        string `protobuf:"bytes,5,opt,name=owner_name,json=ownerName,proto3" json:"owner_name,omitempty"`
+	ImageUrl         string `protobuf:"bytes,6,opt,name=image_url,json=imageUrl,proto3" json:"image_url,omitempty"`
+	ImageSha256      string `protobuf:"bytes,7,opt,name=image_sha256,json=imageSha256,proto3" json:"image_sha256,omitempty"`
+	Vcpus            int32  `protobuf:"varint,8,opt,name=vcpus,proto3" json:"vcpus,omitempty"`
+	MemMb            int64  `protobuf:"varint,9,opt,name=mem_mb,json=memMb,proto3" json:"mem_mb,omitempty"`
+	DiskGb           int64  `protobuf:"varint,10,opt,name=disk_gb,json=diskGb,proto3" json:"disk_gb,omitempty"`
+	SshAuthorizedKey string `protobuf:"bytes,11,opt,name=ssh_authorized_key,json=sshAuthorizedKey,proto3" json:"ssh_authorized_key,omitempty"`
+	// The desired power the host holds it to, and what it is now.
+	PowerState  string `protobuf:"bytes,12,opt,name=power_state,json=powerState,proto3" json:"power_state,omitempty"`
+	ActualPower string `protobuf:"bytes,13,opt,name=actual_power,json=actualPower,proto3" json:"actual_power,omitempty"`
+	Deleted     bool   `protobuf:"varint,14,opt,name=deleted,proto3" json:"deleted,omitempty"`
+	// Why the host holds it, in its words.
+	Reason string `protobuf:"bytes,15,opt,name=reason,proto3" json:"reason,omitempty"`
+	// True when this control plane has a row for it (an older one); false
+	// when it has none.
+	HasRow bool `protobuf:"varint,16,opt,name=has_row,json=hasRow,proto3" json:"has_row,omitempty"`
+	// When the host started holding it, by the host's clock.
+	Since         *timestamppb.Timestamp `protobuf:"bytes,17,opt,name=since,proto3" json:"since,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OrphanedVM) Reset() {
+	*x = OrphanedVM{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OrphanedVM) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OrphanedVM) ProtoMessage() {}
+
+func (x *OrphanedVM) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OrphanedVM.ProtoReflect.Descriptor instead.
+func (*OrphanedVM) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *OrphanedVM) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetOwnerId() string {
+	if x != nil {
+		return x.OwnerId
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetOwnerName() string {
+	if x != nil {
+		return x.OwnerName
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetImageUrl() string {
+	if x != nil {
+		return x.ImageUrl
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetImageSha256() string {
+	if x != nil {
+		return x.ImageSha256
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetVcpus() int32 {
+	if x != nil {
+		return x.Vcpus
+	}
+	return 0
+}
+
+func (x *OrphanedVM) GetMemMb() int64 {
+	if x != nil {
+		return x.MemMb
+	}
+	return 0
+}
+
+func (x *OrphanedVM) GetDiskGb() int64 {
+	if x != nil {
+		return x.DiskGb
+	}
+	return 0
+}
+
+func (x *OrphanedVM) GetSshAuthorizedKey() string {
+	if x != nil {
+		return x.SshAuthorizedKey
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetPowerState() string {
+	if x != nil {
+		return x.PowerState
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetActualPower() string {
+	if x != nil {
+		return x.ActualPower
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetDeleted() bool {
+	if x != nil {
+		return x.Deleted
+	}
+	return false
+}
+
+func (x *OrphanedVM) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *OrphanedVM) GetHasRow() bool {
+	if x != nil {
+		return x.HasRow
+	}
+	return false
+}
+
+func (x *OrphanedVM) GetSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Since
+	}
+	return nil
+}
+
+type ListOrphanedVMsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListOrphanedVMsRequest) Reset() {
+	*x = ListOrphanedVMsRequest{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListOrphanedVMsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListOrphanedVMsRequest) ProtoMessage() {}
+
+func (x *ListOrphanedVMsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListOrphanedVMsRequest.ProtoReflect.Descriptor instead.
+func (*ListOrphanedVMsRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{22}
+}
+
+type ListOrphanedVMsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vms           []*OrphanedVM          `protobuf:"bytes,1,rep,name=vms,proto3" json:"vms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListOrphanedVMsResponse) Reset() {
+	*x = ListOrphanedVMsResponse{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListOrphanedVMsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListOrphanedVMsResponse) ProtoMessage() {}
+
+func (x *ListOrphanedVMsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListOrphanedVMsResponse.ProtoReflect.Descriptor instead.
+func (*ListOrphanedVMsResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *ListOrphanedVMsResponse) GetVms() []*OrphanedVM {
+	if x != nil {
+		return x.Vms
+	}
+	return nil
+}
+
+type AdoptOrphanedVMRequest struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	HostId string                 `protobuf:"bytes,1,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	VmId   string                 `protobuf:"bytes,2,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	// The user to give it to when its recorded owner is unknown here; empty
+	// keeps the recorded owner.
+	OwnerId string `protobuf:"bytes,3,opt,name=owner_id,json=ownerId,proto3" json:"owner_id,omitempty"`
+	// A new name when the owner already has a VM with the recorded one; empty
+	// keeps it.
+	Name          string `protobuf:"bytes,4,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdoptOrphanedVMRequest) Reset() {
+	*x = AdoptOrphanedVMRequest{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdoptOrphanedVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdoptOrphanedVMRequest) ProtoMessage() {}
+
+func (x *AdoptOrphanedVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdoptOrphanedVMRequest.ProtoReflect.Descriptor instead.
+func (*AdoptOrphanedVMRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *AdoptOrphanedVMRequest) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
+func (x *AdoptOrphanedVMRequest) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *AdoptOrphanedVMRequest) GetOwnerId() string {
+	if x != nil {
+		return x.OwnerId
+	}
+	return ""
+}
+
+func (x *AdoptOrphanedVMRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type AdoptOrphanedVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdoptOrphanedVMResponse) Reset() {
+	*x = AdoptOrphanedVMResponse{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdoptOrphanedVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdoptOrphanedVMResponse) ProtoMessage() {}
+
+func (x *AdoptOrphanedVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdoptOrphanedVMResponse.ProtoReflect.Descriptor instead.
+func (*AdoptOrphanedVMResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *AdoptOrphanedVMResponse) GetVm() *VM {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
+type DestroyOrphanedVMRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	HostId        string                 `protobuf:"bytes,1,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	VmId          string                 `protobuf:"bytes,2,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DestroyOrphanedVMRequest) Reset() {
+	*x = DestroyOrphanedVMRequest{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DestroyOrphanedVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DestroyOrphanedVMRequest) ProtoMessage() {}
+
+func (x *DestroyOrphanedVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DestroyOrphanedVMRequest.ProtoReflect.Descriptor instead.
+func (*DestroyOrphanedVMRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *DestroyOrphanedVMRequest) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
+func (x *DestroyOrphanedVMRequest) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+type DestroyOrphanedVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DestroyOrphanedVMResponse) Reset() {
+	*x = DestroyOrphanedVMResponse{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DestroyOrphanedVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DestroyOrphanedVMResponse) ProtoMessage() {}
+
+func (x *DestroyOrphanedVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DestroyOrphanedVMResponse.ProtoReflect.Descriptor instead.
+func (*DestroyOrphanedVMResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{27}
+}
+
 var File_eitri_v1_vm_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\n" +
-	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbd\x05\n" +
+	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x84\x06\n" +
 	"\x02VM\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x17\n" +
@@ -1295,7 +1771,8 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\tlifecycle\x18\x13 \x01(\tR\tlifecycle\x12,\n" +
 	"\x12ssh_authorized_key\x18\x14 \x01(\tR\x10sshAuthorizedKey\x12&\n" +
 	"\x0fssh_host_pubkey\x18\x15 \x01(\tR\rsshHostPubkey\x12\x19\n" +
-	"\bowner_id\x18\x16 \x01(\tR\aownerId\"\x93\x02\n" +
+	"\bowner_id\x18\x16 \x01(\tR\aownerId\x12E\n" +
+	"\x10restorable_until\x18\x17 \x01(\v2\x1a.google.protobuf.TimestampR\x0frestorableUntil\"\x93\x02\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
 	"\ahost_id\x18\x02 \x01(\tR\x06hostId\x12\x1b\n" +
@@ -1348,7 +1825,43 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\achanged\x18\x02 \x01(\v2\f.eitri.v1.VMH\x00R\achanged\x12\x1f\n" +
 	"\n" +
 	"removed_id\x18\x03 \x01(\tH\x00R\tremovedIdB\a\n" +
-	"\x05event2\xe2\x04\n" +
+	"\x05event\"\xfd\x03\n" +
+	"\n" +
+	"OrphanedVM\x12\x17\n" +
+	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12\x13\n" +
+	"\x05vm_id\x18\x02 \x01(\tR\x04vmId\x12\x12\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\x12\x19\n" +
+	"\bowner_id\x18\x04 \x01(\tR\aownerId\x12\x1d\n" +
+	"\n" +
+	"owner_name\x18\x05 \x01(\tR\townerName\x12\x1b\n" +
+	"\timage_url\x18\x06 \x01(\tR\bimageUrl\x12!\n" +
+	"\fimage_sha256\x18\a \x01(\tR\vimageSha256\x12\x14\n" +
+	"\x05vcpus\x18\b \x01(\x05R\x05vcpus\x12\x15\n" +
+	"\x06mem_mb\x18\t \x01(\x03R\x05memMb\x12\x17\n" +
+	"\adisk_gb\x18\n" +
+	" \x01(\x03R\x06diskGb\x12,\n" +
+	"\x12ssh_authorized_key\x18\v \x01(\tR\x10sshAuthorizedKey\x12\x1f\n" +
+	"\vpower_state\x18\f \x01(\tR\n" +
+	"powerState\x12!\n" +
+	"\factual_power\x18\r \x01(\tR\vactualPower\x12\x18\n" +
+	"\adeleted\x18\x0e \x01(\bR\adeleted\x12\x16\n" +
+	"\x06reason\x18\x0f \x01(\tR\x06reason\x12\x17\n" +
+	"\ahas_row\x18\x10 \x01(\bR\x06hasRow\x120\n" +
+	"\x05since\x18\x11 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\"\x18\n" +
+	"\x16ListOrphanedVMsRequest\"A\n" +
+	"\x17ListOrphanedVMsResponse\x12&\n" +
+	"\x03vms\x18\x01 \x03(\v2\x14.eitri.v1.OrphanedVMR\x03vms\"u\n" +
+	"\x16AdoptOrphanedVMRequest\x12\x17\n" +
+	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12\x13\n" +
+	"\x05vm_id\x18\x02 \x01(\tR\x04vmId\x12\x19\n" +
+	"\bowner_id\x18\x03 \x01(\tR\aownerId\x12\x12\n" +
+	"\x04name\x18\x04 \x01(\tR\x04name\"7\n" +
+	"\x17AdoptOrphanedVMResponse\x12\x1c\n" +
+	"\x02vm\x18\x01 \x01(\v2\f.eitri.v1.VMR\x02vm\"H\n" +
+	"\x18DestroyOrphanedVMRequest\x12\x17\n" +
+	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12\x13\n" +
+	"\x05vm_id\x18\x02 \x01(\tR\x04vmId\"\x1b\n" +
+	"\x19DestroyOrphanedVMResponse2\xf0\x06\n" +
 	"\tVMService\x12A\n" +
 	"\bCreateVM\x12\x19.eitri.v1.CreateVMRequest\x1a\x1a.eitri.v1.CreateVMResponse\x128\n" +
 	"\x05GetVM\x12\x16.eitri.v1.GetVMRequest\x1a\x17.eitri.v1.GetVMResponse\x12>\n" +
@@ -1357,7 +1870,10 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x06StopVM\x12\x17.eitri.v1.StopVMRequest\x1a\x18.eitri.v1.StopVMResponse\x12A\n" +
 	"\bDeleteVM\x12\x19.eitri.v1.DeleteVMRequest\x1a\x1a.eitri.v1.DeleteVMResponse\x12D\n" +
 	"\tRestoreVM\x12\x1a.eitri.v1.RestoreVMRequest\x1a\x1b.eitri.v1.RestoreVMResponse\x12M\n" +
-	"\fListVMEvents\x12\x1d.eitri.v1.ListVMEventsRequest\x1a\x1e.eitri.v1.ListVMEventsResponse\x12C\n" +
+	"\fListVMEvents\x12\x1d.eitri.v1.ListVMEventsRequest\x1a\x1e.eitri.v1.ListVMEventsResponse\x12V\n" +
+	"\x0fListOrphanedVMs\x12 .eitri.v1.ListOrphanedVMsRequest\x1a!.eitri.v1.ListOrphanedVMsResponse\x12V\n" +
+	"\x0fAdoptOrphanedVM\x12 .eitri.v1.AdoptOrphanedVMRequest\x1a!.eitri.v1.AdoptOrphanedVMResponse\x12\\\n" +
+	"\x11DestroyOrphanedVM\x12\".eitri.v1.DestroyOrphanedVMRequest\x1a#.eitri.v1.DestroyOrphanedVMResponse\x12C\n" +
 	"\bWatchVMs\x12\x19.eitri.v1.WatchVMsRequest\x1a\x1a.eitri.v1.WatchVMsResponse0\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
@@ -1372,69 +1888,86 @@ func file_eitri_v1_vm_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_vm_proto_rawDescData
 }
 
-var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
 var file_eitri_v1_vm_proto_goTypes = []any{
-	(*VM)(nil),                    // 0: eitri.v1.VM
-	(*CreateVMRequest)(nil),       // 1: eitri.v1.CreateVMRequest
-	(*CreateVMResponse)(nil),      // 2: eitri.v1.CreateVMResponse
-	(*GetVMRequest)(nil),          // 3: eitri.v1.GetVMRequest
-	(*GetVMResponse)(nil),         // 4: eitri.v1.GetVMResponse
-	(*ListVMsRequest)(nil),        // 5: eitri.v1.ListVMsRequest
-	(*ListVMsResponse)(nil),       // 6: eitri.v1.ListVMsResponse
-	(*StartVMRequest)(nil),        // 7: eitri.v1.StartVMRequest
-	(*StartVMResponse)(nil),       // 8: eitri.v1.StartVMResponse
-	(*StopVMRequest)(nil),         // 9: eitri.v1.StopVMRequest
-	(*StopVMResponse)(nil),        // 10: eitri.v1.StopVMResponse
-	(*DeleteVMRequest)(nil),       // 11: eitri.v1.DeleteVMRequest
-	(*DeleteVMResponse)(nil),      // 12: eitri.v1.DeleteVMResponse
-	(*RestoreVMRequest)(nil),      // 13: eitri.v1.RestoreVMRequest
-	(*RestoreVMResponse)(nil),     // 14: eitri.v1.RestoreVMResponse
-	(*VMEvent)(nil),               // 15: eitri.v1.VMEvent
-	(*ListVMEventsRequest)(nil),   // 16: eitri.v1.ListVMEventsRequest
-	(*ListVMEventsResponse)(nil),  // 17: eitri.v1.ListVMEventsResponse
-	(*WatchVMsRequest)(nil),       // 18: eitri.v1.WatchVMsRequest
-	(*VMList)(nil),                // 19: eitri.v1.VMList
-	(*WatchVMsResponse)(nil),      // 20: eitri.v1.WatchVMsResponse
-	(*timestamppb.Timestamp)(nil), // 21: google.protobuf.Timestamp
+	(*VM)(nil),                        // 0: eitri.v1.VM
+	(*CreateVMRequest)(nil),           // 1: eitri.v1.CreateVMRequest
+	(*CreateVMResponse)(nil),          // 2: eitri.v1.CreateVMResponse
+	(*GetVMRequest)(nil),              // 3: eitri.v1.GetVMRequest
+	(*GetVMResponse)(nil),             // 4: eitri.v1.GetVMResponse
+	(*ListVMsRequest)(nil),            // 5: eitri.v1.ListVMsRequest
+	(*ListVMsResponse)(nil),           // 6: eitri.v1.ListVMsResponse
+	(*StartVMRequest)(nil),            // 7: eitri.v1.StartVMRequest
+	(*StartVMResponse)(nil),           // 8: eitri.v1.StartVMResponse
+	(*StopVMRequest)(nil),             // 9: eitri.v1.StopVMRequest
+	(*StopVMResponse)(nil),            // 10: eitri.v1.StopVMResponse
+	(*DeleteVMRequest)(nil),           // 11: eitri.v1.DeleteVMRequest
+	(*DeleteVMResponse)(nil),          // 12: eitri.v1.DeleteVMResponse
+	(*RestoreVMRequest)(nil),          // 13: eitri.v1.RestoreVMRequest
+	(*RestoreVMResponse)(nil),         // 14: eitri.v1.RestoreVMResponse
+	(*VMEvent)(nil),                   // 15: eitri.v1.VMEvent
+	(*ListVMEventsRequest)(nil),       // 16: eitri.v1.ListVMEventsRequest
+	(*ListVMEventsResponse)(nil),      // 17: eitri.v1.ListVMEventsResponse
+	(*WatchVMsRequest)(nil),           // 18: eitri.v1.WatchVMsRequest
+	(*VMList)(nil),                    // 19: eitri.v1.VMList
+	(*WatchVMsResponse)(nil),          // 20: eitri.v1.WatchVMsResponse
+	(*OrphanedVM)(nil),                // 21: eitri.v1.OrphanedVM
+	(*ListOrphanedVMsRequest)(nil),    // 22: eitri.v1.ListOrphanedVMsRequest
+	(*ListOrphanedVMsResponse)(nil),   // 23: eitri.v1.ListOrphanedVMsResponse
+	(*AdoptOrphanedVMRequest)(nil),    // 24: eitri.v1.AdoptOrphanedVMRequest
+	(*AdoptOrphanedVMResponse)(nil),   // 25: eitri.v1.AdoptOrphanedVMResponse
+	(*DestroyOrphanedVMRequest)(nil),  // 26: eitri.v1.DestroyOrphanedVMRequest
+	(*DestroyOrphanedVMResponse)(nil), // 27: eitri.v1.DestroyOrphanedVMResponse
+	(*timestamppb.Timestamp)(nil),     // 28: google.protobuf.Timestamp
 }
 var file_eitri_v1_vm_proto_depIdxs = []int32{
-	21, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
-	21, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
-	0,  // 2: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 3: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 4: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
-	0,  // 5: eitri.v1.StartVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 6: eitri.v1.StopVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 7: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 8: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
-	21, // 9: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
-	15, // 10: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
-	0,  // 11: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
-	19, // 12: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
-	0,  // 13: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
-	1,  // 14: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
-	3,  // 15: eitri.v1.VMService.GetVM:input_type -> eitri.v1.GetVMRequest
-	5,  // 16: eitri.v1.VMService.ListVMs:input_type -> eitri.v1.ListVMsRequest
-	7,  // 17: eitri.v1.VMService.StartVM:input_type -> eitri.v1.StartVMRequest
-	9,  // 18: eitri.v1.VMService.StopVM:input_type -> eitri.v1.StopVMRequest
-	11, // 19: eitri.v1.VMService.DeleteVM:input_type -> eitri.v1.DeleteVMRequest
-	13, // 20: eitri.v1.VMService.RestoreVM:input_type -> eitri.v1.RestoreVMRequest
-	16, // 21: eitri.v1.VMService.ListVMEvents:input_type -> eitri.v1.ListVMEventsRequest
-	18, // 22: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
-	2,  // 23: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
-	4,  // 24: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
-	6,  // 25: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
-	8,  // 26: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
-	10, // 27: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
-	12, // 28: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
-	14, // 29: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
-	17, // 30: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
-	20, // 31: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
-	23, // [23:32] is the sub-list for method output_type
-	14, // [14:23] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	28, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
+	28, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
+	28, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
+	0,  // 3: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 4: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 5: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
+	0,  // 6: eitri.v1.StartVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 7: eitri.v1.StopVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 8: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 9: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
+	28, // 10: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
+	15, // 11: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
+	0,  // 12: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
+	19, // 13: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
+	0,  // 14: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
+	28, // 15: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
+	21, // 16: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
+	0,  // 17: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
+	1,  // 18: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
+	3,  // 19: eitri.v1.VMService.GetVM:input_type -> eitri.v1.GetVMRequest
+	5,  // 20: eitri.v1.VMService.ListVMs:input_type -> eitri.v1.ListVMsRequest
+	7,  // 21: eitri.v1.VMService.StartVM:input_type -> eitri.v1.StartVMRequest
+	9,  // 22: eitri.v1.VMService.StopVM:input_type -> eitri.v1.StopVMRequest
+	11, // 23: eitri.v1.VMService.DeleteVM:input_type -> eitri.v1.DeleteVMRequest
+	13, // 24: eitri.v1.VMService.RestoreVM:input_type -> eitri.v1.RestoreVMRequest
+	16, // 25: eitri.v1.VMService.ListVMEvents:input_type -> eitri.v1.ListVMEventsRequest
+	22, // 26: eitri.v1.VMService.ListOrphanedVMs:input_type -> eitri.v1.ListOrphanedVMsRequest
+	24, // 27: eitri.v1.VMService.AdoptOrphanedVM:input_type -> eitri.v1.AdoptOrphanedVMRequest
+	26, // 28: eitri.v1.VMService.DestroyOrphanedVM:input_type -> eitri.v1.DestroyOrphanedVMRequest
+	18, // 29: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
+	2,  // 30: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
+	4,  // 31: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
+	6,  // 32: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
+	8,  // 33: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
+	10, // 34: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
+	12, // 35: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
+	14, // 36: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
+	17, // 37: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
+	23, // 38: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
+	25, // 39: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
+	27, // 40: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
+	20, // 41: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
+	30, // [30:42] is the sub-list for method output_type
+	18, // [18:30] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_vm_proto_init() }
@@ -1453,7 +1986,7 @@ func file_eitri_v1_vm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_vm_proto_rawDesc), len(file_eitri_v1_vm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   21,
+			NumMessages:   28,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -49,6 +49,15 @@ const (
 	VMServiceRestoreVMProcedure = "/eitri.v1.VMService/RestoreVM"
 	// VMServiceListVMEventsProcedure is the fully-qualified name of the VMService's ListVMEvents RPC.
 	VMServiceListVMEventsProcedure = "/eitri.v1.VMService/ListVMEvents"
+	// VMServiceListOrphanedVMsProcedure is the fully-qualified name of the VMService's ListOrphanedVMs
+	// RPC.
+	VMServiceListOrphanedVMsProcedure = "/eitri.v1.VMService/ListOrphanedVMs"
+	// VMServiceAdoptOrphanedVMProcedure is the fully-qualified name of the VMService's AdoptOrphanedVM
+	// RPC.
+	VMServiceAdoptOrphanedVMProcedure = "/eitri.v1.VMService/AdoptOrphanedVM"
+	// VMServiceDestroyOrphanedVMProcedure is the fully-qualified name of the VMService's
+	// DestroyOrphanedVM RPC.
+	VMServiceDestroyOrphanedVMProcedure = "/eitri.v1.VMService/DestroyOrphanedVM"
 	// VMServiceWatchVMsProcedure is the fully-qualified name of the VMService's WatchVMs RPC.
 	VMServiceWatchVMsProcedure = "/eitri.v1.VMService/WatchVMs"
 )
@@ -68,6 +77,19 @@ type VMServiceClient interface {
 	RestoreVM(context.Context, *connect.Request[v1.RestoreVMRequest]) (*connect.Response[v1.RestoreVMResponse], error)
 	// ListVMEvents is the VM's timeline, oldest first.
 	ListVMEvents(context.Context, *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error)
+	// ListOrphanedVMs lists VMs that hosts hold but will not take this control
+	// plane's word on: rows it lost (restored from an older backup, or its
+	// last commits) or rows older than what the host applied. Hosts keep them
+	// as they were until an admin adopts or destroys them. Admin only; only
+	// connected hosts are asked.
+	ListOrphanedVMs(context.Context, *connect.Request[v1.ListOrphanedVMsRequest]) (*connect.Response[v1.ListOrphanedVMsResponse], error)
+	// AdoptOrphanedVM takes an orphaned VM back as the host holds it: the row
+	// is restored with the same id (the same disk), spec, owner and power.
+	// Admin only.
+	AdoptOrphanedVM(context.Context, *connect.Request[v1.AdoptOrphanedVMRequest]) (*connect.Response[v1.AdoptOrphanedVMResponse], error)
+	// DestroyOrphanedVM tells the host to destroy an orphaned VM and its disk
+	// for good. Admin only.
+	DestroyOrphanedVM(context.Context, *connect.Request[v1.DestroyOrphanedVMRequest]) (*connect.Response[v1.DestroyOrphanedVMResponse], error)
 	// WatchVMs sends the complete list first, then every changed VM whole (or
 	// its removal), in order. A slow reader is coalesced to the latest state of
 	// each VM.
@@ -133,6 +155,24 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("ListVMEvents")),
 			connect.WithClientOptions(opts...),
 		),
+		listOrphanedVMs: connect.NewClient[v1.ListOrphanedVMsRequest, v1.ListOrphanedVMsResponse](
+			httpClient,
+			baseURL+VMServiceListOrphanedVMsProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("ListOrphanedVMs")),
+			connect.WithClientOptions(opts...),
+		),
+		adoptOrphanedVM: connect.NewClient[v1.AdoptOrphanedVMRequest, v1.AdoptOrphanedVMResponse](
+			httpClient,
+			baseURL+VMServiceAdoptOrphanedVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("AdoptOrphanedVM")),
+			connect.WithClientOptions(opts...),
+		),
+		destroyOrphanedVM: connect.NewClient[v1.DestroyOrphanedVMRequest, v1.DestroyOrphanedVMResponse](
+			httpClient,
+			baseURL+VMServiceDestroyOrphanedVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("DestroyOrphanedVM")),
+			connect.WithClientOptions(opts...),
+		),
 		watchVMs: connect.NewClient[v1.WatchVMsRequest, v1.WatchVMsResponse](
 			httpClient,
 			baseURL+VMServiceWatchVMsProcedure,
@@ -144,15 +184,18 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 
 // vMServiceClient implements VMServiceClient.
 type vMServiceClient struct {
-	createVM     *connect.Client[v1.CreateVMRequest, v1.CreateVMResponse]
-	getVM        *connect.Client[v1.GetVMRequest, v1.GetVMResponse]
-	listVMs      *connect.Client[v1.ListVMsRequest, v1.ListVMsResponse]
-	startVM      *connect.Client[v1.StartVMRequest, v1.StartVMResponse]
-	stopVM       *connect.Client[v1.StopVMRequest, v1.StopVMResponse]
-	deleteVM     *connect.Client[v1.DeleteVMRequest, v1.DeleteVMResponse]
-	restoreVM    *connect.Client[v1.RestoreVMRequest, v1.RestoreVMResponse]
-	listVMEvents *connect.Client[v1.ListVMEventsRequest, v1.ListVMEventsResponse]
-	watchVMs     *connect.Client[v1.WatchVMsRequest, v1.WatchVMsResponse]
+	createVM          *connect.Client[v1.CreateVMRequest, v1.CreateVMResponse]
+	getVM             *connect.Client[v1.GetVMRequest, v1.GetVMResponse]
+	listVMs           *connect.Client[v1.ListVMsRequest, v1.ListVMsResponse]
+	startVM           *connect.Client[v1.StartVMRequest, v1.StartVMResponse]
+	stopVM            *connect.Client[v1.StopVMRequest, v1.StopVMResponse]
+	deleteVM          *connect.Client[v1.DeleteVMRequest, v1.DeleteVMResponse]
+	restoreVM         *connect.Client[v1.RestoreVMRequest, v1.RestoreVMResponse]
+	listVMEvents      *connect.Client[v1.ListVMEventsRequest, v1.ListVMEventsResponse]
+	listOrphanedVMs   *connect.Client[v1.ListOrphanedVMsRequest, v1.ListOrphanedVMsResponse]
+	adoptOrphanedVM   *connect.Client[v1.AdoptOrphanedVMRequest, v1.AdoptOrphanedVMResponse]
+	destroyOrphanedVM *connect.Client[v1.DestroyOrphanedVMRequest, v1.DestroyOrphanedVMResponse]
+	watchVMs          *connect.Client[v1.WatchVMsRequest, v1.WatchVMsResponse]
 }
 
 // CreateVM calls eitri.v1.VMService.CreateVM.
@@ -195,6 +238,21 @@ func (c *vMServiceClient) ListVMEvents(ctx context.Context, req *connect.Request
 	return c.listVMEvents.CallUnary(ctx, req)
 }
 
+// ListOrphanedVMs calls eitri.v1.VMService.ListOrphanedVMs.
+func (c *vMServiceClient) ListOrphanedVMs(ctx context.Context, req *connect.Request[v1.ListOrphanedVMsRequest]) (*connect.Response[v1.ListOrphanedVMsResponse], error) {
+	return c.listOrphanedVMs.CallUnary(ctx, req)
+}
+
+// AdoptOrphanedVM calls eitri.v1.VMService.AdoptOrphanedVM.
+func (c *vMServiceClient) AdoptOrphanedVM(ctx context.Context, req *connect.Request[v1.AdoptOrphanedVMRequest]) (*connect.Response[v1.AdoptOrphanedVMResponse], error) {
+	return c.adoptOrphanedVM.CallUnary(ctx, req)
+}
+
+// DestroyOrphanedVM calls eitri.v1.VMService.DestroyOrphanedVM.
+func (c *vMServiceClient) DestroyOrphanedVM(ctx context.Context, req *connect.Request[v1.DestroyOrphanedVMRequest]) (*connect.Response[v1.DestroyOrphanedVMResponse], error) {
+	return c.destroyOrphanedVM.CallUnary(ctx, req)
+}
+
 // WatchVMs calls eitri.v1.VMService.WatchVMs.
 func (c *vMServiceClient) WatchVMs(ctx context.Context, req *connect.Request[v1.WatchVMsRequest]) (*connect.ServerStreamForClient[v1.WatchVMsResponse], error) {
 	return c.watchVMs.CallServerStream(ctx, req)
@@ -215,6 +273,19 @@ type VMServiceHandler interface {
 	RestoreVM(context.Context, *connect.Request[v1.RestoreVMRequest]) (*connect.Response[v1.RestoreVMResponse], error)
 	// ListVMEvents is the VM's timeline, oldest first.
 	ListVMEvents(context.Context, *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error)
+	// ListOrphanedVMs lists VMs that hosts hold but will not take this control
+	// plane's word on: rows it lost (restored from an older backup, or its
+	// last commits) or rows older than what the host applied. Hosts keep them
+	// as they were until an admin adopts or destroys them. Admin only; only
+	// connected hosts are asked.
+	ListOrphanedVMs(context.Context, *connect.Request[v1.ListOrphanedVMsRequest]) (*connect.Response[v1.ListOrphanedVMsResponse], error)
+	// AdoptOrphanedVM takes an orphaned VM back as the host holds it: the row
+	// is restored with the same id (the same disk), spec, owner and power.
+	// Admin only.
+	AdoptOrphanedVM(context.Context, *connect.Request[v1.AdoptOrphanedVMRequest]) (*connect.Response[v1.AdoptOrphanedVMResponse], error)
+	// DestroyOrphanedVM tells the host to destroy an orphaned VM and its disk
+	// for good. Admin only.
+	DestroyOrphanedVM(context.Context, *connect.Request[v1.DestroyOrphanedVMRequest]) (*connect.Response[v1.DestroyOrphanedVMResponse], error)
 	// WatchVMs sends the complete list first, then every changed VM whole (or
 	// its removal), in order. A slow reader is coalesced to the latest state of
 	// each VM.
@@ -276,6 +347,24 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("ListVMEvents")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServiceListOrphanedVMsHandler := connect.NewUnaryHandler(
+		VMServiceListOrphanedVMsProcedure,
+		svc.ListOrphanedVMs,
+		connect.WithSchema(vMServiceMethods.ByName("ListOrphanedVMs")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceAdoptOrphanedVMHandler := connect.NewUnaryHandler(
+		VMServiceAdoptOrphanedVMProcedure,
+		svc.AdoptOrphanedVM,
+		connect.WithSchema(vMServiceMethods.ByName("AdoptOrphanedVM")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceDestroyOrphanedVMHandler := connect.NewUnaryHandler(
+		VMServiceDestroyOrphanedVMProcedure,
+		svc.DestroyOrphanedVM,
+		connect.WithSchema(vMServiceMethods.ByName("DestroyOrphanedVM")),
+		connect.WithHandlerOptions(opts...),
+	)
 	vMServiceWatchVMsHandler := connect.NewServerStreamHandler(
 		VMServiceWatchVMsProcedure,
 		svc.WatchVMs,
@@ -300,6 +389,12 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServiceRestoreVMHandler.ServeHTTP(w, r)
 		case VMServiceListVMEventsProcedure:
 			vMServiceListVMEventsHandler.ServeHTTP(w, r)
+		case VMServiceListOrphanedVMsProcedure:
+			vMServiceListOrphanedVMsHandler.ServeHTTP(w, r)
+		case VMServiceAdoptOrphanedVMProcedure:
+			vMServiceAdoptOrphanedVMHandler.ServeHTTP(w, r)
+		case VMServiceDestroyOrphanedVMProcedure:
+			vMServiceDestroyOrphanedVMHandler.ServeHTTP(w, r)
 		case VMServiceWatchVMsProcedure:
 			vMServiceWatchVMsHandler.ServeHTTP(w, r)
 		default:
@@ -341,6 +436,18 @@ func (UnimplementedVMServiceHandler) RestoreVM(context.Context, *connect.Request
 
 func (UnimplementedVMServiceHandler) ListVMEvents(context.Context, *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.ListVMEvents is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) ListOrphanedVMs(context.Context, *connect.Request[v1.ListOrphanedVMsRequest]) (*connect.Response[v1.ListOrphanedVMsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.ListOrphanedVMs is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) AdoptOrphanedVM(context.Context, *connect.Request[v1.AdoptOrphanedVMRequest]) (*connect.Response[v1.AdoptOrphanedVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.AdoptOrphanedVM is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) DestroyOrphanedVM(context.Context, *connect.Request[v1.DestroyOrphanedVMRequest]) (*connect.Response[v1.DestroyOrphanedVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.DestroyOrphanedVM is not implemented"))
 }
 
 func (UnimplementedVMServiceHandler) WatchVMs(context.Context, *connect.Request[v1.WatchVMsRequest], *connect.ServerStream[v1.WatchVMsResponse]) error {

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file eitri/v1/agent.proto.
  */
 export const file_eitri_v1_agent: GenFile = /*@__PURE__*/
-  fileDesc("ChRlaXRyaS92MS9hZ2VudC5wcm90bxIIZWl0cmkudjEiTAoNRW5yb2xsUmVxdWVzdBISCgpqb2luX3Rva2VuGAEgASgJEhAKCGhvc3RuYW1lGAIgASgJEhUKDWFnZW50X3ZlcnNpb24YAyABKAkiOgoORW5yb2xsUmVzcG9uc2USDwoHaG9zdF9pZBgBIAEoCRIXCg9ob3N0X2NyZWRlbnRpYWwYAiABKAkiZQoLU3luY1JlcXVlc3QSIAoFaGVsbG8YASABKAsyDy5laXRyaS52MS5IZWxsb0gAEi0KBnJlcG9ydBgCIAEoCzIbLmVpdHJpLnYxLkFjdHVhbFN0YXRlUmVwb3J0SABCBQoDbXNnIkkKDFN5bmNSZXNwb25zZRIyCghzbmFwc2hvdBgBIAEoCzIeLmVpdHJpLnYxLkRlc2lyZWRTdGF0ZVNuYXBzaG90SABCBQoDbXNnIpgBCgVIZWxsbxIPCgdob3N0X2lkGAEgASgJEhUKDWFnZW50X3ZlcnNpb24YAiABKAkSEAoIaG9zdG5hbWUYAyABKAkSEwoLYWNjZWxlcmF0b3IYBCABKAkSDwoHYWRkcmVzcxgFIAEoCRIaChJhY2NlbGVyYXRvcl9yZWFzb24YBiABKAkSEwoLaW5zdGFuY2VfaWQYByABKAkiuQIKEUFjdHVhbFN0YXRlUmVwb3J0Eh8KA3ZtcxgBIAMoCzISLmVpdHJpLnYxLkFjdHVhbFZNEhEKCWRlc3Ryb3llZBgCIAMoCRIsCgtxdWFyYW50aW5lZBgDIAMoCzIXLmVpdHJpLnYxLlF1YXJhbnRpbmVkVk0SJAoIY2FwYWNpdHkYBCABKAsyEi5laXRyaS52MS5DYXBhY2l0eRIiCgdtZXRyaWNzGAUgASgLMhEuZWl0cmkudjEuTWV0cmljcxIrCglleHBvc3VyZXMYBiADKAsyGC5laXRyaS52MS5FeHBvc3VyZUFjdHVhbBIaChJhcHBsaWVkX2dlbmVyYXRpb24YByABKAQSEwoLYWNjZWxlcmF0b3IYCCABKAkSGgoSYWNjZWxlcmF0b3JfcmVhc29uGAkgASgJIocBCghBY3R1YWxWTRINCgV2bV9pZBgBIAEoCRINCgVwb3dlchgCIAEoCRINCgVwaGFzZRgDIAEoCRIKCgJpcBgEIAEoCRISCgpsYXN0X2Vycm9yGAUgASgJEhcKD3NzaF9ob3N0X3B1YmtleRgGIAEoCRIVCg1zdGF0dXNfZGV0YWlsGAcgASgJIloKDVF1YXJhbnRpbmVkVk0SDQoFdm1faWQYASABKAkSDAoEbmFtZRgCIAEoCRITCgt2bXNwZWNfanNvbhgDIAEoDBIXCg9kZXN0cm95X2F0X3VuaXgYBCABKAMiqQEKFERlc2lyZWRTdGF0ZVNuYXBzaG90EhIKCmdlbmVyYXRpb24YASABKAQSIAoDdm1zGAIgAygLMhMuZWl0cmkudjEuVk1EZXNpcmVkEi0KDWFnZW50X3VwZ3JhZGUYAyABKAsyFi5laXRyaS52MS5BZ2VudFVwZ3JhZGUSLAoJZXhwb3N1cmVzGAQgAygLMhkuZWl0cmkudjEuRXhwb3N1cmVEZXNpcmVkIusBCglWTURlc2lyZWQSDQoFdm1faWQYASABKAkSDAoEbmFtZRgCIAEoCRIRCglpbWFnZV91cmwYAyABKAkSFAoMaW1hZ2Vfc2hhMjU2GAQgASgJEg0KBXZjcHVzGAUgASgFEg4KBm1lbV9tYhgGIAEoAxIPCgdkaXNrX2diGAcgASgDEhMKC3Bvd2VyX3N0YXRlGAggASgJEg8KB2RlbGV0ZWQYCSABKAgSFwoPZGVzdHJveV9hdF91bml4GAogASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgLIAEoCRINCgVvd25lchgMIAEoCSI8CgxBZ2VudFVwZ3JhZGUSDwoHdmVyc2lvbhgBIAEoCRILCgN1cmwYAiABKAkSDgoGc2hhMjU2GAMgASgJIooBCg9FeHBvc3VyZURlc2lyZWQSCgoCaWQYASABKAkSDQoFdm1faWQYAiABKAkSEgoKZ3Vlc3RfcG9ydBgDIAEoDRIRCglob3N0X3BvcnQYBCABKA0SEAoIcHJvdG9jb2wYBSABKAkSDQoFc2NvcGUYBiABKAkSFAoMbWF4X3Nlc3Npb25zGAcgASgNImkKDkV4cG9zdXJlQWN0dWFsEgoKAmlkGAEgASgJEg0KBXN0YXRlGAIgASgJEg4KBnJlYXNvbhgDIAEoCRIsCghzZXNzaW9ucxgEIAEoCzIaLmVpdHJpLnYxLkV4cG9zdXJlU2Vzc2lvbnMiQgoJSm9pblRva2VuEgsKA3VybBgBIAEoCRIYChBjZXJ0X2ZpbmdlcnByaW50GAIgASgJEg4KBnNlY3JldBgDIAEoCTKGAQoMQWdlbnRTZXJ2aWNlEjsKBkVucm9sbBIXLmVpdHJpLnYxLkVucm9sbFJlcXVlc3QaGC5laXRyaS52MS5FbnJvbGxSZXNwb25zZRI5CgRTeW5jEhUuZWl0cmkudjEuU3luY1JlcXVlc3QaFi5laXRyaS52MS5TeW5jUmVzcG9uc2UoATABQi9aLWdpdGh1Yi5jb20vYTczeC9laXRyaS9nZW4vZ28vZWl0cmkvdjE7ZWl0cml2MWIGcHJvdG8z", [file_eitri_v1_resources]);
+  fileDesc("ChRlaXRyaS92MS9hZ2VudC5wcm90bxIIZWl0cmkudjEiTAoNRW5yb2xsUmVxdWVzdBISCgpqb2luX3Rva2VuGAEgASgJEhAKCGhvc3RuYW1lGAIgASgJEhUKDWFnZW50X3ZlcnNpb24YAyABKAkiOgoORW5yb2xsUmVzcG9uc2USDwoHaG9zdF9pZBgBIAEoCRIXCg9ob3N0X2NyZWRlbnRpYWwYAiABKAkiZQoLU3luY1JlcXVlc3QSIAoFaGVsbG8YASABKAsyDy5laXRyaS52MS5IZWxsb0gAEi0KBnJlcG9ydBgCIAEoCzIbLmVpdHJpLnYxLkFjdHVhbFN0YXRlUmVwb3J0SABCBQoDbXNnIkkKDFN5bmNSZXNwb25zZRIyCghzbmFwc2hvdBgBIAEoCzIeLmVpdHJpLnYxLkRlc2lyZWRTdGF0ZVNuYXBzaG90SABCBQoDbXNnIuUBCgVIZWxsbxIPCgdob3N0X2lkGAEgASgJEhUKDWFnZW50X3ZlcnNpb24YAiABKAkSEAoIaG9zdG5hbWUYAyABKAkSEwoLYWNjZWxlcmF0b3IYBCABKAkSDwoHYWRkcmVzcxgFIAEoCRIaChJhY2NlbGVyYXRvcl9yZWFzb24YBiABKAkSEwoLaW5zdGFuY2VfaWQYByABKAkSGAoQY29udHJvbF9wbGFuZV9pZBgIIAEoCRIVCg1hcHBsaWVkX2Vwb2NoGAkgASgEEhoKEmFwcGxpZWRfZ2VuZXJhdGlvbhgKIAEoBCKfAwoRQWN0dWFsU3RhdGVSZXBvcnQSHwoDdm1zGAEgAygLMhIuZWl0cmkudjEuQWN0dWFsVk0SEQoJZGVzdHJveWVkGAIgAygJEiwKC3F1YXJhbnRpbmVkGAMgAygLMhcuZWl0cmkudjEuUXVhcmFudGluZWRWTRIkCghjYXBhY2l0eRgEIAEoCzISLmVpdHJpLnYxLkNhcGFjaXR5EiIKB21ldHJpY3MYBSABKAsyES5laXRyaS52MS5NZXRyaWNzEisKCWV4cG9zdXJlcxgGIAMoCzIYLmVpdHJpLnYxLkV4cG9zdXJlQWN0dWFsEhoKEmFwcGxpZWRfZ2VuZXJhdGlvbhgHIAEoBBITCgthY2NlbGVyYXRvchgIIAEoCRIaChJhY2NlbGVyYXRvcl9yZWFzb24YCSABKAkSFQoNYXBwbGllZF9lcG9jaBgKIAEoBBIYChBjb250cm9sX3BsYW5lX2lkGAsgASgJEjMKEHNuYXBzaG90X3JlZnVzZWQYDCABKAsyGS5laXRyaS52MS5TbmFwc2hvdFJlZnVzYWwiXgoPU25hcHNob3RSZWZ1c2FsEhgKEGNvbnRyb2xfcGxhbmVfaWQYASABKAkSDQoFZXBvY2gYAiABKAQSEgoKZ2VuZXJhdGlvbhgDIAEoBBIOCgZyZWFzb24YBCABKAkihwEKCEFjdHVhbFZNEg0KBXZtX2lkGAEgASgJEg0KBXBvd2VyGAIgASgJEg0KBXBoYXNlGAMgASgJEgoKAmlwGAQgASgJEhIKCmxhc3RfZXJyb3IYBSABKAkSFwoPc3NoX2hvc3RfcHVia2V5GAYgASgJEhUKDXN0YXR1c19kZXRhaWwYByABKAkivwEKDVF1YXJhbnRpbmVkVk0SDQoFdm1faWQYASABKAkSDAoEbmFtZRgCIAEoCRITCgt2bXNwZWNfanNvbhgDIAEoDBIXCg9kZXN0cm95X2F0X3VuaXgYBCABKAMSIQoEaGVsZBgFIAEoCzITLmVpdHJpLnYxLlZNRGVzaXJlZBINCgVwb3dlchgGIAEoCRIOCgZyZWFzb24YByABKAkSDQoFc3RhbGUYCCABKAgSEgoKc2luY2VfdW5peBgJIAEoAyLSAQoURGVzaXJlZFN0YXRlU25hcHNob3QSEgoKZ2VuZXJhdGlvbhgBIAEoBBIgCgN2bXMYAiADKAsyEy5laXRyaS52MS5WTURlc2lyZWQSLQoNYWdlbnRfdXBncmFkZRgDIAEoCzIWLmVpdHJpLnYxLkFnZW50VXBncmFkZRIsCglleHBvc3VyZXMYBCADKAsyGS5laXRyaS52MS5FeHBvc3VyZURlc2lyZWQSGAoQY29udHJvbF9wbGFuZV9pZBgFIAEoCRINCgVlcG9jaBgGIAEoBCKNAgoJVk1EZXNpcmVkEg0KBXZtX2lkGAEgASgJEgwKBG5hbWUYAiABKAkSEQoJaW1hZ2VfdXJsGAMgASgJEhQKDGltYWdlX3NoYTI1NhgEIAEoCRINCgV2Y3B1cxgFIAEoBRIOCgZtZW1fbWIYBiABKAMSDwoHZGlza19nYhgHIAEoAxITCgtwb3dlcl9zdGF0ZRgIIAEoCRIPCgdkZWxldGVkGAkgASgIEhcKD2Rlc3Ryb3lfYXRfdW5peBgKIAEoAxIaChJzc2hfYXV0aG9yaXplZF9rZXkYCyABKAkSDQoFb3duZXIYDCABKAkSDwoHZGVzdHJveRgNIAEoCBIPCgd2ZXJzaW9uGA4gASgEIjwKDEFnZW50VXBncmFkZRIPCgd2ZXJzaW9uGAEgASgJEgsKA3VybBgCIAEoCRIOCgZzaGEyNTYYAyABKAkiigEKD0V4cG9zdXJlRGVzaXJlZBIKCgJpZBgBIAEoCRINCgV2bV9pZBgCIAEoCRISCgpndWVzdF9wb3J0GAMgASgNEhEKCWhvc3RfcG9ydBgEIAEoDRIQCghwcm90b2NvbBgFIAEoCRINCgVzY29wZRgGIAEoCRIUCgxtYXhfc2Vzc2lvbnMYByABKA0iaQoORXhwb3N1cmVBY3R1YWwSCgoCaWQYASABKAkSDQoFc3RhdGUYAiABKAkSDgoGcmVhc29uGAMgASgJEiwKCHNlc3Npb25zGAQgASgLMhouZWl0cmkudjEuRXhwb3N1cmVTZXNzaW9ucyJCCglKb2luVG9rZW4SCwoDdXJsGAEgASgJEhgKEGNlcnRfZmluZ2VycHJpbnQYAiABKAkSDgoGc2VjcmV0GAMgASgJMoYBCgxBZ2VudFNlcnZpY2USOwoGRW5yb2xsEhcuZWl0cmkudjEuRW5yb2xsUmVxdWVzdBoYLmVpdHJpLnYxLkVucm9sbFJlc3BvbnNlEjkKBFN5bmMSFS5laXRyaS52MS5TeW5jUmVxdWVzdBoWLmVpdHJpLnYxLlN5bmNSZXNwb25zZSgBMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_eitri_v1_resources]);
 
 /**
  * @generated from message eitri.v1.EnrollRequest
@@ -182,6 +182,28 @@ export type Hello = Message<"eitri.v1.Hello"> & {
    * @generated from field: string instance_id = 7;
    */
   instanceId: string;
+
+  /**
+   * The control plane lineage of the newest snapshot this agent applied, as
+   * it remembers durably (see DesiredStateSnapshot): a control plane that
+   * finds an agent ahead of its own counter has lost writes (restored from
+   * an older backup, or its last commits) and starts a new epoch past it
+   * before it sends anything. Zero/empty from an agent that has applied
+   * nothing, or predates fencing.
+   *
+   * @generated from field: string control_plane_id = 8;
+   */
+  controlPlaneId: string;
+
+  /**
+   * @generated from field: uint64 applied_epoch = 9;
+   */
+  appliedEpoch: bigint;
+
+  /**
+   * @generated from field: uint64 applied_generation = 10;
+   */
+  appliedGeneration: bigint;
 };
 
 /**
@@ -213,9 +235,11 @@ export type ActualStateReport = Message<"eitri.v1.ActualStateReport"> & {
   destroyed: string[];
 
   /**
-   * VMs this host holds that the desired state no longer names. They are kept
-   * stopped until destroy_at, so a control plane that lost its data can
-   * still recover them.
+   * VMs this host holds and will not act on the desired state's word: named
+   * by no snapshot although no delete ever reached them, or named with a
+   * record older than what this host already applied. Kept as they were
+   * (running stays running) until an admin adopts or destroys them, so a
+   * control plane that lost its data can recover them.
    *
    * @generated from field: repeated eitri.v1.QuarantinedVM quarantined = 3;
    */
@@ -261,6 +285,28 @@ export type ActualStateReport = Message<"eitri.v1.ActualStateReport"> & {
    * @generated from field: string accelerator_reason = 9;
    */
   acceleratorReason: string;
+
+  /**
+   * The epoch of the newest snapshot applied (with applied_generation) and
+   * the control plane identity this agent trusts; 0/empty before the first,
+   * or from an agent that predates fencing.
+   *
+   * @generated from field: uint64 applied_epoch = 10;
+   */
+  appliedEpoch: bigint;
+
+  /**
+   * @generated from field: string control_plane_id = 11;
+   */
+  controlPlaneId: string;
+
+  /**
+   * Set while the agent refuses the control plane's snapshots; unset once it
+   * applies one again.
+   *
+   * @generated from field: eitri.v1.SnapshotRefusal snapshot_refused = 12;
+   */
+  snapshotRefused?: SnapshotRefusal | undefined;
 };
 
 /**
@@ -269,6 +315,44 @@ export type ActualStateReport = Message<"eitri.v1.ActualStateReport"> & {
  */
 export const ActualStateReportSchema: GenMessage<ActualStateReport> = /*@__PURE__*/
   messageDesc(file_eitri_v1_agent, 5);
+
+/**
+ * SnapshotRefusal is a snapshot the agent would not apply, and why.
+ *
+ * @generated from message eitri.v1.SnapshotRefusal
+ */
+export type SnapshotRefusal = Message<"eitri.v1.SnapshotRefusal"> & {
+  /**
+   * What the refused snapshot carried.
+   *
+   * @generated from field: string control_plane_id = 1;
+   */
+  controlPlaneId: string;
+
+  /**
+   * @generated from field: uint64 epoch = 2;
+   */
+  epoch: bigint;
+
+  /**
+   * @generated from field: uint64 generation = 3;
+   */
+  generation: bigint;
+
+  /**
+   * For people: what the agent trusts instead and what to do.
+   *
+   * @generated from field: string reason = 4;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message eitri.v1.SnapshotRefusal.
+ * Use `create(SnapshotRefusalSchema)` to create a new message.
+ */
+export const SnapshotRefusalSchema: GenMessage<SnapshotRefusal> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_agent, 6);
 
 /**
  * ActualVM is one VM as its host sees it right now.
@@ -334,11 +418,11 @@ export type ActualVM = Message<"eitri.v1.ActualVM"> & {
  * Use `create(ActualVMSchema)` to create a new message.
  */
 export const ActualVMSchema: GenMessage<ActualVM> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 6);
+  messageDesc(file_eitri_v1_agent, 7);
 
 /**
- * QuarantinedVM is a VM the host still holds although the desired state no
- * longer names it.
+ * QuarantinedVM is a VM the host holds but will not take the desired
+ * state's word on (see ActualStateReport.quarantined).
  *
  * @generated from message eitri.v1.QuarantinedVM
  */
@@ -361,11 +445,50 @@ export type QuarantinedVM = Message<"eitri.v1.QuarantinedVM"> & {
   vmspecJson: Uint8Array;
 
   /**
-   * When the agent will destroy it, in unix seconds.
+   * When the agent will destroy it, in unix seconds; 0 from agents that
+   * never destroy a VM on their own (they wait for an admin).
    *
    * @generated from field: int64 destroy_at_unix = 4;
    */
   destroyAtUnix: bigint;
+
+  /**
+   * The desired state the agent holds the VM to: its spec and owner as
+   * recorded, and the power and delete it last applied. Unset from older
+   * agents.
+   *
+   * @generated from field: eitri.v1.VMDesired held = 5;
+   */
+  held?: VMDesired | undefined;
+
+  /**
+   * "running" or "stopped", read from the hypervisor; empty when unknown.
+   *
+   * @generated from field: string power = 6;
+   */
+  power: string;
+
+  /**
+   * Why the agent holds it, for people.
+   *
+   * @generated from field: string reason = 7;
+   */
+  reason: string;
+
+  /**
+   * True: the desired state names the VM, with a record older than what the
+   * agent applied. False: no snapshot names it.
+   *
+   * @generated from field: bool stale = 8;
+   */
+  stale: boolean;
+
+  /**
+   * When the agent started holding it, in unix seconds by its own clock.
+   *
+   * @generated from field: int64 since_unix = 9;
+   */
+  sinceUnix: bigint;
 };
 
 /**
@@ -373,7 +496,7 @@ export type QuarantinedVM = Message<"eitri.v1.QuarantinedVM"> & {
  * Use `create(QuarantinedVMSchema)` to create a new message.
  */
 export const QuarantinedVMSchema: GenMessage<QuarantinedVM> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 7);
+  messageDesc(file_eitri_v1_agent, 8);
 
 /**
  * DesiredStateSnapshot is everything one host should be running. Complete:
@@ -383,7 +506,8 @@ export const QuarantinedVMSchema: GenMessage<QuarantinedVM> = /*@__PURE__*/
  */
 export type DesiredStateSnapshot = Message<"eitri.v1.DesiredStateSnapshot"> & {
   /**
-   * Rises with every change to this host's desired state. An agent ignores a
+   * Rises with every snapshot the control plane sends, from a durable
+   * counter (never from a clock). Within one epoch an agent refuses a
    * snapshot older than the newest it has applied.
    *
    * @generated from field: uint64 generation = 1;
@@ -406,6 +530,25 @@ export type DesiredStateSnapshot = Message<"eitri.v1.DesiredStateSnapshot"> & {
    * @generated from field: repeated eitri.v1.ExposureDesired exposures = 4;
    */
   exposures: ExposureDesired[];
+
+  /**
+   * The control plane's durable identity, made on its first start. An agent
+   * pins the first it sees and refuses snapshots from any other. Empty from
+   * a control plane that predates fencing.
+   *
+   * @generated from field: string control_plane_id = 5;
+   */
+  controlPlaneId: string;
+
+  /**
+   * Rises each time the control plane finds it has lost writes (an agent had
+   * applied a generation it no longer knows of); its counter then restarts
+   * past everything agents applied. An agent refuses an epoch below the one
+   * it applied.
+   *
+   * @generated from field: uint64 epoch = 6;
+   */
+  epoch: bigint;
 };
 
 /**
@@ -413,7 +556,7 @@ export type DesiredStateSnapshot = Message<"eitri.v1.DesiredStateSnapshot"> & {
  * Use `create(DesiredStateSnapshotSchema)` to create a new message.
  */
 export const DesiredStateSnapshotSchema: GenMessage<DesiredStateSnapshot> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 8);
+  messageDesc(file_eitri_v1_agent, 9);
 
 /**
  * @generated from message eitri.v1.VMDesired
@@ -466,14 +609,16 @@ export type VMDesired = Message<"eitri.v1.VMDesired"> & {
   powerState: string;
 
   /**
-   * Soft-deleted: stop the guest and keep its disk until destroy_at_unix,
-   * then destroy it. A restore clears it.
+   * Soft-deleted: stop the guest and keep its disk until the control plane
+   * says destroy. A restore clears it.
    *
    * @generated from field: bool deleted = 9;
    */
   deleted: boolean;
 
   /**
+   * When the control plane will say destroy, by its clock; for people only.
+   *
    * @generated from field: int64 destroy_at_unix = 10;
    */
   destroyAtUnix: bigint;
@@ -493,6 +638,24 @@ export type VMDesired = Message<"eitri.v1.VMDesired"> & {
    * @generated from field: string owner = 12;
    */
   owner: string;
+
+  /**
+   * Destroy the soft-deleted VM now. Set by the control plane once its own
+   * clock passes destroy_at; an agent never destroys by its own clock.
+   *
+   * @generated from field: bool destroy = 13;
+   */
+  destroy: boolean;
+
+  /**
+   * The generation at which this VM's desired state last changed (the same
+   * counter as snapshot generations). An agent that applied a newer version
+   * of this VM holds it as it is rather than going back. 0 from a control
+   * plane that predates fencing.
+   *
+   * @generated from field: uint64 version = 14;
+   */
+  version: bigint;
 };
 
 /**
@@ -500,7 +663,7 @@ export type VMDesired = Message<"eitri.v1.VMDesired"> & {
  * Use `create(VMDesiredSchema)` to create a new message.
  */
 export const VMDesiredSchema: GenMessage<VMDesired> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 9);
+  messageDesc(file_eitri_v1_agent, 10);
 
 /**
  * AgentUpgrade offers the agent a newer build. The agent reports it and
@@ -530,7 +693,7 @@ export type AgentUpgrade = Message<"eitri.v1.AgentUpgrade"> & {
  * Use `create(AgentUpgradeSchema)` to create a new message.
  */
 export const AgentUpgradeSchema: GenMessage<AgentUpgrade> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 10);
+  messageDesc(file_eitri_v1_agent, 11);
 
 /**
  * ExposureDesired is one published port: host_port on this host forwarded to
@@ -586,7 +749,7 @@ export type ExposureDesired = Message<"eitri.v1.ExposureDesired"> & {
  * Use `create(ExposureDesiredSchema)` to create a new message.
  */
 export const ExposureDesiredSchema: GenMessage<ExposureDesired> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 11);
+  messageDesc(file_eitri_v1_agent, 12);
 
 /**
  * ExposureActual is what the host made of one ExposureDesired.
@@ -626,7 +789,7 @@ export type ExposureActual = Message<"eitri.v1.ExposureActual"> & {
  * Use `create(ExposureActualSchema)` to create a new message.
  */
 export const ExposureActualSchema: GenMessage<ExposureActual> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 12);
+  messageDesc(file_eitri_v1_agent, 13);
 
 /**
  * JoinToken is what a join token string carries, encoded as
@@ -664,7 +827,7 @@ export type JoinToken = Message<"eitri.v1.JoinToken"> & {
  * Use `create(JoinTokenSchema)` to create a new message.
  */
 export const JoinTokenSchema: GenMessage<JoinToken> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 13);
+  messageDesc(file_eitri_v1_agent, 14);
 
 /**
  * AgentService is the only surface a host agent talks to. Enroll is

@@ -124,6 +124,11 @@ export type HostCondition = Message<"eitri.v1.HostCondition"> & {
    * "duplicate_agent": a second agent with this host's identity (a cloned
    * disk, or the same host started twice) keeps trying to connect and is
    * refused; it lasts until that agent stops.
+   * "snapshot_refused": the agent refuses this control plane's desired
+   * state (another control plane identity, or an epoch or generation older
+   * than it applied); it lasts while the agent says so.
+   * "orphaned_vms": the host holds VMs it will not take this control
+   * plane's word on; an admin adopts or destroys them (ListOrphanedVMs).
    *
    * @generated from field: string type = 1;
    */

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file eitri/v1/vm.proto.
  */
 export const file_eitri_v1_vm: GenFile = /*@__PURE__*/
-  fileDesc("ChFlaXRyaS92MS92bS5wcm90bxIIZWl0cmkudjEi3QMKAlZNEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSDwoHaG9zdF9pZBgDIAEoCRIRCglpbWFnZV91cmwYBCABKAkSFAoMaW1hZ2Vfc2hhMjU2GAUgASgJEg0KBXZjcHVzGAYgASgFEg4KBm1lbV9tYhgHIAEoAxIPCgdkaXNrX2diGAggASgDEhMKC3Bvd2VyX3N0YXRlGAkgASgJEg4KBnN0YXR1cxgKIAEoCRISCgpsYXN0X2Vycm9yGAsgASgJEhMKC2Fzc2lnbmVkX2lwGAwgASgJEi4KCmNyZWF0ZWRfYXQYDSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB2RlbGV0ZWQYDiABKAgSFAoMYWN0dWFsX3Bvd2VyGA8gASgJEg0KBXBoYXNlGBAgASgJEhUKDXN0YXR1c19kZXRhaWwYESABKAkSLgoKZGVzdHJveV9hdBgSIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJbGlmZWN5Y2xlGBMgASgJEhoKEnNzaF9hdXRob3JpemVkX2tleRgUIAEoCRIXCg9zc2hfaG9zdF9wdWJrZXkYFSABKAkSEAoIb3duZXJfaWQYFiABKAkiugEKD0NyZWF0ZVZNUmVxdWVzdBIMCgRuYW1lGAEgASgJEg8KB2hvc3RfaWQYAiABKAkSEQoJaW1hZ2VfdXJsGAMgASgJEhQKDGltYWdlX3NoYTI1NhgEIAEoCRINCgV2Y3B1cxgFIAEoBRIOCgZtZW1fbWIYBiABKAMSDwoHZGlza19nYhgHIAEoAxIaChJzc2hfYXV0aG9yaXplZF9rZXkYCCABKAkSEwoLcG93ZXJfc3RhdGUYCSABKAkiLAoQQ3JlYXRlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhoKDEdldFZNUmVxdWVzdBIKCgJpZBgBIAEoCSIpCg1HZXRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iEAoOTGlzdFZNc1JlcXVlc3QiLAoPTGlzdFZNc1Jlc3BvbnNlEhkKA3ZtcxgBIAMoCzIMLmVpdHJpLnYxLlZNIhwKDlN0YXJ0Vk1SZXF1ZXN0EgoKAmlkGAEgASgJIisKD1N0YXJ0Vk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhsKDVN0b3BWTVJlcXVlc3QSCgoCaWQYASABKAkiKgoOU3RvcFZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSIdCg9EZWxldGVWTVJlcXVlc3QSCgoCaWQYASABKAkiLAoQRGVsZXRlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIh4KEFJlc3RvcmVWTVJlcXVlc3QSCgoCaWQYASABKAkiLQoRUmVzdG9yZVZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSJQCgdWTUV2ZW50EiYKAmF0GAEgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIMCgRraW5kGAIgASgJEg8KB21lc3NhZ2UYAyABKAkiJAoTTGlzdFZNRXZlbnRzUmVxdWVzdBINCgV2bV9pZBgBIAEoCSI5ChRMaXN0Vk1FdmVudHNSZXNwb25zZRIhCgZldmVudHMYASADKAsyES5laXRyaS52MS5WTUV2ZW50IhEKD1dhdGNoVk1zUmVxdWVzdCIjCgZWTUxpc3QSGQoDdm1zGAEgAygLMgwuZWl0cmkudjEuVk0ieAoQV2F0Y2hWTXNSZXNwb25zZRIkCghzbmFwc2hvdBgBIAEoCzIQLmVpdHJpLnYxLlZNTGlzdEgAEh8KB2NoYW5nZWQYAiABKAsyDC5laXRyaS52MS5WTUgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudDLiBAoJVk1TZXJ2aWNlEkEKCENyZWF0ZVZNEhkuZWl0cmkudjEuQ3JlYXRlVk1SZXF1ZXN0GhouZWl0cmkudjEuQ3JlYXRlVk1SZXNwb25zZRI4CgVHZXRWTRIWLmVpdHJpLnYxLkdldFZNUmVxdWVzdBoXLmVpdHJpLnYxLkdldFZNUmVzcG9uc2USPgoHTGlzdFZNcxIYLmVpdHJpLnYxLkxpc3RWTXNSZXF1ZXN0GhkuZWl0cmkudjEuTGlzdFZNc1Jlc3BvbnNlEj4KB1N0YXJ0Vk0SGC5laXRyaS52MS5TdGFydFZNUmVxdWVzdBoZLmVpdHJpLnYxLlN0YXJ0Vk1SZXNwb25zZRI7CgZTdG9wVk0SFy5laXRyaS52MS5TdG9wVk1SZXF1ZXN0GhguZWl0cmkudjEuU3RvcFZNUmVzcG9uc2USQQoIRGVsZXRlVk0SGS5laXRyaS52MS5EZWxldGVWTVJlcXVlc3QaGi5laXRyaS52MS5EZWxldGVWTVJlc3BvbnNlEkQKCVJlc3RvcmVWTRIaLmVpdHJpLnYxLlJlc3RvcmVWTVJlcXVlc3QaGy5laXRyaS52MS5SZXN0b3JlVk1SZXNwb25zZRJNCgxMaXN0Vk1FdmVudHMSHS5laXRyaS52MS5MaXN0Vk1FdmVudHNSZXF1ZXN0Gh4uZWl0cmkudjEuTGlzdFZNRXZlbnRzUmVzcG9uc2USQwoIV2F0Y2hWTXMSGS5laXRyaS52MS5XYXRjaFZNc1JlcXVlc3QaGi5laXRyaS52MS5XYXRjaFZNc1Jlc3BvbnNlMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
+  fileDesc("ChFlaXRyaS92MS92bS5wcm90bxIIZWl0cmkudjEikwQKAlZNEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSDwoHaG9zdF9pZBgDIAEoCRIRCglpbWFnZV91cmwYBCABKAkSFAoMaW1hZ2Vfc2hhMjU2GAUgASgJEg0KBXZjcHVzGAYgASgFEg4KBm1lbV9tYhgHIAEoAxIPCgdkaXNrX2diGAggASgDEhMKC3Bvd2VyX3N0YXRlGAkgASgJEg4KBnN0YXR1cxgKIAEoCRISCgpsYXN0X2Vycm9yGAsgASgJEhMKC2Fzc2lnbmVkX2lwGAwgASgJEi4KCmNyZWF0ZWRfYXQYDSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB2RlbGV0ZWQYDiABKAgSFAoMYWN0dWFsX3Bvd2VyGA8gASgJEg0KBXBoYXNlGBAgASgJEhUKDXN0YXR1c19kZXRhaWwYESABKAkSLgoKZGVzdHJveV9hdBgSIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJbGlmZWN5Y2xlGBMgASgJEhoKEnNzaF9hdXRob3JpemVkX2tleRgUIAEoCRIXCg9zc2hfaG9zdF9wdWJrZXkYFSABKAkSEAoIb3duZXJfaWQYFiABKAkSNAoQcmVzdG9yYWJsZV91bnRpbBgXIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiugEKD0NyZWF0ZVZNUmVxdWVzdBIMCgRuYW1lGAEgASgJEg8KB2hvc3RfaWQYAiABKAkSEQoJaW1hZ2VfdXJsGAMgASgJEhQKDGltYWdlX3NoYTI1NhgEIAEoCRINCgV2Y3B1cxgFIAEoBRIOCgZtZW1fbWIYBiABKAMSDwoHZGlza19nYhgHIAEoAxIaChJzc2hfYXV0aG9yaXplZF9rZXkYCCABKAkSEwoLcG93ZXJfc3RhdGUYCSABKAkiLAoQQ3JlYXRlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhoKDEdldFZNUmVxdWVzdBIKCgJpZBgBIAEoCSIpCg1HZXRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iEAoOTGlzdFZNc1JlcXVlc3QiLAoPTGlzdFZNc1Jlc3BvbnNlEhkKA3ZtcxgBIAMoCzIMLmVpdHJpLnYxLlZNIhwKDlN0YXJ0Vk1SZXF1ZXN0EgoKAmlkGAEgASgJIisKD1N0YXJ0Vk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhsKDVN0b3BWTVJlcXVlc3QSCgoCaWQYASABKAkiKgoOU3RvcFZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSIdCg9EZWxldGVWTVJlcXVlc3QSCgoCaWQYASABKAkiLAoQRGVsZXRlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIh4KEFJlc3RvcmVWTVJlcXVlc3QSCgoCaWQYASABKAkiLQoRUmVzdG9yZVZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSJQCgdWTUV2ZW50EiYKAmF0GAEgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIMCgRraW5kGAIgASgJEg8KB21lc3NhZ2UYAyABKAkiJAoTTGlzdFZNRXZlbnRzUmVxdWVzdBINCgV2bV9pZBgBIAEoCSI5ChRMaXN0Vk1FdmVudHNSZXNwb25zZRIhCgZldmVudHMYASADKAsyES5laXRyaS52MS5WTUV2ZW50IhEKD1dhdGNoVk1zUmVxdWVzdCIjCgZWTUxpc3QSGQoDdm1zGAEgAygLMgwuZWl0cmkudjEuVk0ieAoQV2F0Y2hWTXNSZXNwb25zZRIkCghzbmFwc2hvdBgBIAEoCzIQLmVpdHJpLnYxLlZNTGlzdEgAEh8KB2NoYW5nZWQYAiABKAsyDC5laXRyaS52MS5WTUgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudCLdAgoKT3JwaGFuZWRWTRIPCgdob3N0X2lkGAEgASgJEg0KBXZtX2lkGAIgASgJEgwKBG5hbWUYAyABKAkSEAoIb3duZXJfaWQYBCABKAkSEgoKb3duZXJfbmFtZRgFIAEoCRIRCglpbWFnZV91cmwYBiABKAkSFAoMaW1hZ2Vfc2hhMjU2GAcgASgJEg0KBXZjcHVzGAggASgFEg4KBm1lbV9tYhgJIAEoAxIPCgdkaXNrX2diGAogASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgLIAEoCRITCgtwb3dlcl9zdGF0ZRgMIAEoCRIUCgxhY3R1YWxfcG93ZXIYDSABKAkSDwoHZGVsZXRlZBgOIAEoCBIOCgZyZWFzb24YDyABKAkSDwoHaGFzX3JvdxgQIAEoCBIpCgVzaW5jZRgRIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiGAoWTGlzdE9ycGhhbmVkVk1zUmVxdWVzdCI8ChdMaXN0T3JwaGFuZWRWTXNSZXNwb25zZRIhCgN2bXMYASADKAsyFC5laXRyaS52MS5PcnBoYW5lZFZNIlgKFkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QSDwoHaG9zdF9pZBgBIAEoCRINCgV2bV9pZBgCIAEoCRIQCghvd25lcl9pZBgDIAEoCRIMCgRuYW1lGAQgASgJIjMKF0Fkb3B0T3JwaGFuZWRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iOgoYRGVzdHJveU9ycGhhbmVkVk1SZXF1ZXN0Eg8KB2hvc3RfaWQYASABKAkSDQoFdm1faWQYAiABKAkiGwoZRGVzdHJveU9ycGhhbmVkVk1SZXNwb25zZTLwBgoJVk1TZXJ2aWNlEkEKCENyZWF0ZVZNEhkuZWl0cmkudjEuQ3JlYXRlVk1SZXF1ZXN0GhouZWl0cmkudjEuQ3JlYXRlVk1SZXNwb25zZRI4CgVHZXRWTRIWLmVpdHJpLnYxLkdldFZNUmVxdWVzdBoXLmVpdHJpLnYxLkdldFZNUmVzcG9uc2USPgoHTGlzdFZNcxIYLmVpdHJpLnYxLkxpc3RWTXNSZXF1ZXN0GhkuZWl0cmkudjEuTGlzdFZNc1Jlc3BvbnNlEj4KB1N0YXJ0Vk0SGC5laXRyaS52MS5TdGFydFZNUmVxdWVzdBoZLmVpdHJpLnYxLlN0YXJ0Vk1SZXNwb25zZRI7CgZTdG9wVk0SFy5laXRyaS52MS5TdG9wVk1SZXF1ZXN0GhguZWl0cmkudjEuU3RvcFZNUmVzcG9uc2USQQoIRGVsZXRlVk0SGS5laXRyaS52MS5EZWxldGVWTVJlcXVlc3QaGi5laXRyaS52MS5EZWxldGVWTVJlc3BvbnNlEkQKCVJlc3RvcmVWTRIaLmVpdHJpLnYxLlJlc3RvcmVWTVJlcXVlc3QaGy5laXRyaS52MS5SZXN0b3JlVk1SZXNwb25zZRJNCgxMaXN0Vk1FdmVudHMSHS5laXRyaS52MS5MaXN0Vk1FdmVudHNSZXF1ZXN0Gh4uZWl0cmkudjEuTGlzdFZNRXZlbnRzUmVzcG9uc2USVgoPTGlzdE9ycGhhbmVkVk1zEiAuZWl0cmkudjEuTGlzdE9ycGhhbmVkVk1zUmVxdWVzdBohLmVpdHJpLnYxLkxpc3RPcnBoYW5lZFZNc1Jlc3BvbnNlElYKD0Fkb3B0T3JwaGFuZWRWTRIgLmVpdHJpLnYxLkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QaIS5laXRyaS52MS5BZG9wdE9ycGhhbmVkVk1SZXNwb25zZRJcChFEZXN0cm95T3JwaGFuZWRWTRIiLmVpdHJpLnYxLkRlc3Ryb3lPcnBoYW5lZFZNUmVxdWVzdBojLmVpdHJpLnYxLkRlc3Ryb3lPcnBoYW5lZFZNUmVzcG9uc2USQwoIV2F0Y2hWTXMSGS5laXRyaS52MS5XYXRjaFZNc1JlcXVlc3QaGi5laXRyaS52MS5XYXRjaFZNc1Jlc3BvbnNlMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
 
 /**
  * @generated from message eitri.v1.VM
@@ -155,6 +155,14 @@ export type VM = Message<"eitri.v1.VM"> & {
    * @generated from field: string owner_id = 22;
    */
   ownerId: string;
+
+  /**
+   * Until when RestoreVM can still bring a deleted VM back (a safety margin
+   * before destroy_at); null unless deleted.
+   *
+   * @generated from field: google.protobuf.Timestamp restorable_until = 23;
+   */
+  restorableUntil?: Timestamp | undefined;
 };
 
 /**
@@ -589,6 +597,240 @@ export const WatchVMsResponseSchema: GenMessage<WatchVMsResponse> = /*@__PURE__*
   messageDesc(file_eitri_v1_vm, 20);
 
 /**
+ * OrphanedVM is a VM a host holds without this control plane's trust in
+ * its record; see ListOrphanedVMs.
+ *
+ * @generated from message eitri.v1.OrphanedVM
+ */
+export type OrphanedVM = Message<"eitri.v1.OrphanedVM"> & {
+  /**
+   * @generated from field: string host_id = 1;
+   */
+  hostId: string;
+
+  /**
+   * @generated from field: string vm_id = 2;
+   */
+  vmId: string;
+
+  /**
+   * As the host recorded them.
+   *
+   * @generated from field: string name = 3;
+   */
+  name: string;
+
+  /**
+   * @generated from field: string owner_id = 4;
+   */
+  ownerId: string;
+
+  /**
+   * The owner's name when this control plane knows the owner; empty when it
+   * does not (adopting then needs AdoptOrphanedVMRequest.owner_id).
+   *
+   * @generated from field: string owner_name = 5;
+   */
+  ownerName: string;
+
+  /**
+   * @generated from field: string image_url = 6;
+   */
+  imageUrl: string;
+
+  /**
+   * @generated from field: string image_sha256 = 7;
+   */
+  imageSha256: string;
+
+  /**
+   * @generated from field: int32 vcpus = 8;
+   */
+  vcpus: number;
+
+  /**
+   * @generated from field: int64 mem_mb = 9;
+   */
+  memMb: bigint;
+
+  /**
+   * @generated from field: int64 disk_gb = 10;
+   */
+  diskGb: bigint;
+
+  /**
+   * @generated from field: string ssh_authorized_key = 11;
+   */
+  sshAuthorizedKey: string;
+
+  /**
+   * The desired power the host holds it to, and what it is now.
+   *
+   * @generated from field: string power_state = 12;
+   */
+  powerState: string;
+
+  /**
+   * @generated from field: string actual_power = 13;
+   */
+  actualPower: string;
+
+  /**
+   * @generated from field: bool deleted = 14;
+   */
+  deleted: boolean;
+
+  /**
+   * Why the host holds it, in its words.
+   *
+   * @generated from field: string reason = 15;
+   */
+  reason: string;
+
+  /**
+   * True when this control plane has a row for it (an older one); false
+   * when it has none.
+   *
+   * @generated from field: bool has_row = 16;
+   */
+  hasRow: boolean;
+
+  /**
+   * When the host started holding it, by the host's clock.
+   *
+   * @generated from field: google.protobuf.Timestamp since = 17;
+   */
+  since?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message eitri.v1.OrphanedVM.
+ * Use `create(OrphanedVMSchema)` to create a new message.
+ */
+export const OrphanedVMSchema: GenMessage<OrphanedVM> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 21);
+
+/**
+ * @generated from message eitri.v1.ListOrphanedVMsRequest
+ */
+export type ListOrphanedVMsRequest = Message<"eitri.v1.ListOrphanedVMsRequest"> & {
+};
+
+/**
+ * Describes the message eitri.v1.ListOrphanedVMsRequest.
+ * Use `create(ListOrphanedVMsRequestSchema)` to create a new message.
+ */
+export const ListOrphanedVMsRequestSchema: GenMessage<ListOrphanedVMsRequest> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 22);
+
+/**
+ * @generated from message eitri.v1.ListOrphanedVMsResponse
+ */
+export type ListOrphanedVMsResponse = Message<"eitri.v1.ListOrphanedVMsResponse"> & {
+  /**
+   * @generated from field: repeated eitri.v1.OrphanedVM vms = 1;
+   */
+  vms: OrphanedVM[];
+};
+
+/**
+ * Describes the message eitri.v1.ListOrphanedVMsResponse.
+ * Use `create(ListOrphanedVMsResponseSchema)` to create a new message.
+ */
+export const ListOrphanedVMsResponseSchema: GenMessage<ListOrphanedVMsResponse> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 23);
+
+/**
+ * @generated from message eitri.v1.AdoptOrphanedVMRequest
+ */
+export type AdoptOrphanedVMRequest = Message<"eitri.v1.AdoptOrphanedVMRequest"> & {
+  /**
+   * @generated from field: string host_id = 1;
+   */
+  hostId: string;
+
+  /**
+   * @generated from field: string vm_id = 2;
+   */
+  vmId: string;
+
+  /**
+   * The user to give it to when its recorded owner is unknown here; empty
+   * keeps the recorded owner.
+   *
+   * @generated from field: string owner_id = 3;
+   */
+  ownerId: string;
+
+  /**
+   * A new name when the owner already has a VM with the recorded one; empty
+   * keeps it.
+   *
+   * @generated from field: string name = 4;
+   */
+  name: string;
+};
+
+/**
+ * Describes the message eitri.v1.AdoptOrphanedVMRequest.
+ * Use `create(AdoptOrphanedVMRequestSchema)` to create a new message.
+ */
+export const AdoptOrphanedVMRequestSchema: GenMessage<AdoptOrphanedVMRequest> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 24);
+
+/**
+ * @generated from message eitri.v1.AdoptOrphanedVMResponse
+ */
+export type AdoptOrphanedVMResponse = Message<"eitri.v1.AdoptOrphanedVMResponse"> & {
+  /**
+   * @generated from field: eitri.v1.VM vm = 1;
+   */
+  vm?: VM | undefined;
+};
+
+/**
+ * Describes the message eitri.v1.AdoptOrphanedVMResponse.
+ * Use `create(AdoptOrphanedVMResponseSchema)` to create a new message.
+ */
+export const AdoptOrphanedVMResponseSchema: GenMessage<AdoptOrphanedVMResponse> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 25);
+
+/**
+ * @generated from message eitri.v1.DestroyOrphanedVMRequest
+ */
+export type DestroyOrphanedVMRequest = Message<"eitri.v1.DestroyOrphanedVMRequest"> & {
+  /**
+   * @generated from field: string host_id = 1;
+   */
+  hostId: string;
+
+  /**
+   * @generated from field: string vm_id = 2;
+   */
+  vmId: string;
+};
+
+/**
+ * Describes the message eitri.v1.DestroyOrphanedVMRequest.
+ * Use `create(DestroyOrphanedVMRequestSchema)` to create a new message.
+ */
+export const DestroyOrphanedVMRequestSchema: GenMessage<DestroyOrphanedVMRequest> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 26);
+
+/**
+ * @generated from message eitri.v1.DestroyOrphanedVMResponse
+ */
+export type DestroyOrphanedVMResponse = Message<"eitri.v1.DestroyOrphanedVMResponse"> & {
+};
+
+/**
+ * Describes the message eitri.v1.DestroyOrphanedVMResponse.
+ * Use `create(DestroyOrphanedVMResponseSchema)` to create a new message.
+ */
+export const DestroyOrphanedVMResponseSchema: GenMessage<DestroyOrphanedVMResponse> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 27);
+
+/**
  * VMService manages virtual machines. A caller sees and touches only its own
  * VMs (another user's VM is NotFound); an admin sees all.
  *
@@ -667,6 +909,43 @@ export const VMService: GenService<{
     methodKind: "unary";
     input: typeof ListVMEventsRequestSchema;
     output: typeof ListVMEventsResponseSchema;
+  },
+  /**
+   * ListOrphanedVMs lists VMs that hosts hold but will not take this control
+   * plane's word on: rows it lost (restored from an older backup, or its
+   * last commits) or rows older than what the host applied. Hosts keep them
+   * as they were until an admin adopts or destroys them. Admin only; only
+   * connected hosts are asked.
+   *
+   * @generated from rpc eitri.v1.VMService.ListOrphanedVMs
+   */
+  listOrphanedVMs: {
+    methodKind: "unary";
+    input: typeof ListOrphanedVMsRequestSchema;
+    output: typeof ListOrphanedVMsResponseSchema;
+  },
+  /**
+   * AdoptOrphanedVM takes an orphaned VM back as the host holds it: the row
+   * is restored with the same id (the same disk), spec, owner and power.
+   * Admin only.
+   *
+   * @generated from rpc eitri.v1.VMService.AdoptOrphanedVM
+   */
+  adoptOrphanedVM: {
+    methodKind: "unary";
+    input: typeof AdoptOrphanedVMRequestSchema;
+    output: typeof AdoptOrphanedVMResponseSchema;
+  },
+  /**
+   * DestroyOrphanedVM tells the host to destroy an orphaned VM and its disk
+   * for good. Admin only.
+   *
+   * @generated from rpc eitri.v1.VMService.DestroyOrphanedVM
+   */
+  destroyOrphanedVM: {
+    methodKind: "unary";
+    input: typeof DestroyOrphanedVMRequestSchema;
+    output: typeof DestroyOrphanedVMResponseSchema;
   },
   /**
    * WatchVMs sends the complete list first, then every changed VM whole (or
