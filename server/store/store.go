@@ -68,9 +68,12 @@ func Open(ctx context.Context, path string) (*Store, error) {
 	q.Add("_pragma", "busy_timeout("+strconv.FormatInt(busyTimeout.Milliseconds(), 10)+")")
 	q.Add("_pragma", "journal_mode(WAL)")
 	q.Add("_pragma", "foreign_keys(1)")
-	// NORMAL is durable across application crashes in WAL mode; only an OS
-	// crash can lose the last commits.
-	q.Add("_pragma", "synchronous(NORMAL)")
+	// FULL: a commit is on disk before it is acknowledged, also across an OS
+	// crash or power loss. NORMAL (WAL) could lose the last commits, and a
+	// control plane that forgets a VM it created, or a generation it sent,
+	// makes agents fence it off. The cost is an fsync per write
+	// transaction, small beside what a control plane writes.
+	q.Add("_pragma", "synchronous(FULL)")
 	// Write transactions take the write lock at BEGIN, so a read-then-write
 	// transaction can never fail midway on a lock upgrade.
 	q.Set("_txlock", "immediate")
@@ -92,6 +95,10 @@ func Open(ctx context.Context, path string) (*Store, error) {
 	if err := s.migrate(ctx); err != nil {
 		db.Close()
 		return nil, err
+	}
+	if err := s.ensureLineage(ctx); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("store: control plane lineage: %w", err)
 	}
 	return s, nil
 }

@@ -75,7 +75,10 @@ func TestMigrationsIdempotentAndDataSurvivesReopen(t *testing.T) {
 		assert.Equal(t, User{ID: "u1", Name: "alice", Admin: true, CreatedAt: t0}, u)
 		vm, err := s.GetVM(ctx, "v1")
 		require.NoError(t, err)
-		assert.Equal(t, testVM("v1", "u1", "h1", "web", t0), vm)
+		want := testVM("v1", "u1", "h1", "web", t0)
+		assert.NotZero(t, vm.DesiredGen, "a created VM has a desired version")
+		want.DesiredGen = vm.DesiredGen
+		assert.Equal(t, want, vm)
 		require.NoError(t, s.Close())
 	}
 }
@@ -91,6 +94,9 @@ func TestPragmas(t *testing.T) {
 	assert.Equal(t, 1, fk)
 	require.NoError(t, s.db.QueryRowContext(ctx, `PRAGMA busy_timeout`).Scan(&busy))
 	assert.Equal(t, int(busyTimeout.Milliseconds()), busy)
+	var sync int
+	require.NoError(t, s.db.QueryRowContext(ctx, `PRAGMA synchronous`).Scan(&sync))
+	assert.Equal(t, 2, sync, "FULL: an acknowledged commit survives an OS crash")
 }
 
 func TestOpenRejectsBadPath(t *testing.T) {
@@ -445,6 +451,9 @@ func TestUpdateVM(t *testing.T) {
 	fixture(t, s)
 	orig := testVM("v1", "u1", "h1", "web", t0)
 	require.NoError(t, s.CreateVM(ctx, orig))
+	created, err := s.GetVM(ctx, "v1")
+	require.NoError(t, err)
+	orig.DesiredGen = created.DesiredGen
 
 	t.Run("no change writes nothing", func(t *testing.T) {
 		for _, fn := range []func(*VM) error{

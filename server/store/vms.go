@@ -32,6 +32,10 @@ type VM struct {
 	SSHHostPubkey                 string
 	CreatedAt, UpdatedAt          time.Time
 	DeletedAt, DestroyAt          *time.Time // set by a soft delete
+	// DesiredGen is the lineage generation at which the desired state (what
+	// a snapshot sends about the VM) last changed. The store sets it on
+	// every such write; what a caller puts here is ignored.
+	DesiredGen uint64
 }
 
 // VMEvent is one line of a VM's history.
@@ -54,12 +58,12 @@ func validVM(vm *VM) error {
 }
 
 const vmCols = `id, owner_id, host_id, name, image_url, image_sha256, vcpus, mem_mb, disk_gb, power_state,
-	status, last_error, assigned_ip, ssh_authorized_key, ssh_host_pubkey, created_at, updated_at, deleted_at, destroy_at`
+	status, last_error, assigned_ip, ssh_authorized_key, ssh_host_pubkey, created_at, updated_at, deleted_at, destroy_at, desired_gen`
 
 func vmArgs(vm *VM) []any {
 	return []any{vm.ID, vm.OwnerID, nullString(vm.HostID), vm.Name, vm.ImageURL, vm.ImageSHA256, vm.VCPUs, vm.MemMB, vm.DiskGB, vm.PowerState,
 		vm.Status, vm.LastError, vm.AssignedIP, vm.SSHAuthorizedKey, vm.SSHHostPubkey,
-		nanos(vm.CreatedAt), nanos(vm.UpdatedAt), nullNanos(vm.DeletedAt), nullNanos(vm.DestroyAt)}
+		nanos(vm.CreatedAt), nanos(vm.UpdatedAt), nullNanos(vm.DeletedAt), nullNanos(vm.DestroyAt), int64(vm.DesiredGen)}
 }
 
 func scanVM(row interface{ Scan(...any) error }) (VM, error) {
@@ -67,11 +71,13 @@ func scanVM(row interface{ Scan(...any) error }) (VM, error) {
 	var host sql.NullString
 	var created, updated int64
 	var deleted, destroy sql.NullInt64
+	var gen int64
 	err := row.Scan(&vm.ID, &vm.OwnerID, &host, &vm.Name, &vm.ImageURL, &vm.ImageSHA256, &vm.VCPUs, &vm.MemMB, &vm.DiskGB, &vm.PowerState,
-		&vm.Status, &vm.LastError, &vm.AssignedIP, &vm.SSHAuthorizedKey, &vm.SSHHostPubkey, &created, &updated, &deleted, &destroy)
+		&vm.Status, &vm.LastError, &vm.AssignedIP, &vm.SSHAuthorizedKey, &vm.SSHHostPubkey, &created, &updated, &deleted, &destroy, &gen)
 	if err != nil {
 		return VM{}, err
 	}
+	vm.DesiredGen = uint64(gen)
 	vm.HostID = host.String
 	vm.CreatedAt = fromNanos(created)
 	vm.UpdatedAt = fromNanos(updated)
@@ -109,8 +115,13 @@ func (s *Store) CreateVM(ctx context.Context, vm VM) error {
 		if err := nameTaken(ctx, tx, vm.OwnerID, vm.Name, vm.ID); err != nil {
 			return err
 		}
-		_, err := tx.ExecContext(ctx, `INSERT INTO vms (`+vmCols+`)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)`, vmArgs(&vm)...)
+		l, err := nextGen(ctx, tx)
+		if err != nil {
+			return err
+		}
+		vm.DesiredGen = l.Generation
+		_, err = tx.ExecContext(ctx, `INSERT INTO vms (`+vmCols+`)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)`, vmArgs(&vm)...)
 		switch {
 		case isUniqueViolation(err):
 			return fmt.Errorf("%w: vm %s (%q) already exists", ErrConflict, vm.ID, vm.Name)
@@ -169,7 +180,20 @@ func (s *Store) ListVMsByHost(ctx context.Context, hostID string) ([]VM, error) 
 // written and is returned as is), and writes it back with UpdatedAt set to
 // now. When fn changes nothing, nothing is written and changed is false.
 // fn must not call the Store: the write lock is held while it runs.
+// A change to the desired state advances DesiredGen.
 func (s *Store) UpdateVM(ctx context.Context, id string, fn func(*VM) error) (VM, bool, error) {
+	return s.updateVM(ctx, id, false, fn)
+}
+
+// ReassertVM is UpdateVM that advances DesiredGen even when fn changes
+// nothing: the row is re-issued as newer than any version an agent holds
+// (an admin adopting a VM the agent would not take the row's word on).
+func (s *Store) ReassertVM(ctx context.Context, id string, fn func(*VM) error) (VM, error) {
+	vm, _, err := s.updateVM(ctx, id, true, fn)
+	return vm, err
+}
+
+func (s *Store) updateVM(ctx context.Context, id string, reassert bool, fn func(*VM) error) (VM, bool, error) {
 	var out VM
 	var changed bool
 	err := s.write(ctx, func(tx *sql.Tx) error {
@@ -186,9 +210,17 @@ func (s *Store) UpdateVM(ctx context.Context, id string, fn func(*VM) error) (VM
 		if after.ID != before.ID {
 			return fmt.Errorf("store: UpdateVM may not change the id (%s → %s)", before.ID, after.ID)
 		}
-		if sameVM(before, after) {
+		after.DesiredGen = before.DesiredGen
+		if sameVM(before, after) && !reassert {
 			out = before
 			return nil
+		}
+		if reassert || !sameDesired(before, after) {
+			l, err := nextGen(ctx, tx)
+			if err != nil {
+				return err
+			}
+			after.DesiredGen = l.Generation
 		}
 		if err := validVM(&after); err != nil {
 			return err
@@ -206,7 +238,8 @@ func (s *Store) UpdateVM(ctx context.Context, id string, fn func(*VM) error) (VM
 		args := vmArgs(&after)
 		_, err = tx.ExecContext(ctx, `UPDATE vms SET owner_id = $2, host_id = $3, name = $4, image_url = $5, image_sha256 = $6,
 			vcpus = $7, mem_mb = $8, disk_gb = $9, power_state = $10, status = $11, last_error = $12, assigned_ip = $13,
-			ssh_authorized_key = $14, ssh_host_pubkey = $15, created_at = $16, updated_at = $17, deleted_at = $18, destroy_at = $19
+			ssh_authorized_key = $14, ssh_host_pubkey = $15, created_at = $16, updated_at = $17, deleted_at = $18, destroy_at = $19,
+			desired_gen = $20
 			WHERE id = $1`, args...)
 		switch {
 		case isUniqueViolation(err):
@@ -252,6 +285,15 @@ func sameVM(a, b VM) bool {
 		a.Status == b.Status && a.LastError == b.LastError && a.AssignedIP == b.AssignedIP &&
 		a.SSHAuthorizedKey == b.SSHAuthorizedKey && a.SSHHostPubkey == b.SSHHostPubkey &&
 		a.CreatedAt.Equal(b.CreatedAt) && sameTimePtr(a.DeletedAt, b.DeletedAt) && sameTimePtr(a.DestroyAt, b.DestroyAt)
+}
+
+// sameDesired compares what a snapshot sends about the VM.
+func sameDesired(a, b VM) bool {
+	return a.OwnerID == b.OwnerID && a.HostID == b.HostID && a.Name == b.Name &&
+		a.ImageURL == b.ImageURL && a.ImageSHA256 == b.ImageSHA256 &&
+		a.VCPUs == b.VCPUs && a.MemMB == b.MemMB && a.DiskGB == b.DiskGB && a.PowerState == b.PowerState &&
+		a.SSHAuthorizedKey == b.SSHAuthorizedKey &&
+		sameTimePtr(a.DeletedAt, b.DeletedAt) && sameTimePtr(a.DestroyAt, b.DestroyAt)
 }
 
 // DeleteVM removes the VM row for good, with its exposures and events.
