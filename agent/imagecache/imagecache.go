@@ -173,6 +173,13 @@ type flight struct {
 	progress func(done, total int64) // the leader's; nil once it has gone
 }
 
+// mute stops progress reports for good.
+func (f *flight) mute() {
+	f.pmu.Lock()
+	f.progress = nil
+	f.pmu.Unlock()
+}
+
 func (f *flight) report(done, total int64) {
 	f.pmu.Lock()
 	defer f.pmu.Unlock()
@@ -189,7 +196,7 @@ func (f *flight) report(done, total int64) {
 // context detached from every caller: a caller whose ctx ends stops waiting
 // and gets ctx's error, and the download goes on for the others; it is
 // cancelled only when every waiting caller has gone, and then leaves nothing
-// behind.
+// behind: the last caller to leave returns once it has stopped.
 //
 // progress, if non-nil, is told how far the download has come, at most once
 // per progress step, with total = the declared Content-Length or -1. Only the
@@ -248,11 +255,7 @@ func (c *Cache) wait(ctx context.Context, sha string, f *flight, leader bool) (s
 	if leader {
 		// However the leader leaves, its callback must not fire afterwards:
 		// it may publish into a pass that is no longer running.
-		defer func() {
-			f.pmu.Lock()
-			f.progress = nil
-			f.pmu.Unlock()
-		}()
+		defer f.mute()
 	}
 	select {
 	case <-f.done:
@@ -266,7 +269,8 @@ func (c *Cache) wait(ctx context.Context, sha string, f *flight, leader bool) (s
 	}
 	c.mu.Lock()
 	f.waiters--
-	if f.waiters == 0 {
+	last := f.waiters == 0
+	if last {
 		// Nobody wants it any more. Unlist it now so a later caller starts
 		// afresh instead of joining a cancelled fetch; temp names are unique,
 		// so the two never touch each other's files.
@@ -276,6 +280,14 @@ func (c *Cache) wait(ctx context.Context, sha string, f *flight, leader bool) (s
 		f.cancel()
 	}
 	c.mu.Unlock()
+	if last {
+		// The last caller out waits for the work to wind down, so that when
+		// it returns the download has stopped and its temp files are gone
+		// (a cancelled create frees its slot with nothing of it left behind).
+		// Every step of populate honours fctx, so this wait is short.
+		f.mute()
+		<-f.done
+	}
 	return "", ctx.Err()
 }
 

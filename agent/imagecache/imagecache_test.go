@@ -715,3 +715,65 @@ func TestPipeCopy(t *testing.T) {
 		require.ErrorContains(t, err, "no space left")
 	})
 }
+
+// TestCancellingATrickledDownloadStopsItAndLeavesNothing: a server that
+// sends one byte at a time holds a download open indefinitely; when its only
+// caller gives up, Ensure returns once the connection is dropped and the
+// work file removed, not merely once it has stopped waiting.
+func TestCancellingATrickledDownloadStopsItAndLeavesNothing(t *testing.T) {
+	sent := make(chan struct{}, 1)
+	aborted := make(chan struct{})
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", strconv.Itoa(1<<20))
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			if _, err := w.Write([]byte{0}); err != nil {
+				close(aborted)
+				return
+			}
+			w.(http.Flusher).Flush()
+			select {
+			case sent <- struct{}{}:
+			default:
+			}
+			select {
+			case <-r.Context().Done():
+				close(aborted)
+				return
+			case <-tick.C:
+			}
+		}
+	}))
+	t.Cleanup(ts.Close)
+	dir := t.TempDir()
+	c := loopbackCache(dir)
+	sum := strings.Repeat("ab", 32)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Ensure(ctx, ts.URL, sum, nil)
+		done <- err
+	}()
+	<-sent
+	require.Eventually(t, func() bool {
+		names := dirNames(t, dir)
+		return len(names) == 1 && strings.HasSuffix(names[0], ".download.part")
+	}, 5*time.Second, time.Millisecond, "precondition: the download is being written")
+
+	cancel()
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(5 * time.Second):
+		t.Fatal("Ensure did not return after its caller gave up")
+	}
+	assert.Empty(t, dirNames(t, dir), "nothing of the download is left when Ensure returns")
+	select {
+	case <-aborted:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the server is still sending: the download was not cancelled")
+	}
+	assert.Zero(t, waiters(c, sum), "the flight is gone")
+}

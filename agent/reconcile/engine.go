@@ -6,7 +6,9 @@
 // converge, delete, quarantine) against the latest desired state it was
 // handed. A pass runs without the worker's lock held, so building a report
 // never waits on slow work; a create narrates itself mid-pass so the report
-// can say which step a VM is in.
+// can say which step a VM is in. Newer desired state that no longer wants what
+// a pass is doing (the VM deleted, no longer named, or stopped) cuts it short:
+// a create stuck in a download gives up its slot at once.
 //
 // Lifecycle: New builds an idle Engine; the first Apply starts workers (for
 // every VM the snapshot names and every VM this host holds a record of);

@@ -31,6 +31,10 @@ type fakeHyper struct {
 	powerErr     error
 	noAddress    bool // guests never lease (until withAddress)
 	nextHost     byte
+	// bootWait, when set, runs after a guest has started, as a real boot
+	// waits for the guest to take its address; an error it returns leaves
+	// the guest running, as a real boot cut short does.
+	bootWait func(ctx context.Context, id string) error
 }
 
 func newFakeHyper() *fakeHyper {
@@ -89,14 +93,15 @@ func (h *fakeHyper) PrepareRootDisk(_ context.Context, spec state.VMSpec, basePa
 	return nil
 }
 
-func (h *fakeHyper) Boot(_ context.Context, spec state.VMSpec, seedPath string) error {
+func (h *fakeHyper) Boot(ctx context.Context, spec state.VMSpec, seedPath string) error {
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	h.calls["boot"]++
 	if h.bootErr != nil {
+		h.mu.Unlock()
 		return h.bootErr
 	}
 	if !h.disks[spec.ID] || !strings.HasSuffix(seedPath, "seed.iso") {
+		h.mu.Unlock()
 		return errors.New("boot without disk or seed")
 	}
 	h.running[spec.ID] = true
@@ -104,6 +109,11 @@ func (h *fakeHyper) Boot(_ context.Context, spec state.VMSpec, seedPath string) 
 	if _, ok := h.addr[spec.ID]; !ok {
 		h.addr[spec.ID] = netip.AddrFrom4([4]byte{10, 0, 0, h.nextHost})
 		h.nextHost++
+	}
+	wait := h.bootWait
+	h.mu.Unlock()
+	if wait != nil {
+		return wait(ctx, spec.ID)
 	}
 	return nil
 }

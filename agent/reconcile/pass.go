@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/a73x/eitri/agent/state"
@@ -49,6 +50,9 @@ type outcome struct {
 	// gone: nothing of the VM is left on this host; destroyed says it was
 	// this engine that destroyed it (reported in Destroyed).
 	gone, destroyed bool
+	// holdCreate: a stop cancelled the create; keep the VM unbuilt until it
+	// is wanted running (the worker remembers).
+	holdCreate bool
 }
 
 // permanentError is how building blocks mark an error that retrying cannot
@@ -71,8 +75,10 @@ func isHostFault(err error) bool {
 }
 
 // pass is one VM's complete unit of work: load its record and drive it toward
-// d (nil: no snapshot names it). Bounded by VMTimeout.
-func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, prev *eitriv1.ActualVM, pub publisher) outcome {
+// d (nil: no snapshot names it). Bounded by VMTimeout; parent is cancelled,
+// with a cause abandoned recognises, when newer desired state no longer wants
+// what the pass is doing. holdCreate: a stop cancelled this VM's create.
+func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, prev *eitriv1.ActualVM, holdCreate bool, pub publisher) outcome {
 	ctx, cancel := e.passContext(parent)
 	defer cancel()
 
@@ -98,9 +104,19 @@ func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, p
 		return e.deleting(ctx, d, rec, ok)
 	}
 	if !ok || rec.BootID == "" {
+		if ok && holdCreate && !wantRunning(d) {
+			return e.keepUnbuilt(ctx, id, rec)
+		}
 		return e.create(ctx, d, rec, ok, pub)
 	}
-	return e.converge(ctx, d, rec, prev)
+	out := e.converge(ctx, d, rec, prev)
+	if abandoned(ctx) != nil {
+		// A boot cut short by a stop or a delete would report the
+		// cancellation as an error; the pass that follows at once says
+		// what is true.
+		return outcome{skip: true}
+	}
+	return out
 }
 
 // create builds a VM from nothing (or finishes an unfinished create): host
@@ -155,18 +171,25 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		return e.failCreate(ctx, rec, err)
 	}
 	defer release() // held through Boot, which is I/O heavy in the guest
+	fail := func(err error) outcome {
+		release() // the next queued create need not wait for the cleanup
+		return e.failCreate(ctx, rec, err)
+	}
 
 	say(sayDownloading)
 	base, err := e.cfg.Images(ctx, rec.Spec.ImageURL, rec.Spec.ImageSHA256, func(done, total int64) {
 		say(downloadDetail(done, total))
 	})
 	if err != nil {
-		return e.failCreate(ctx, rec, err)
+		return fail(err)
 	}
 
+	// Called even when ctx has ended since the fetch: the image is pinned
+	// until a PrepareRootDisk for it returns (hostvm.Images), and on a dead
+	// ctx that is quick and leaves no disk.
 	say(sayPreparingDisk)
 	if err := e.cfg.Hyper.PrepareRootDisk(ctx, rec.Spec, base); err != nil {
-		return e.failCreate(ctx, rec, err)
+		return fail(err)
 	}
 
 	say(sayBuildingSeed)
@@ -178,13 +201,13 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		HostPrivKey:      rec.HostPrivKey,
 		HostPubKey:       rec.HostPubKey,
 	}); err != nil {
-		return e.failCreate(ctx, rec, err)
+		return fail(err)
 	}
 
 	if wantRunning(d) {
 		say(sayBooting)
 		if err := e.cfg.Hyper.Boot(ctx, rec.Spec, seedPath); err != nil {
-			return e.failCreate(ctx, rec, err)
+			return fail(err)
 		}
 	}
 
@@ -200,7 +223,8 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 	return e.observe(ctx, d, rec, "")
 }
 
-// failCreate settles a failed create attempt. A failure of the pass's own
+// failCreate settles a failed create attempt. A create the desired state
+// stopped wanting is abandoned, not failed. A failure of the pass's own
 // context (VMTimeout, or shutdown) or a host fault is refunded: neither is
 // the VM's fault. A permanent error fails at once; anything else spends one
 // attempt.
@@ -208,6 +232,9 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 	id := rec.Spec.ID
 	if e.ctx.Err() != nil {
 		return outcome{skip: true} // the engine is closing; record nothing
+	}
+	if why := abandoned(ctx); why != nil {
+		return e.abandonCreate(id, rec, why)
 	}
 	rec.LastError = err.Error()
 	detail := ""
@@ -237,10 +264,50 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 	return outcome{row: newRow(id, rec, powerStopped, phaseCreating, rec.LastError, detail)}
 }
 
+// abandonCreate ends a create that newer desired state no longer wants,
+// recording nothing against the VM (no attempt spent, no error): the user
+// changed their mind, nothing went wrong. Its row is the one the new state
+// calls for, without narration: the pass is over.
+//
+// A stopped VM keeps whatever is finished (an overlay disk is reused when it
+// is started) and builds the rest only when it is wanted running again:
+// starting the create over for a VM nobody wants running would hold the slot
+// the stop was meant to free.
+//
+// A deleted or unnamed VM's create never finished, so nothing it made is
+// worth keeping: disk, seed, tap, lease and any QEMU a cut-short boot left
+// go now. The record stays, so the VM takes its usual way out (deleting
+// until destroy_at, or quarantine) and a restore builds it afresh.
+func (e *Engine) abandonCreate(id string, rec state.Record, why error) outcome {
+	e.log.Info("create cancelled", "vm", id, "why", why)
+	if errors.Is(why, errStopped) {
+		return outcome{row: newRow(id, rec, powerStopped, phaseStopped, "", ""), holdCreate: true}
+	}
+	ctx, cancel := e.passContext(e.ctx)
+	defer cancel()
+	if err := e.cfg.Hyper.Destroy(ctx, id); err != nil {
+		// Whatever is left goes when the VM is destroyed.
+		e.log.Warn("removing what a cancelled create made", "vm", id, "err", err)
+	}
+	if errors.Is(why, errUnnamed) {
+		return outcome{} // the next pass quarantines it
+	}
+	return outcome{row: newRow(id, rec, powerStopped, phaseDeleting, "", "")}
+}
+
+// keepUnbuilt reports a stopped VM whose create a stop cancelled. A boot the
+// stop cut short may have left its guest running; it is shut down.
+func (e *Engine) keepUnbuilt(ctx context.Context, id string, rec state.Record) outcome {
+	running, lastErr := e.stop(ctx, id)
+	return outcome{row: newRow(id, rec, powerWord(running), phaseStopped, lastErr, "")}
+}
+
+// acquireCreateSlot waits for a create slot. release may be called more
+// than once; only the first gives the slot back.
 func (e *Engine) acquireCreateSlot(ctx context.Context) (release func(), err error) {
 	select {
 	case e.slots <- struct{}{}:
-		return func() { <-e.slots }, nil
+		return sync.OnceFunc(func() { <-e.slots }), nil
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}

@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -29,6 +30,15 @@ type worker struct {
 	busy bool
 	// gen names the pass in flight; a mid-pass publish must carry it.
 	gen uint64
+	// passWants is the desired state the pass in flight runs against, and
+	// cancelPass cancels it (nil when no pass is in flight): newer desired
+	// state that no longer wants what the pass is doing cuts it short.
+	passWants  *eitriv1.VMDesired
+	cancelPass context.CancelCauseFunc
+	// holdCreate: a stop cancelled this VM's create, so it stays unbuilt
+	// until it is wanted running again. Memory only: an agent restart
+	// forgets it and builds the VM as it would one created stopped.
+	holdCreate bool
 	// row and quar are this VM's contribution to the report. Published rows
 	// are never modified, only replaced.
 	row     *eitriv1.ActualVM
@@ -52,6 +62,13 @@ func (w *worker) setDesired(d *eitriv1.VMDesired) {
 	w.desired = d
 	w.seq++
 	w.pending = true
+	if w.busy && w.cancelPass != nil {
+		if why := supersedes(w.passWants, d); why != nil {
+			w.eng.log.Info("cutting the VM's pass short", "vm", w.id, "why", why)
+			w.cancelPass(why)
+			w.cancelPass = nil
+		}
+	}
 	select {
 	case w.kick <- struct{}{}:
 	default:
@@ -70,6 +87,7 @@ func (w *worker) run() {
 		case <-tick.C:
 		}
 
+		ctx, cancel := context.WithCancelCause(w.eng.ctx)
 		w.mu.Lock()
 		d, seq, prev := w.desired, w.seq, w.row
 		w.pending = false
@@ -77,10 +95,16 @@ func (w *worker) run() {
 		w.gen++
 		w.passes++
 		gen := w.gen
+		w.passWants, w.cancelPass = d, cancel
+		if wantRunning(d) {
+			w.holdCreate = false
+		}
+		hold := w.holdCreate
 		w.mu.Unlock()
 
 		// The pass runs with w.mu released: Fill and Apply never wait on it.
-		out := w.eng.pass(w.eng.ctx, w.id, d, prev, func(row *eitriv1.ActualVM) { w.publish(gen, row) })
+		out := w.eng.pass(ctx, w.id, d, prev, hold, func(row *eitriv1.ActualVM) { w.publish(gen, row) })
+		cancel(nil)
 
 		w.mu.Lock()
 		changed := false
@@ -88,9 +112,13 @@ func (w *worker) run() {
 			changed = !rowsEqual(w.row, out.row) || !proto.Equal(w.quar, out.quar) || (w.quar == nil) != (out.quar == nil)
 			w.row, w.quar = out.row, out.quar
 		}
+		if out.holdCreate {
+			w.holdCreate = true
+		}
 		// Clearing busy in the same critical section that lands the result
 		// closes this pass to late publishes.
 		w.busy = false
+		w.passWants, w.cancelPass = nil, nil
 		w.mu.Unlock()
 		if changed {
 			w.eng.notify()
@@ -120,6 +148,47 @@ func (w *worker) publish(gen uint64, row *eitriv1.ActualVM) {
 	if changed {
 		w.eng.notify()
 	}
+}
+
+// Why a pass in flight stopped being wanted. Each is the cause its context is
+// cancelled with, so the pass can tell it from a timeout or a shutdown.
+var (
+	errDeleted = errors.New("the VM was deleted")
+	errUnnamed = errors.New("the desired state no longer names the VM")
+	errStopped = errors.New("the VM was stopped")
+)
+
+// supersedes says why newer desired state makes the work of a pass running
+// toward old unwanted, or nil when it does not. Only a step down counts (gone,
+// deleted, stopped): a change that wants as much or more (a start, a
+// restore, a new owner) lets the pass finish, and the pass after it does the
+// rest.
+func supersedes(old, newer *eitriv1.VMDesired) error {
+	if old == nil || old.GetDeleted() {
+		return nil // quarantine and delete passes only ever take things down
+	}
+	switch {
+	case newer == nil:
+		return errUnnamed
+	case newer.GetDeleted():
+		return errDeleted
+	case wantRunning(old) && !wantRunning(newer):
+		return errStopped
+	}
+	return nil
+}
+
+// abandoned is why ctx was cut short by newer desired state, or nil when it
+// was not (it is live, timed out, or the engine is closing).
+func abandoned(ctx context.Context) error {
+	if ctx.Err() == nil {
+		return nil
+	}
+	switch cause := context.Cause(ctx); cause {
+	case errDeleted, errUnnamed, errStopped:
+		return cause
+	}
+	return nil
 }
 
 // idle reports that no pass is running or queued (tests poll it).
