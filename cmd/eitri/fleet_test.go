@@ -666,6 +666,37 @@ func runFleet(t *testing.T, base string) {
 		f.waitReady(t, vmIDs["b"], time.Minute, "vm-b is reported ready again")
 	})
 
+	step("an agent restarted while the control plane is down serves its published port again at once", func(t *testing.T) {
+		f.server.stop(t)
+		agents["a"].kill()
+		_, err := published(exposed)
+		require.Error(t, err, "the port went with the killed agent")
+
+		// No control plane to answer: the port comes back from the agent's
+		// own records, and reaches the guest the killed agent left running.
+		agents["a"] = f.start(t, "agent-a", agentNS(base, "a"), f.agentArgs("a", dirs["a"])...)
+		waitUntil(t, time.Minute, "the published port answers through the restarted agent, control plane down", func() (bool, string) {
+			if agents["a"].exited() {
+				t.Fatalf("agent-a exited: %v", agents["a"].err)
+			}
+			b, err := published(exposed)
+			if err != nil {
+				return false, err.Error()
+			}
+			return strings.Contains(b, "hostname=vm-a"), b
+		})
+
+		var fp string
+		f.server, fp, _ = f.startServer(t, "server", serverDir)
+		require.Equal(t, f.fp, fp)
+		for _, h := range []string{"a", "b"} {
+			f.waitConnected(t, hostIDs[h], true, 90*time.Second, "host-"+h+" connects to the control plane again")
+		}
+		f.waitReady(t, vmIDs["a"], time.Minute, "vm-a is reported ready again")
+		_, err = published(exposed)
+		assert.NoError(t, err, "the port stays up once the snapshot replaces the restored one")
+	})
+
 	step("an imposter control plane with another certificate gets no agent", func(t *testing.T) {
 		offsets := map[string]int64{"a": agents["a"].logSize(), "b": agents["b"].logSize()}
 		f.server.stop(t)
