@@ -43,6 +43,10 @@ type Config struct {
 	// TLSHosts are extra names/IPs for the self-made certificate.
 	TLSHosts    []string
 	DeleteGrace time.Duration
+	// RestoreMargin and DestroySweep: see fleet.Config.
+	RestoreMargin, DestroySweep time.Duration
+	// Now is the control plane's clock (tests step it); nil is time.Now.
+	Now func() time.Time
 	// PortMin/PortMax bound the host ports allocated to exposures that do
 	// not name one (default 30000-32767).
 	PortMin, PortMax uint16
@@ -100,6 +104,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	s.Fleet = fleet.New(fleet.Config{
 		PublicURL: cfg.PublicURL, CertFingerprint: s.Fingerprint,
 		DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
+		RestoreMargin: cfg.RestoreMargin, DestroySweep: cfg.DestroySweep, Now: cfg.Now,
 	}, st)
 	if s.AdminToken, err = s.Fleet.Bootstrap(ctx, cfg.DataDir); err != nil {
 		st.Close()

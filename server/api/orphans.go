@@ -2,7 +2,6 @@ package api
 
 import (
 	"context"
-	"errors"
 
 	"connectrpc.com/connect"
 
@@ -10,13 +9,16 @@ import (
 )
 
 func (s vmService) ListOrphanedVMs(ctx context.Context, _ *connect.Request[eitriv1.ListOrphanedVMsRequest]) (*connect.Response[eitriv1.ListOrphanedVMsResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("not yet"))
+	vms, err := s.f.ListOrphanedVMs(ctx)
+	return reply(s.handlers, &eitriv1.ListOrphanedVMsResponse{Vms: vms}, err)
 }
 
 func (s vmService) AdoptOrphanedVM(ctx context.Context, r *connect.Request[eitriv1.AdoptOrphanedVMRequest]) (*connect.Response[eitriv1.AdoptOrphanedVMResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("not yet"))
+	vm, err := s.f.AdoptOrphanedVM(ctx, r.Msg)
+	return reply(s.handlers, &eitriv1.AdoptOrphanedVMResponse{Vm: vm}, err)
 }
 
 func (s vmService) DestroyOrphanedVM(ctx context.Context, r *connect.Request[eitriv1.DestroyOrphanedVMRequest]) (*connect.Response[eitriv1.DestroyOrphanedVMResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("not yet"))
+	err := s.f.DestroyOrphanedVM(ctx, r.Msg)
+	return reply(s.handlers, &eitriv1.DestroyOrphanedVMResponse{}, err)
 }

@@ -70,6 +70,10 @@ func (f *Fleet) refuseDuplicate(ctx context.Context, hostID string, hello *eitri
 
 // conditions lists what is wrong with hostID right now.
 func (f *Fleet) conditions(hostID string) []*eitriv1.HostCondition {
+	return append(f.duplicateConditions(hostID), f.fencingConditions(hostID)...)
+}
+
+func (f *Fleet) duplicateConditions(hostID string) []*eitriv1.HostCondition {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	d := f.dups[hostID]

@@ -72,6 +72,13 @@ type Config struct {
 	CertFingerprint string
 	// DeleteGrace is how long a deleted VM stays restorable (default 24h).
 	DeleteGrace time.Duration
+	// RestoreMargin closes restores this long before destroy_at (default
+	// 1m, at most a tenth of DeleteGrace), so a restore never races the
+	// destroy going out and a console a little behind still tells the truth.
+	RestoreMargin time.Duration
+	// DestroySweep is how often a connected host's deleted VMs are checked
+	// against destroy_at, to send the destroy (default 15s).
+	DestroySweep time.Duration
 	// PortRange is where unset host ports are allocated from.
 	PortMin, PortMax uint16
 	Log              *slog.Logger
@@ -91,7 +98,7 @@ type Fleet struct {
 
 	mu       sync.Mutex
 	sessions map[string]*Session // host id → current stream
-	lastGen  map[string]uint64
+	lineage  store.Lineage       // the newest issued, for checking agents cheaply
 	touched  map[string]time.Time
 	dups     map[string]*duplicate // host id → a refused second agent
 
@@ -105,6 +112,12 @@ type Fleet struct {
 func New(cfg Config, st *store.Store) *Fleet {
 	if cfg.DeleteGrace == 0 {
 		cfg.DeleteGrace = 24 * time.Hour
+	}
+	if cfg.RestoreMargin == 0 {
+		cfg.RestoreMargin = min(time.Minute, cfg.DeleteGrace/10)
+	}
+	if cfg.DestroySweep == 0 {
+		cfg.DestroySweep = 15 * time.Second
 	}
 	if cfg.PortMin == 0 {
 		cfg.PortMin, cfg.PortMax = 30000, 32767
@@ -124,7 +137,6 @@ func New(cfg Config, st *store.Store) *Fleet {
 		Hosts:     watch.NewTopic[*eitriv1.Host](),
 		Exposures: watch.NewTopic[*eitriv1.Exposure](),
 		sessions:  make(map[string]*Session),
-		lastGen:   make(map[string]uint64),
 		touched:   make(map[string]time.Time),
 		dups:      make(map[string]*duplicate),
 		reserved:  builtinReserved(cfg.PublicURL),

@@ -25,6 +25,8 @@ type Session struct {
 	ctx      context.Context
 	cancel   context.CancelCauseFunc
 	kicks    chan struct{}
+	// destroying: the VMs the last snapshot told to destroy (f.mu).
+	destroying map[string]bool
 }
 
 // OpenSession registers a host's new stream and queues the snapshot every
@@ -39,6 +41,9 @@ func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.H
 	if err := f.refuseDuplicate(ctx, hostID, hello, peer, now); err != nil {
 		return nil, err
 	}
+	// Before the first snapshot goes out: an agent ahead of this control
+	// plane must never be sent a generation it already saw.
+	f.fenceForward(ctx, hostID, hello.GetControlPlaneId(), hello.GetAppliedEpoch(), hello.GetAppliedGeneration())
 	if err := f.st.UpdateHostHello(ctx, hostID, store.HostHello{
 		AgentVersion: hello.GetAgentVersion(), Address: hello.GetAddress(),
 		Accelerator: hello.GetAccelerator(), AcceleratorReason: hello.GetAcceleratorReason(),
@@ -61,6 +66,7 @@ func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.H
 
 	f.log.Info("host connected", "host", hostID, "agent_version", hello.GetAgentVersion(), "peer", peer)
 	f.publishDiff(ctx, hostID, d)
+	go s.sweepDestroys()
 	return s, nil
 }
 
@@ -101,10 +107,11 @@ func (f *Fleet) kick(hostID string) {
 	}
 }
 
-// Snapshot builds the host's complete desired state with a fresh, rising
-// generation. Generations are floored at the wall clock so they keep rising
-// across control plane restarts, which the agent relies on to ignore stale
-// snapshots.
+// Snapshot builds the host's complete desired state with a fresh generation
+// from the stored counter, so it rises across restarts and clock steps
+// alike. Each VM carries the version of its desired state, and the destroy
+// of a deleted VM once this control plane's clock has passed its
+// destroy_at: the agent's clock never decides it.
 func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, error) {
 	f := s.f
 	vms, err := f.st.ListVMsByHost(ctx, s.hostID)
@@ -117,17 +124,21 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 	}
 	snap := &eitriv1.DesiredStateSnapshot{}
 	deleted := map[string]bool{}
+	destroying := map[string]bool{}
+	now := f.now()
 	for _, v := range vms {
 		d := &eitriv1.VMDesired{
 			VmId: v.ID, Name: v.Name, ImageUrl: v.ImageURL, ImageSha256: v.ImageSHA256,
 			Vcpus: v.VCPUs, MemMb: v.MemMB, DiskGb: v.DiskGB, PowerState: v.PowerState,
-			SshAuthorizedKey: v.SSHAuthorizedKey, Owner: v.OwnerID,
+			SshAuthorizedKey: v.SSHAuthorizedKey, Owner: v.OwnerID, Version: v.DesiredGen,
 		}
 		if v.DeletedAt != nil {
 			d.Deleted = true
 			deleted[v.ID] = true
 			if v.DestroyAt != nil {
 				d.DestroyAtUnix = v.DestroyAt.Unix()
+				d.Destroy = destroyDue(v, now)
+				destroying[v.ID] = d.Destroy
 			}
 		}
 		snap.Vms = append(snap.Vms, d)
@@ -142,14 +153,15 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 			Protocol: e.Protocol, Scope: e.Scope, MaxSessions: e.MaxSessions,
 		})
 	}
-	f.mu.Lock()
-	gen := uint64(f.now().UnixNano())
-	if last := f.lastGen[s.hostID]; gen <= last {
-		gen = last + 1
+	l, err := f.st.NextGeneration(ctx)
+	if err != nil {
+		return nil, err
 	}
-	f.lastGen[s.hostID] = gen
+	f.mu.Lock()
+	f.noteLineage(l)
+	s.destroying = destroying
 	f.mu.Unlock()
-	snap.Generation = gen
+	snap.ControlPlaneId, snap.Epoch, snap.Generation = l.ID, l.Epoch, l.Generation
 	return snap, nil
 }
 
@@ -161,6 +173,14 @@ func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
 	d, ok := f.reg.Apply(s.hostID, s.conn, rep, now)
 	if !ok {
 		return
+	}
+	f.fenceForward(ctx, s.hostID, rep.GetControlPlaneId(), rep.GetAppliedEpoch(), rep.GetAppliedGeneration())
+	if d.Refusal {
+		if r := rep.GetSnapshotRefused(); r != nil {
+			f.log.Error("the host refuses this control plane's desired state", "host", s.hostID, "reason", r.GetReason())
+		} else {
+			f.log.Info("the host applies this control plane's desired state again", "host", s.hostID)
+		}
 	}
 	if d.Accelerator {
 		// A re-probe changed what new guests run under; a disconnected host

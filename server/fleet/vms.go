@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/url"
 	"regexp"
+	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -312,7 +313,7 @@ func (f *Fleet) DeleteVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 		return nil, storeErr(err, "vm "+id)
 	}
 	if changed {
-		f.event(ctx, id, "deleted", "deleted; restorable until "+vm.DestroyAt.Format("2006-01-02 15:04:05 MST"))
+		f.event(ctx, id, "deleted", "deleted; restorable until "+f.restorableUntil(vm).Format("2006-01-02 15:04:05 MST"))
 		f.vmChanged(ctx, vm.HostID, id)
 		f.exposuresOfVMChanged(ctx, id)
 	}
@@ -325,6 +326,10 @@ func (f *Fleet) DeleteVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 func (f *Fleet) RestoreVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 	cur, _, err := f.visible(ctx, id)
 	if err != nil {
+		return nil, err
+	}
+	now := f.now()
+	if err := f.tooLateToRestore(cur, now); err != nil {
 		return nil, err
 	}
 	f.quota.admit.Lock()
@@ -356,6 +361,9 @@ func (f *Fleet) RestoreVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 		if v.DeletedAt == nil {
 			return errorf(Precondition, "vm %s is not deleted", id)
 		}
+		if err := f.tooLateToRestore(*v, now); err != nil {
+			return err
+		}
 		v.DeletedAt, v.DestroyAt = nil, nil
 		return nil
 	})
@@ -368,6 +376,18 @@ func (f *Fleet) RestoreVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 		f.exposuresOfVMChanged(ctx, id)
 	}
 	return f.vmView(vm), nil
+}
+
+// tooLateToRestore refuses a restore from RestoreMargin before destroy_at
+// on: from destroy_at the host is told to destroy the disk, and a restore
+// that raced it would bring back nothing.
+func (f *Fleet) tooLateToRestore(v store.VM, now time.Time) error {
+	until := f.restorableUntil(v)
+	if until == nil || now.Before(*until) {
+		return nil
+	}
+	return errorf(Precondition, "vm %s is destroyed at %s (restores close %s before); it cannot be restored",
+		v.ID, v.DestroyAt.Format("2006-01-02 15:04:05 MST"), f.cfg.RestoreMargin)
 }
 
 // ListVMEvents returns a VM's timeline.
@@ -405,6 +425,9 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 	}
 	if v.DestroyAt != nil {
 		out.DestroyAt = timestamppb.New(*v.DestroyAt)
+	}
+	if t := f.restorableUntil(v); t != nil {
+		out.RestorableUntil = timestamppb.New(*t)
 	}
 	row, reporting := f.reg.VM(v.HostID, v.ID)
 	if row != nil {

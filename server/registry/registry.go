@@ -20,6 +20,9 @@ type Live struct {
 	Report      *eitriv1.ActualStateReport // nil until the first report
 	ConnectedAt time.Time
 	LastSeen    time.Time
+	// RefusedSince is when the host's reports started saying it refuses the
+	// control plane's snapshots; zero while they do not.
+	RefusedSince time.Time
 
 	conn uint64
 	vms  map[string]*eitriv1.ActualVM
@@ -34,6 +37,9 @@ type Diff struct {
 	Host      bool
 	// Accelerator: the report changed what the host runs guests under.
 	Accelerator bool
+	// Refusal: the host started or stopped refusing snapshots, or its
+	// reason changed.
+	Refusal bool
 }
 
 // Registry is safe for concurrent use.
@@ -115,14 +121,36 @@ func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateRep
 		prevAccel, prevReason = old.GetAccelerator(), old.GetAcceleratorReason()
 	}
 	d.Accelerator = rep.GetAccelerator() != "" && (rep.GetAccelerator() != prevAccel || rep.GetAcceleratorReason() != prevReason)
-	d.Host = old == nil || d.Accelerator ||
+	d.Refusal = !proto.Equal(old.GetSnapshotRefused(), rep.GetSnapshotRefused())
+	d.Host = old == nil || d.Accelerator || d.Refusal ||
 		!proto.Equal(old.GetCapacity(), rep.GetCapacity()) ||
-		!proto.Equal(old.GetMetrics(), rep.GetMetrics())
+		!proto.Equal(old.GetMetrics(), rep.GetMetrics()) ||
+		!sameHeld(old.GetQuarantined(), rep.GetQuarantined())
 	// Replace rather than mutate: readers may hold the previous Live.
 	nl := *l
 	nl.Report, nl.vms, nl.exps, nl.LastSeen = rep, vms, exps, now
+	switch {
+	case rep.GetSnapshotRefused() == nil:
+		nl.RefusedSince = time.Time{}
+	case nl.RefusedSince.IsZero():
+		nl.RefusedSince = now
+	}
 	r.hosts[hostID] = &nl
 	return d, true
+}
+
+// sameHeld says whether two reports hold the same VMs apart from their
+// readings (power), which the host's conditions do not show.
+func sameHeld(a, b []*eitriv1.QuarantinedVM) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i].GetVmId() != b[i].GetVmId() || a[i].GetReason() != b[i].GetReason() {
+			return false
+		}
+	}
+	return true
 }
 
 func changed[M proto.Message](old, cur map[string]M) []string {
