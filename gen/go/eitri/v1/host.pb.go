@@ -531,8 +531,15 @@ func (x *CreateJoinTokenResponse) GetCommand() string {
 }
 
 type DecommissionHostRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// For a host that is gone for good (a dead machine), which can never
+	// report its VMs again: allowed only once it has been disconnected for at
+	// least 10 minutes by last_seen_at (FailedPrecondition says how long is
+	// left). Its VMs are kept as rows with no host, lifecycle "lost" and a
+	// last_error saying what happened; its deleted VMs and its exposures are
+	// removed. Nothing on the machine itself is touched.
+	Force         bool `protobuf:"varint,2,opt,name=force,proto3" json:"force,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -574,10 +581,22 @@ func (x *DecommissionHostRequest) GetId() string {
 	return ""
 }
 
+func (x *DecommissionHostRequest) GetForce() bool {
+	if x != nil {
+		return x.Force
+	}
+	return false
+}
+
 type DecommissionHostResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The VMs a forced decommission marked lost.
+	LostVmIds []string `protobuf:"bytes,1,rep,name=lost_vm_ids,json=lostVmIds,proto3" json:"lost_vm_ids,omitempty"`
+	// The deleted VMs a forced decommission removed: their destroy could
+	// never be confirmed.
+	ForgottenVmIds []string `protobuf:"bytes,2,rep,name=forgotten_vm_ids,json=forgottenVmIds,proto3" json:"forgotten_vm_ids,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *DecommissionHostResponse) Reset() {
@@ -608,6 +627,20 @@ func (x *DecommissionHostResponse) ProtoReflect() protoreflect.Message {
 // Deprecated: Use DecommissionHostResponse.ProtoReflect.Descriptor instead.
 func (*DecommissionHostResponse) Descriptor() ([]byte, []int) {
 	return file_eitri_v1_host_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *DecommissionHostResponse) GetLostVmIds() []string {
+	if x != nil {
+		return x.LostVmIds
+	}
+	return nil
+}
+
+func (x *DecommissionHostResponse) GetForgottenVmIds() []string {
+	if x != nil {
+		return x.ForgottenVmIds
+	}
+	return nil
 }
 
 type WatchHostsRequest struct {
@@ -831,10 +864,13 @@ const file_eitri_v1_host_proto_rawDesc = "" +
 	"\x05token\x18\x01 \x01(\tR\x05token\x129\n" +
 	"\n" +
 	"expires_at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12\x18\n" +
-	"\acommand\x18\x03 \x01(\tR\acommand\")\n" +
+	"\acommand\x18\x03 \x01(\tR\acommand\"?\n" +
 	"\x17DecommissionHostRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"\x1a\n" +
-	"\x18DecommissionHostResponse\"\x13\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
+	"\x05force\x18\x02 \x01(\bR\x05force\"d\n" +
+	"\x18DecommissionHostResponse\x12\x1e\n" +
+	"\vlost_vm_ids\x18\x01 \x03(\tR\tlostVmIds\x12(\n" +
+	"\x10forgotten_vm_ids\x18\x02 \x03(\tR\x0eforgottenVmIds\"\x13\n" +
 	"\x11WatchHostsRequest\"0\n" +
 	"\bHostList\x12$\n" +
 	"\x05hosts\x18\x01 \x03(\v2\x0e.eitri.v1.HostR\x05hosts\"\x9c\x01\n" +

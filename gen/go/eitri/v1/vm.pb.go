@@ -35,7 +35,8 @@ type VM struct {
 	// Desired power: "running" or "stopped".
 	PowerState string `protobuf:"bytes,9,opt,name=power_state,json=powerState,proto3" json:"power_state,omitempty"`
 	// The last status the VM's host reported, kept durably: "pending" (never
-	// reported), "creating", "ready", "stopped", "failed".
+	// reported), "creating", "ready", "stopped", "failed"; or "lost" once its
+	// host was decommissioned by force (see DecommissionHostRequest.force).
 	Status string `protobuf:"bytes,10,opt,name=status,proto3" json:"status,omitempty"`
 	// Why the last create failed, as its host said; empty otherwise.
 	LastError string `protobuf:"bytes,11,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
@@ -56,7 +57,8 @@ type VM struct {
 	DestroyAt *timestamppb.Timestamp `protobuf:"bytes,18,opt,name=destroy_at,json=destroyAt,proto3" json:"destroy_at,omitempty"`
 	// Derived from the durable row and the live report: "pending", "creating",
 	// "ready", "stopped", "failed", "deleting", or "unknown" while its host is
-	// not reporting on it.
+	// not reporting on it; "lost" when its host was decommissioned by force
+	// (host_id is then empty and last_error says what happened).
 	Lifecycle string `protobuf:"bytes,19,opt,name=lifecycle,proto3" json:"lifecycle,omitempty"`
 	// The public key injected into the guest; may be empty.
 	SshAuthorizedKey string `protobuf:"bytes,20,opt,name=ssh_authorized_key,json=sshAuthorizedKey,proto3" json:"ssh_authorized_key,omitempty"`

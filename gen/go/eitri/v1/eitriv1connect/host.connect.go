@@ -53,7 +53,8 @@ type HostServiceClient interface {
 	GetHost(context.Context, *connect.Request[v1.GetHostRequest]) (*connect.Response[v1.GetHostResponse], error)
 	CreateJoinToken(context.Context, *connect.Request[v1.CreateJoinTokenRequest]) (*connect.Response[v1.CreateJoinTokenResponse], error)
 	// DecommissionHost forgets a host: its credential stops working and it
-	// leaves the fleet. Refused while the host still has VMs.
+	// leaves the fleet. Refused while the host still has VMs, unless force is
+	// set for a host that is gone for good.
 	DecommissionHost(context.Context, *connect.Request[v1.DecommissionHostRequest]) (*connect.Response[v1.DecommissionHostResponse], error)
 	WatchHosts(context.Context, *connect.Request[v1.WatchHostsRequest]) (*connect.ServerStreamForClient[v1.WatchHostsResponse], error)
 }
@@ -142,7 +143,8 @@ type HostServiceHandler interface {
 	GetHost(context.Context, *connect.Request[v1.GetHostRequest]) (*connect.Response[v1.GetHostResponse], error)
 	CreateJoinToken(context.Context, *connect.Request[v1.CreateJoinTokenRequest]) (*connect.Response[v1.CreateJoinTokenResponse], error)
 	// DecommissionHost forgets a host: its credential stops working and it
-	// leaves the fleet. Refused while the host still has VMs.
+	// leaves the fleet. Refused while the host still has VMs, unless force is
+	// set for a host that is gone for good.
 	DecommissionHost(context.Context, *connect.Request[v1.DecommissionHostRequest]) (*connect.Response[v1.DecommissionHostResponse], error)
 	WatchHosts(context.Context, *connect.Request[v1.WatchHostsRequest], *connect.ServerStream[v1.WatchHostsResponse]) error
 }

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file eitri/v1/host.proto.
  */
 export const file_eitri_v1_host: GenFile = /*@__PURE__*/
-  fileDesc("ChNlaXRyaS92MS9ob3N0LnByb3RvEghlaXRyaS52MSKNAwoESG9zdBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSFQoNYWdlbnRfdmVyc2lvbhgEIAEoCRITCgthY2NlbGVyYXRvchgFIAEoCRIRCgljb25uZWN0ZWQYBiABKAgSJAoIY2FwYWNpdHkYByABKAsyEi5laXRyaS52MS5DYXBhY2l0eRImCglhbGxvY2F0ZWQYCCABKAsyEy5laXRyaS52MS5BbGxvY2F0ZWQSIgoHbWV0cmljcxgJIAEoCzIRLmVpdHJpLnYxLk1ldHJpY3MSLgoKY3JlYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF9zZWVuX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIaChJhY2NlbGVyYXRvcl9yZWFzb24YDCABKAkSKwoKY29uZGl0aW9ucxgNIAMoCzIXLmVpdHJpLnYxLkhvc3RDb25kaXRpb24iiwEKDUhvc3RDb25kaXRpb24SDAoEdHlwZRgBIAEoCRIPCgdtZXNzYWdlGAIgASgJEikKBXNpbmNlGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIwCgxsYXN0X3NlZW5fYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIhIKEExpc3RIb3N0c1JlcXVlc3QiMgoRTGlzdEhvc3RzUmVzcG9uc2USHQoFaG9zdHMYASADKAsyDi5laXRyaS52MS5Ib3N0IhwKDkdldEhvc3RSZXF1ZXN0EgoKAmlkGAEgASgJIi8KD0dldEhvc3RSZXNwb25zZRIcCgRob3N0GAEgASgLMg4uZWl0cmkudjEuSG9zdCJAChZDcmVhdGVKb2luVG9rZW5SZXF1ZXN0EiYKA3R0bBgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJpChdDcmVhdGVKb2luVG9rZW5SZXNwb25zZRINCgV0b2tlbhgBIAEoCRIuCgpleHBpcmVzX2F0GAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdjb21tYW5kGAMgASgJIiUKF0RlY29tbWlzc2lvbkhvc3RSZXF1ZXN0EgoKAmlkGAEgASgJIhoKGERlY29tbWlzc2lvbkhvc3RSZXNwb25zZSITChFXYXRjaEhvc3RzUmVxdWVzdCIpCghIb3N0TGlzdBIdCgVob3N0cxgBIAMoCzIOLmVpdHJpLnYxLkhvc3QifgoSV2F0Y2hIb3N0c1Jlc3BvbnNlEiYKCHNuYXBzaG90GAEgASgLMhIuZWl0cmkudjEuSG9zdExpc3RIABIhCgdjaGFuZ2VkGAIgASgLMg4uZWl0cmkudjEuSG9zdEgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudDKRAwoLSG9zdFNlcnZpY2USRAoJTGlzdEhvc3RzEhouZWl0cmkudjEuTGlzdEhvc3RzUmVxdWVzdBobLmVpdHJpLnYxLkxpc3RIb3N0c1Jlc3BvbnNlEj4KB0dldEhvc3QSGC5laXRyaS52MS5HZXRIb3N0UmVxdWVzdBoZLmVpdHJpLnYxLkdldEhvc3RSZXNwb25zZRJWCg9DcmVhdGVKb2luVG9rZW4SIC5laXRyaS52MS5DcmVhdGVKb2luVG9rZW5SZXF1ZXN0GiEuZWl0cmkudjEuQ3JlYXRlSm9pblRva2VuUmVzcG9uc2USWQoQRGVjb21taXNzaW9uSG9zdBIhLmVpdHJpLnYxLkRlY29tbWlzc2lvbkhvc3RSZXF1ZXN0GiIuZWl0cmkudjEuRGVjb21taXNzaW9uSG9zdFJlc3BvbnNlEkkKCldhdGNoSG9zdHMSGy5laXRyaS52MS5XYXRjaEhvc3RzUmVxdWVzdBocLmVpdHJpLnYxLldhdGNoSG9zdHNSZXNwb25zZTABQi9aLWdpdGh1Yi5jb20vYTczeC9laXRyaS9nZW4vZ28vZWl0cmkvdjE7ZWl0cml2MWIGcHJvdG8z", [file_eitri_v1_resources, file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChNlaXRyaS92MS9ob3N0LnByb3RvEghlaXRyaS52MSKNAwoESG9zdBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSFQoNYWdlbnRfdmVyc2lvbhgEIAEoCRITCgthY2NlbGVyYXRvchgFIAEoCRIRCgljb25uZWN0ZWQYBiABKAgSJAoIY2FwYWNpdHkYByABKAsyEi5laXRyaS52MS5DYXBhY2l0eRImCglhbGxvY2F0ZWQYCCABKAsyEy5laXRyaS52MS5BbGxvY2F0ZWQSIgoHbWV0cmljcxgJIAEoCzIRLmVpdHJpLnYxLk1ldHJpY3MSLgoKY3JlYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF9zZWVuX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIaChJhY2NlbGVyYXRvcl9yZWFzb24YDCABKAkSKwoKY29uZGl0aW9ucxgNIAMoCzIXLmVpdHJpLnYxLkhvc3RDb25kaXRpb24iiwEKDUhvc3RDb25kaXRpb24SDAoEdHlwZRgBIAEoCRIPCgdtZXNzYWdlGAIgASgJEikKBXNpbmNlGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIwCgxsYXN0X3NlZW5fYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIhIKEExpc3RIb3N0c1JlcXVlc3QiMgoRTGlzdEhvc3RzUmVzcG9uc2USHQoFaG9zdHMYASADKAsyDi5laXRyaS52MS5Ib3N0IhwKDkdldEhvc3RSZXF1ZXN0EgoKAmlkGAEgASgJIi8KD0dldEhvc3RSZXNwb25zZRIcCgRob3N0GAEgASgLMg4uZWl0cmkudjEuSG9zdCJAChZDcmVhdGVKb2luVG9rZW5SZXF1ZXN0EiYKA3R0bBgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJpChdDcmVhdGVKb2luVG9rZW5SZXNwb25zZRINCgV0b2tlbhgBIAEoCRIuCgpleHBpcmVzX2F0GAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdjb21tYW5kGAMgASgJIjQKF0RlY29tbWlzc2lvbkhvc3RSZXF1ZXN0EgoKAmlkGAEgASgJEg0KBWZvcmNlGAIgASgIIkkKGERlY29tbWlzc2lvbkhvc3RSZXNwb25zZRITCgtsb3N0X3ZtX2lkcxgBIAMoCRIYChBmb3Jnb3R0ZW5fdm1faWRzGAIgAygJIhMKEVdhdGNoSG9zdHNSZXF1ZXN0IikKCEhvc3RMaXN0Eh0KBWhvc3RzGAEgAygLMg4uZWl0cmkudjEuSG9zdCJ+ChJXYXRjaEhvc3RzUmVzcG9uc2USJgoIc25hcHNob3QYASABKAsyEi5laXRyaS52MS5Ib3N0TGlzdEgAEiEKB2NoYW5nZWQYAiABKAsyDi5laXRyaS52MS5Ib3N0SAASFAoKcmVtb3ZlZF9pZBgDIAEoCUgAQgcKBWV2ZW50MpEDCgtIb3N0U2VydmljZRJECglMaXN0SG9zdHMSGi5laXRyaS52MS5MaXN0SG9zdHNSZXF1ZXN0GhsuZWl0cmkudjEuTGlzdEhvc3RzUmVzcG9uc2USPgoHR2V0SG9zdBIYLmVpdHJpLnYxLkdldEhvc3RSZXF1ZXN0GhkuZWl0cmkudjEuR2V0SG9zdFJlc3BvbnNlElYKD0NyZWF0ZUpvaW5Ub2tlbhIgLmVpdHJpLnYxLkNyZWF0ZUpvaW5Ub2tlblJlcXVlc3QaIS5laXRyaS52MS5DcmVhdGVKb2luVG9rZW5SZXNwb25zZRJZChBEZWNvbW1pc3Npb25Ib3N0EiEuZWl0cmkudjEuRGVjb21taXNzaW9uSG9zdFJlcXVlc3QaIi5laXRyaS52MS5EZWNvbW1pc3Npb25Ib3N0UmVzcG9uc2USSQoKV2F0Y2hIb3N0cxIbLmVpdHJpLnYxLldhdGNoSG9zdHNSZXF1ZXN0GhwuZWl0cmkudjEuV2F0Y2hIb3N0c1Jlc3BvbnNlMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_eitri_v1_resources, file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * @generated from message eitri.v1.Host
@@ -284,6 +284,18 @@ export type DecommissionHostRequest = Message<"eitri.v1.DecommissionHostRequest"
    * @generated from field: string id = 1;
    */
   id: string;
+
+  /**
+   * For a host that is gone for good (a dead machine), which can never
+   * report its VMs again: allowed only once it has been disconnected for at
+   * least 10 minutes by last_seen_at (FailedPrecondition says how long is
+   * left). Its VMs are kept as rows with no host, lifecycle "lost" and a
+   * last_error saying what happened; its deleted VMs and its exposures are
+   * removed. Nothing on the machine itself is touched.
+   *
+   * @generated from field: bool force = 2;
+   */
+  force: boolean;
 };
 
 /**
@@ -297,6 +309,20 @@ export const DecommissionHostRequestSchema: GenMessage<DecommissionHostRequest> 
  * @generated from message eitri.v1.DecommissionHostResponse
  */
 export type DecommissionHostResponse = Message<"eitri.v1.DecommissionHostResponse"> & {
+  /**
+   * The VMs a forced decommission marked lost.
+   *
+   * @generated from field: repeated string lost_vm_ids = 1;
+   */
+  lostVmIds: string[];
+
+  /**
+   * The deleted VMs a forced decommission removed: their destroy could
+   * never be confirmed.
+   *
+   * @generated from field: repeated string forgotten_vm_ids = 2;
+   */
+  forgottenVmIds: string[];
 };
 
 /**
@@ -404,7 +430,8 @@ export const HostService: GenService<{
   },
   /**
    * DecommissionHost forgets a host: its credential stops working and it
-   * leaves the fleet. Refused while the host still has VMs.
+   * leaves the fleet. Refused while the host still has VMs, unless force is
+   * set for a host that is gone for good.
    *
    * @generated from rpc eitri.v1.HostService.DecommissionHost
    */

@@ -67,7 +67,8 @@ export type VM = Message<"eitri.v1.VM"> & {
 
   /**
    * The last status the VM's host reported, kept durably: "pending" (never
-   * reported), "creating", "ready", "stopped", "failed".
+   * reported), "creating", "ready", "stopped", "failed"; or "lost" once its
+   * host was decommissioned by force (see DecommissionHostRequest.force).
    *
    * @generated from field: string status = 10;
    */
@@ -131,7 +132,8 @@ export type VM = Message<"eitri.v1.VM"> & {
   /**
    * Derived from the durable row and the live report: "pending", "creating",
    * "ready", "stopped", "failed", "deleting", or "unknown" while its host is
-   * not reporting on it.
+   * not reporting on it; "lost" when its host was decommissioned by force
+   * (host_id is then empty and last_error says what happened).
    *
    * @generated from field: string lifecycle = 19;
    */
