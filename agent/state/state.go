@@ -77,11 +77,21 @@ type Record struct {
 	LastError      string `json:",omitempty"`
 	Failed         bool   `json:",omitempty"`
 
-	// QuarantinedAt is when the agent first noticed the desired state no
-	// longer names this VM; zero while it is wanted.
+	// QuarantinedAt is when the agent started holding this VM (no snapshot
+	// names it, or names it with an older version than Version); zero while
+	// it takes the desired state's word.
 	QuarantinedAt time.Time `json:",omitzero"`
-	// DestroyAt is when a soft-deleted VM's disk may be destroyed.
+	// DestroyAt is when a soft-deleted VM's disk was to be destroyed, as an
+	// older agent recorded it; never acted on (the control plane says
+	// destroy).
 	DestroyAt time.Time `json:",omitzero"`
+
+	// The desired state last applied: its version, power and delete. A VM
+	// the agent will not take the control plane's word on is held to it.
+	// Records from before these fields read as version 0, power unknown.
+	Version uint64 `json:",omitempty"`
+	Power   string `json:",omitempty"`
+	Deleted bool   `json:",omitempty"`
 }
 
 // Open prepares dir (creating it if needed) and removes temp files a crash
@@ -95,8 +105,11 @@ func Open(dir string) (*Store, error) {
 			return nil, fmt.Errorf("state: %w", err)
 		}
 	}
-	for _, d := range []string{dir, filepath.Join(dir, vmRecordDir)} {
+	for _, d := range []string{dir, filepath.Join(dir, vmRecordDir), filepath.Join(dir, destroyedDir)} {
 		ents, err := os.ReadDir(d)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
 		if err != nil {
 			return nil, fmt.Errorf("state: %w", err)
 		}
