@@ -1,7 +1,6 @@
 package hostvm
 
 import (
-	"encoding/binary"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -11,11 +10,13 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/a73x/eitri/agent/qemu"
-	"github.com/a73x/eitri/agent/reconcile"
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/qemu"
+	"github.com/a73x/eitri/agent/qemu/qemutest"
+	"github.com/a73x/eitri/agent/reconcile"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // accelLog collects the backend's OnAccelChange calls.
@@ -126,37 +127,6 @@ fi
 	})
 }
 
-// mmioDisk is a guest KVM cannot run: its MBR enters 32-bit protected mode
-// and jumps into the IOAPIC's MMIO window (0xFEC00000). KVM gives up with
-// "KVM internal error. Suberror: 1 ... emulation failure" and QEMU pauses
-// the guest in status internal-error, as on hosts whose KVM breaks in the
-// firmware. Under TCG it just spins.
-func mmioDisk(t *testing.T) string {
-	t.Helper()
-	code := []byte{
-		0xFA,       // cli
-		0x31, 0xC0, // xor ax, ax
-		0x8E, 0xD8, // mov ds, ax
-		0x0F, 0x01, 0x16, 0x00, 0x00, // lgdt [gdtr] (address patched below)
-		0x0F, 0x20, 0xC0, // mov eax, cr0
-		0x0C, 0x01, // or al, 1: protection on
-		0x0F, 0x22, 0xC0, // mov cr0, eax
-		0x66, 0xEA, 0x00, 0x00, 0xC0, 0xFE, 0x08, 0x00, // jmp dword 0x08:0xFEC00000
-	}
-	mbr := make([]byte, 512)
-	copy(mbr, code)
-	// GDT at 32: a null descriptor, then a flat 4 GiB 32-bit code segment.
-	copy(mbr[32:], []byte{0, 0, 0, 0, 0, 0, 0, 0, 0xFF, 0xFF, 0, 0, 0, 0x9A, 0xCF, 0})
-	binary.LittleEndian.PutUint16(mbr[48:], 15) // GDTR: limit, base
-	binary.LittleEndian.PutUint32(mbr[50:], 0x7C00+32)
-	binary.LittleEndian.PutUint16(mbr[8:], 0x7C00+48)
-	mbr[510], mbr[511] = 0x55, 0xAA
-	path := filepath.Join(t.TempDir(), "mmio.raw")
-	require.NoError(t, os.WriteFile(path, mbr, 0o600))
-	require.NoError(t, os.Truncate(path, 1<<20))
-	return path
-}
-
 // kvmDeviceOpens reports whether /dev/kvm opens read-write.
 func kvmDeviceOpens() bool {
 	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
@@ -186,7 +156,7 @@ func TestGuestStoppedByKVMIsRetriedUnderTheNextAccelerator(t *testing.T) {
 		// Under KVM the firmware boots the MMIO disk first (bootindex 0).
 		h := startHost(t, dir, netip.MustParsePrefix("10.78.5.1/24"), true, wrappedQEMU(t, `
 if [ -n "$kvm" ] && [ -n "$vm" ]; then
-	set -- "$@" -drive if=none,id=mmio,format=raw,readonly=on,file=`+mmioDisk(t)+` -device virtio-blk-pci,drive=mmio,bootindex=0
+	set -- "$@" -drive if=none,id=mmio,format=raw,readonly=on,file=`+qemutest.MMIODisk(t)+` -device virtio-blk-pci,drive=mmio,bootindex=0
 fi`+probesPassUnderKVM, &changes))
 		t.Cleanup(func() { h.stop(t) })
 
