@@ -249,6 +249,10 @@ func (s hostService) CreateJoinToken(ctx context.Context, r *connect.Request[eit
 }
 
 func (s hostService) DecommissionHost(ctx context.Context, r *connect.Request[eitriv1.DecommissionHostRequest]) (*connect.Response[eitriv1.DecommissionHostResponse], error) {
+	if r.Msg.GetForce() {
+		resp, err := s.f.ForceDecommissionHost(ctx, r.Msg.GetId())
+		return reply(s.handlers, resp, err)
+	}
 	err := s.f.DecommissionHost(ctx, r.Msg.GetId())
 	return reply(s.handlers, &eitriv1.DecommissionHostResponse{}, err)
 }

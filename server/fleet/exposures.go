@@ -51,6 +51,9 @@ func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureReq
 	if vm.DeletedAt != nil {
 		return nil, errorf(Precondition, "vm %s is deleted", vm.ID)
 	}
+	if vm.Status == store.StatusLost {
+		return nil, errorf(Precondition, "vm %s is lost: %s", vm.ID, vm.LastError)
+	}
 	port := uint16(r.GetHostPort())
 	if port != 0 {
 		if err := f.hostPortAllowed(p, proto, port); err != nil {

@@ -168,6 +168,9 @@ func (f *Fleet) DecommissionHost(ctx context.Context, id string) error {
 		return err
 	}
 	if len(vms) > 0 {
+		if _, connected := f.reg.Host(id); !connected {
+			return errorf(Precondition, "host %s still has %d VM(s); delete them first, or decommission it with force if it is gone for good (its VMs are then marked lost)", id, len(vms))
+		}
 		return errorf(Precondition, "host %s still has %d VM(s); delete them first", id, len(vms))
 	}
 	if err := f.st.DeleteHost(ctx, id); err != nil {

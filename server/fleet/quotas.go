@@ -41,9 +41,10 @@ type quotaState struct {
 // vmHolds is what a VM takes from its host and its owner's quota. A create
 // that failed for good never built anything and never will (the agent does
 // not retry it), so it holds nothing; a deleted VM's guest is stopped but
-// its disk is kept until it is destroyed, for a restore.
+// its disk is kept until it is destroyed, for a restore. A lost VM's host
+// is gone: it holds nothing anywhere.
 func vmHolds(v store.VM) (vcpus, memMB, diskGB int64) {
-	if v.Status == "failed" {
+	if v.Status == "failed" || v.Status == store.StatusLost {
 		return 0, 0, 0
 	}
 	if v.DeletedAt != nil {
@@ -60,8 +61,8 @@ func (f *Fleet) usage(ctx context.Context, userID string) (Usage, error) {
 		return u, err
 	}
 	for _, v := range vms {
-		if v.DeletedAt == nil {
-			u.VMs++
+		if v.DeletedAt == nil && v.Status != store.StatusLost {
+			u.VMs++ // a lost VM runs nowhere; its row waits to be read and deleted
 		}
 		c, m, d := vmHolds(v)
 		u.VCPUs += c

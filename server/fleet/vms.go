@@ -281,6 +281,9 @@ func (f *Fleet) SetPower(ctx context.Context, id, power string) (*eitriv1.VM, er
 		if v.DeletedAt != nil {
 			return errorf(Precondition, "vm %s is deleted; restore it first", id)
 		}
+		if v.Status == store.StatusLost {
+			return errorf(Precondition, "vm %s is lost: %s", id, v.LastError)
+		}
 		v.PowerState = power
 		return nil
 	})
@@ -297,8 +300,12 @@ func (f *Fleet) SetPower(ctx context.Context, id, power string) (*eitriv1.VM, er
 // DeleteVM soft-deletes: the host stops the guest and destroys it at
 // destroy_at unless it is restored first.
 func (f *Fleet) DeleteVM(ctx context.Context, id string) (*eitriv1.VM, error) {
-	if _, _, err := f.visible(ctx, id); err != nil {
+	cur, _, err := f.visible(ctx, id)
+	if err != nil {
 		return nil, err
+	}
+	if cur.Status == store.StatusLost {
+		return f.deleteLost(ctx, cur)
 	}
 	now := f.now()
 	vm, changed, err := f.st.UpdateVM(ctx, id, func(v *store.VM) error {
@@ -448,6 +455,9 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 // Lifecycle derives the one word a person reads from the durable row and the
 // live report row (nil when the host is not reporting on the VM).
 func Lifecycle(deleted bool, status string, row *eitriv1.ActualVM, reporting bool) string {
+	if status == store.StatusLost {
+		return "lost" // no host is left to say anything else
+	}
 	if deleted {
 		return "deleting"
 	}
