@@ -115,6 +115,7 @@ func TestDeletingAVMCancelsItsTrickledCreate(t *testing.T) {
 		gone := desiredVM(queuedID, "queued", url, sha, "running")
 		gone.Deleted, gone.DestroyAtUnix = true, time.Now().Add(-time.Minute).Unix()
 		del.DestroyAtUnix = time.Now().Add(-time.Minute).Unix()
+		gone.Destroy, del.Destroy = true, true // the control plane's clock passed destroy_at
 		require.True(t, h.eng.Apply(snapshot(4, del, gone)))
 		require.Eventually(t, func() bool {
 			rep := h.eng.Report()

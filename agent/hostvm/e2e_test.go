@@ -248,6 +248,7 @@ func TestEngineRunsRealVMLifecycle(t *testing.T) {
 		start = time.Now()
 		del := desiredVM(id, name, url, sha, "stopped")
 		del.Deleted, del.DestroyAtUnix = true, time.Now().Add(-time.Minute).Unix()
+		del.Destroy = true // the control plane's clock passed destroy_at
 		require.True(t, h.eng.Apply(snapshot(3, del)))
 		require.Eventually(t, func() bool {
 			rep := h.eng.Report()

@@ -240,7 +240,8 @@ func TestACancelledCreateOfADeletedVMIsRestoredAfreshOrDestroyedOnTime(t *testin
 			}
 			f.clock.Advance(time.Hour)
 			later := deleted(vm("vm1"), destroyAt)
-			later.Vcpus = 2 // a change, so the worker runs a pass
+			later.Vcpus = 2      // a change, so the worker runs a pass
+			later.Destroy = true // the control plane's clock passed destroy_at
 			rep := f.apply(snap(3, later))
 			assert.Equal(t, []string{"vm1"}, rep.GetDestroyed())
 			_, ok, err := f.st.LoadVM("vm1")

@@ -16,8 +16,10 @@
 package reconcile
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"slices"
@@ -82,9 +84,6 @@ type Config struct {
 	MaxConcurrentCreates int
 	// MaxCreateAttempts is the retry budget of a create (default 3).
 	MaxCreateAttempts int
-	// QuarantineGrace is how long a VM the desired state stopped naming is
-	// kept before it is destroyed (default 24h).
-	QuarantineGrace time.Duration
 	// ResyncInterval is how often a worker re-runs a pass without being asked,
 	// so power and address changes are noticed (default 5s).
 	ResyncInterval time.Duration
@@ -96,7 +95,6 @@ type Config struct {
 const (
 	defaultMaxConcurrentCreates = 2
 	defaultMaxCreateAttempts    = 3
-	defaultQuarantineGrace      = 24 * time.Hour
 	defaultResyncInterval       = 5 * time.Second
 )
 
@@ -114,15 +112,22 @@ type Engine struct {
 
 	// mu guards the fields below. Lock order: Engine.mu before worker.mu,
 	// never the other way.
-	mu         sync.Mutex
-	closed     bool
-	started    bool // the first snapshot has been applied
-	appliedGen uint64
-	workers    map[string]*worker
-	// destroyed holds VMs this host destroyed for good, reported until a
-	// snapshot stops naming them. A snapshot that still names one never
-	// gets it a worker again, so a destroyed VM cannot be recreated.
-	destroyed map[string]struct{}
+	mu      sync.Mutex
+	closed  bool
+	started bool // the first snapshot has been applied
+	// lineage is the control plane this host follows and the newest
+	// snapshot applied (kept durably); refusal is why the last snapshot
+	// offered was refused, nil once one is applied.
+	lineage state.Lineage
+	refusal *eitriv1.SnapshotRefusal
+	workers map[string]*worker
+	// named is the last applied snapshot's VMs.
+	named map[string]*eitriv1.VMDesired
+	// destroyed holds every VM this host destroyed for good, and when (kept
+	// durably). A snapshot that names one never gets it a worker again, so
+	// a destroyed VM is never built anew under its id: named deleted, it is
+	// reported destroyed; named live, it is a failed row that says so.
+	destroyed map[string]time.Time
 }
 
 // New validates cfg and returns an idle engine. Workers start on the first
@@ -140,9 +145,6 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.MaxCreateAttempts <= 0 {
 		cfg.MaxCreateAttempts = defaultMaxCreateAttempts
 	}
-	if cfg.QuarantineGrace <= 0 {
-		cfg.QuarantineGrace = defaultQuarantineGrace
-	}
 	if cfg.ResyncInterval <= 0 {
 		cfg.ResyncInterval = defaultResyncInterval
 	}
@@ -152,6 +154,17 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	// What the agent trusts and what it destroyed must be known before the
+	// first snapshot is judged; an unreadable record of either stops the
+	// agent rather than trusting anyone or building a destroyed VM anew.
+	lineage, _, err := cfg.St.LoadLineage()
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: %w", err)
+	}
+	destroyed, err := cfg.St.Destroyed()
+	if err != nil {
+		return nil, fmt.Errorf("reconcile: %w", err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Engine{
 		cfg:       cfg,
@@ -160,9 +173,19 @@ func New(cfg Config) (*Engine, error) {
 		ctx:       ctx,
 		cancel:    cancel,
 		changed:   make(chan struct{}, 1),
+		lineage:   lineage,
 		workers:   make(map[string]*worker),
-		destroyed: make(map[string]struct{}),
+		named:     make(map[string]*eitriv1.VMDesired),
+		destroyed: destroyed,
 	}, nil
+}
+
+// Lineage is the control plane this host follows and the newest snapshot it
+// applied, for Hello: a control plane behind it learns it lost writes.
+func (e *Engine) Lineage() (controlPlaneID string, epoch, generation uint64) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.lineage.ControlPlaneID, e.lineage.Epoch, e.lineage.Generation
 }
 
 // Changed receives a value (coalesced) whenever the report may have changed.
@@ -176,8 +199,9 @@ func (e *Engine) notify() {
 }
 
 // Apply hands a complete desired snapshot to the workers. It returns false,
-// and changes nothing, when the snapshot is older than the newest applied or
-// the engine is closed. Re-applying the newest generation is accepted (a
+// and changes nothing on the host, when the engine is closed or the snapshot
+// cannot be trusted (see distrust); the refusal is then reported until a
+// snapshot is applied. Re-applying the newest generation is accepted (a
 // reconnect resends it). The snapshot's messages must not be modified after
 // the call.
 func (e *Engine) Apply(snap *eitriv1.DesiredStateSnapshot) bool {
@@ -186,11 +210,33 @@ func (e *Engine) Apply(snap *eitriv1.DesiredStateSnapshot) bool {
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.closed || (e.started && snap.GetGeneration() < e.appliedGen) {
+	if e.closed {
 		return false
 	}
-	genChanged := !e.started || snap.GetGeneration() != e.appliedGen
-	e.appliedGen = snap.GetGeneration()
+	if why := e.distrust(snap); why != "" {
+		r := &eitriv1.SnapshotRefusal{ControlPlaneId: snap.GetControlPlaneId(), Epoch: snap.GetEpoch(), Generation: snap.GetGeneration(), Reason: why}
+		if !proto.Equal(e.refusal, r) {
+			e.log.Error("refusing the control plane's snapshot; nothing on this host changes", "why", why)
+			e.refusal = r
+			e.notify()
+		}
+		return false
+	}
+	next := state.Lineage{ControlPlaneID: cmp.Or(snap.GetControlPlaneId(), e.lineage.ControlPlaneID), Epoch: snap.GetEpoch(), Generation: snap.GetGeneration()}
+	genChanged := !e.started || next != e.lineage || e.refusal != nil
+	if next != e.lineage {
+		// Durable before anything is acted on: after a restart the agent
+		// still knows what it applied, and refuses anything older.
+		if err := e.cfg.St.SaveLineage(next); err != nil {
+			e.log.Error("saving the applied lineage", "err", err)
+		}
+		if next.Epoch > e.lineage.Epoch && e.lineage.Epoch > 0 {
+			e.log.Warn("the control plane started a new epoch (it lost writes); VMs its records no longer match are held as they are",
+				"epoch", next.Epoch, "was", e.lineage.Epoch)
+		}
+		e.lineage = next
+	}
+	e.refusal = nil
 
 	named := make(map[string]*eitriv1.VMDesired, len(snap.GetVms()))
 	for _, d := range snap.GetVms() {
@@ -204,25 +250,22 @@ func (e *Engine) Apply(snap *eitriv1.DesiredStateSnapshot) bool {
 	if !e.started {
 		e.started = true
 		// VMs this host holds from before: a snapshot that does not name them
-		// quarantines them, one that does adopts them.
+		// has them held, one that does adopts them. One marked destroyed
+		// whose record outlived it (a crash mid-destroy) gets a worker that
+		// finishes the destroy.
 		ids, err := e.cfg.St.ListVMs()
 		if err != nil {
 			e.log.Error("listing local VM records", "err", err)
 		}
 		for _, id := range ids {
-			if _, ok := named[id]; !ok && state.ValidID(id) {
+			_, gone := e.destroyed[id]
+			if _, ok := named[id]; (!ok || gone) && state.ValidID(id) {
 				e.workerLocked(id).setDesired(nil)
 			}
 		}
 	}
 
-	destroyedChanged := false
-	for id := range e.destroyed {
-		if _, ok := named[id]; !ok {
-			delete(e.destroyed, id)
-			destroyedChanged = true
-		}
-	}
+	e.named = named
 	for id, d := range named {
 		if _, gone := e.destroyed[id]; gone {
 			continue
@@ -234,10 +277,34 @@ func (e *Engine) Apply(snap *eitriv1.DesiredStateSnapshot) bool {
 			w.setDesired(nil)
 		}
 	}
-	if genChanged || destroyedChanged {
+	if genChanged {
 		e.notify()
 	}
 	return true
+}
+
+// distrust says why a snapshot must not be applied, or "" when it may. The
+// agent takes desired state only from the control plane it first followed,
+// and never from one that went back in time: a snapshot older than the
+// newest applied (an earlier epoch, or an earlier generation in the same
+// epoch) comes from a control plane that lost writes and does not know it
+// yet. Acting on it could stop or destroy what its lost writes created.
+func (e *Engine) distrust(snap *eitriv1.DesiredStateSnapshot) string {
+	l := e.lineage
+	cp := snap.GetControlPlaneId()
+	switch {
+	case l.ControlPlaneID != "" && cp == "":
+		return fmt.Sprintf("the snapshot names no control plane (an older control plane?); this host follows control plane %s", l.ControlPlaneID)
+	case l.ControlPlaneID != "" && cp != l.ControlPlaneID:
+		return fmt.Sprintf("the snapshot comes from control plane %s, but this host follows control plane %s; "+
+			"if that control plane was rebuilt from nothing, re-enroll this host", cp, l.ControlPlaneID)
+	case snap.GetEpoch() < l.Epoch,
+		snap.GetEpoch() == l.Epoch && snap.GetGeneration() < l.Generation:
+		return fmt.Sprintf("the snapshot (epoch %d, generation %d) is older than the newest this host applied (epoch %d, generation %d): "+
+			"the control plane went back in time (restored from an older copy, or lost its last writes)",
+			snap.GetEpoch(), snap.GetGeneration(), l.Epoch, l.Generation)
+	}
+	return ""
 }
 
 // workerLocked returns the VM's worker, starting one if needed. e.mu held.
@@ -267,7 +334,9 @@ func (e *Engine) retire(w *worker, seenSeq uint64, destroyed bool) bool {
 		delete(e.workers, w.id)
 	}
 	if destroyed {
-		e.destroyed[w.id] = struct{}{}
+		if _, ok := e.destroyed[w.id]; !ok {
+			e.destroyed[w.id] = e.cfg.Now().UTC()
+		}
 	}
 	w.retired = true
 	e.notify()
@@ -294,15 +363,38 @@ func (e *Engine) Fill(rep *eitriv1.ActualStateReport) {
 	}
 	slices.SortFunc(vms, func(a, b *eitriv1.ActualVM) int { return cmpString(a.GetVmId(), b.GetVmId()) })
 	slices.SortFunc(quar, func(a, b *eitriv1.QuarantinedVM) int { return cmpString(a.GetVmId(), b.GetVmId()) })
-	destroyed := make([]string, 0, len(e.destroyed))
-	for id := range e.destroyed {
-		destroyed = append(destroyed, id)
+	// Destroyed VMs the desired state still names: gone as asked, or, named
+	// live (a restore that raced the destroy), a failed row that says so.
+	destroyed := []string{}
+	for id, d := range e.named {
+		at, gone := e.destroyed[id]
+		if !gone || e.workers[id] != nil {
+			continue
+		}
+		if d.GetDeleted() {
+			destroyed = append(destroyed, id)
+			continue
+		}
+		vms = append(vms, &eitriv1.ActualVM{VmId: id, Power: powerStopped, Phase: phaseFailed, LastError: destroyedWords(at)})
 	}
 	slices.Sort(destroyed)
+	slices.SortFunc(vms, func(a, b *eitriv1.ActualVM) int { return cmpString(a.GetVmId(), b.GetVmId()) })
 	rep.Vms = vms
 	rep.Quarantined = quar
 	rep.Destroyed = destroyed
-	rep.AppliedGeneration = e.appliedGen
+	rep.AppliedGeneration = e.lineage.Generation
+	rep.AppliedEpoch = e.lineage.Epoch
+	rep.ControlPlaneId = e.lineage.ControlPlaneID
+	rep.SnapshotRefused = e.refusal
+}
+
+// destroyedWords is the error a destroyed VM named live reports.
+func destroyedWords(at time.Time) string {
+	when := "earlier"
+	if !at.IsZero() {
+		when = "at " + at.UTC().Format("2006-01-02 15:04:05 MST")
+	}
+	return "destroyed " + when + " on this host, with its disk; it is not built again under the same id"
 }
 
 // Report is Fill into a fresh report.

@@ -358,7 +358,10 @@ func TestResyncRebootsACrashedGuest(t *testing.T) {
 	f.eventuallyRow("vm1", phaseIs("ready"), "back up")
 }
 
-func TestSoftDeleteKeepsTheDiskUntilDestroyAt(t *testing.T) {
+// A soft-deleted VM keeps its disk until the control plane says destroy;
+// this host's clock passing destroy_at decides nothing (it may run ahead of
+// the clock the console's "restorable until" was read from).
+func TestASoftDeletedVMIsDestroyedOnlyWhenTheControlPlaneSaysSo(t *testing.T) {
 	f := setup(t, func(c *Config) { c.ResyncInterval = 5 * time.Millisecond })
 	f.apply(snap(1, vm("vm1")))
 	key := f.row("vm1").GetSshHostPubkey()
@@ -374,13 +377,15 @@ func TestSoftDeleteKeepsTheDiskUntilDestroyAt(t *testing.T) {
 	assert.Empty(t, r.GetStatusDetail())
 	assert.True(t, f.hv.hasDisk("vm1"), "the disk is kept for a restore")
 	assert.False(t, f.hv.isRunning("vm1"))
-	assert.Equal(t, 0, f.hv.count("destroy"))
 
-	f.clock.Advance(time.Hour)
-	require.Eventually(t, func() bool {
-		return len(f.eng.Report().GetDestroyed()) == 1
-	}, 5*time.Second, time.Millisecond, "destroyed once destroy_at passes")
-	rep := f.eng.Report()
+	f.clock.Advance(2 * time.Hour)
+	f.waitPasses("vm1", 3)
+	assert.Equal(t, 0, f.hv.count("destroy"), "this host's clock passing destroy_at destroys nothing")
+	assert.True(t, f.hv.hasDisk("vm1"))
+
+	order := vm("vm1")
+	order.Deleted, order.Destroy = true, true
+	rep := f.apply(snap(3, order))
 	assert.Equal(t, []string{"vm1"}, rep.GetDestroyed())
 	assert.Nil(t, findVM(rep, "vm1"), "a destroyed VM has no row")
 	assert.False(t, f.hv.hasDisk("vm1"))
@@ -389,10 +394,10 @@ func TestSoftDeleteKeepsTheDiskUntilDestroyAt(t *testing.T) {
 	assert.False(t, ok)
 
 	// Level-triggered: still reported while a snapshot names it, and never recreated.
-	rep = f.apply(snap(3, del))
+	rep = f.apply(snap(4, order))
 	assert.Equal(t, []string{"vm1"}, rep.GetDestroyed())
 	assert.Equal(t, 1, f.hv.count("prepare"))
-	rep = f.apply(snap(4))
+	rep = f.apply(snap(5))
 	assert.Empty(t, rep.GetDestroyed(), "forgotten once no snapshot names it")
 }
 
@@ -420,48 +425,73 @@ func TestDeletedVMWithoutRecordIsReportedDestroyed(t *testing.T) {
 	assert.Equal(t, 0, f.hv.count("prepare"), "a deleted VM is never created")
 }
 
-func TestUnnamedVMIsQuarantinedThenAdopted(t *testing.T) {
-	f := setup(t, func(c *Config) { c.QuarantineGrace = 2 * time.Hour })
-	f.apply(snap(1, vm("vm1")))
+// A VM the desired state stops naming without a delete is held as it was
+// (running), reported with its record, and taken back when named again.
+func TestAnUnnamedVMIsHeldRunningThenAdopted(t *testing.T) {
+	f := setup(t)
+	d := vm("vm1")
+	d.Owner, d.Version = "u-1", 40
+	f.apply(snap(41, d))
 	noticed := f.clock.Now()
 
-	rep := f.apply(snap(2))
-	assert.Nil(t, findVM(rep, "vm1"), "a quarantined VM is not a desired VM's row")
+	rep := f.apply(snap(42))
+	assert.Nil(t, findVM(rep, "vm1"), "a held VM is not a desired VM's row")
 	q := findQuarantined(rep, "vm1")
 	require.NotNil(t, q)
 	assert.Equal(t, "name-vm1", q.GetName())
-	assert.Equal(t, noticed.Add(2*time.Hour).Unix(), q.GetDestroyAtUnix())
+	assert.Zero(t, q.GetDestroyAtUnix(), "never destroyed on this host's own")
+	assert.False(t, q.GetStale())
+	assert.Equal(t, noticed.Unix(), q.GetSinceUnix())
+	assert.Contains(t, q.GetReason(), "no snapshot names it")
+	assert.Equal(t, "running", q.GetPower())
+	held := q.GetHeld()
+	require.NotNil(t, held)
+	assert.Equal(t, "http://images.test/base.raw", held.GetImageUrl())
+	assert.Equal(t, "u-1", held.GetOwner(), "the owner comes from the agent's own record")
+	assert.Equal(t, "running", held.GetPowerState())
+	assert.Equal(t, uint64(40), held.GetVersion())
 	var spec state.VMSpec
 	require.NoError(t, json.Unmarshal(q.GetVmspecJson(), &spec))
-	assert.Equal(t, "http://images.test/base.raw", spec.ImageURL)
-	assert.False(t, f.hv.isRunning("vm1"), "kept, but stopped")
+	assert.Equal(t, "u-1", spec.Owner)
+	assert.True(t, f.hv.isRunning("vm1"), "kept running")
+	assert.Equal(t, 0, f.hv.count("shutdown"))
 	assert.True(t, f.hv.hasDisk("vm1"))
 
-	// The grace runs from when it was first noticed, not from each snapshot.
 	f.clock.Advance(time.Hour)
-	rep = f.apply(snap(3))
-	assert.Equal(t, noticed.Add(2*time.Hour).Unix(), findQuarantined(rep, "vm1").GetDestroyAtUnix())
+	rep = f.apply(snap(43))
+	assert.Equal(t, noticed.Unix(), findQuarantined(rep, "vm1").GetSinceUnix(), "held since it was first noticed")
 
-	rep = f.apply(snap(4, vm("vm1")))
+	adopted := vm("vm1")
+	adopted.Owner, adopted.Version = "u-1", 44
+	rep = f.apply(snap(45, adopted))
 	assert.Empty(t, rep.GetQuarantined())
 	assert.Equal(t, "ready", findVM(rep, "vm1").GetPhase())
 	assert.Equal(t, 1, f.hv.count("prepare"), "adopted, not recreated")
 	assert.True(t, f.record("vm1").QuarantinedAt.IsZero())
+	assert.Equal(t, uint64(44), f.record("vm1").Version)
 }
 
-func TestQuarantinedVMIsDestroyedAfterTheGrace(t *testing.T) {
-	f := setup(t, func(c *Config) { c.QuarantineGrace = time.Hour; c.ResyncInterval = 5 * time.Millisecond })
+// However long the desired state leaves it out, this host never destroys a
+// VM on its own: only an admin's destroy (a newer version that says so)
+// does.
+func TestAnUnnamedVMIsNeverDestroyedByTheAgentsOwnClock(t *testing.T) {
+	f := setup(t, func(c *Config) { c.ResyncInterval = 5 * time.Millisecond })
 	f.apply(snap(1, vm("vm1")))
 	f.apply(snap(2))
 	require.NotNil(t, findQuarantined(f.eng.Report(), "vm1"))
 
-	f.clock.Advance(time.Hour)
-	require.Eventually(t, func() bool {
-		rep := f.eng.Report()
-		return len(rep.GetQuarantined()) == 0 && len(rep.GetDestroyed()) == 1
-	}, 5*time.Second, time.Millisecond)
-	assert.False(t, f.hv.hasDisk("vm1"))
-	assert.Equal(t, 1, f.hv.count("destroy"))
+	f.clock.Advance(30 * 24 * time.Hour)
+	f.waitPasses("vm1", 3)
+	rep := f.eng.Report()
+	assert.NotNil(t, findQuarantined(rep, "vm1"))
+	assert.Empty(t, rep.GetDestroyed())
+	assert.Equal(t, 0, f.hv.count("destroy"))
+	assert.True(t, f.hv.hasDisk("vm1"))
+	assert.True(t, f.hv.isRunning("vm1"))
+
+	// A crashed held guest is booted again: held running means running.
+	f.hv.crash("vm1")
+	require.Eventually(t, func() bool { return f.hv.isRunning("vm1") }, 5*time.Second, time.Millisecond)
 }
 
 // Local records from before a restart are adopted when named and quarantined

@@ -89,16 +89,39 @@ func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, p
 		e.log.Error("cannot read VM record; skipping", "vm", id, "err", err)
 		return outcome{skip: true}
 	}
+	if e.isDestroyed(id) {
+		// Destroyed, but the record outlived it (a crash mid-destroy):
+		// finish the job. Nothing is ever built again under this id.
+		if err := e.destroy(ctx, id); err != nil {
+			return outcome{skip: true}
+		}
+		return outcome{gone: true, destroyed: true}
+	}
 	if d == nil {
-		return e.quarantine(ctx, id, rec, ok)
+		return e.hold(ctx, id, rec, ok, false, "no snapshot names it, and no delete of it reached this host")
+	}
+	if ok && d.GetVersion() < rec.Version {
+		return e.hold(ctx, id, rec, ok, true, fmt.Sprintf("the control plane's record of it (version %d) is older than what this host applied (version %d)",
+			d.GetVersion(), rec.Version))
 	}
 	if ok && !rec.QuarantinedAt.IsZero() {
-		// Named again: adopt what is here rather than recreate it.
+		// Named again, and as new as what it holds: adopt what is here
+		// rather than recreate it.
 		rec.QuarantinedAt = time.Time{}
 		if err := e.cfg.St.SaveVM(id, rec); err != nil {
 			e.log.Error("saving adopted VM record", "vm", id, "err", err)
 		}
-		e.log.Info("VM is wanted again; adopted from quarantine", "vm", id)
+		e.log.Info("VM is wanted again; no longer held", "vm", id)
+	}
+	if rec.Version != d.GetVersion() || rec.Power != d.GetPowerState() || rec.Deleted != d.GetDeleted() {
+		// Recorded before it is acted on: from here on, a record of this VM
+		// older than this is not taken at its word.
+		rec.Version, rec.Power, rec.Deleted = d.GetVersion(), d.GetPowerState(), d.GetDeleted()
+		if ok {
+			if err := e.cfg.St.SaveVM(id, rec); err != nil {
+				e.log.Error("saving the applied desired state", "vm", id, "err", err)
+			}
+		}
 	}
 	if d.GetDeleted() {
 		return e.deleting(ctx, d, rec, ok)
@@ -404,23 +427,16 @@ func (e *Engine) deleting(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 	id := d.GetVmId()
 	if !ok {
 		// Nothing recorded: clear any leftovers and say it is gone.
-		if err := e.cfg.Hyper.Destroy(ctx, id); err != nil {
+		if err := e.destroy(ctx, id); err != nil {
 			return outcome{row: newRow(id, rec, "", phaseDeleting, err.Error(), "")}
 		}
 		return outcome{gone: true, destroyed: true}
 	}
-	var destroyAt time.Time // zero: destroy now
-	if u := d.GetDestroyAtUnix(); u > 0 {
-		destroyAt = time.Unix(u, 0)
-	}
-	if !rec.DestroyAt.Equal(destroyAt) {
-		rec.DestroyAt = destroyAt
-		if err := e.cfg.St.SaveVM(id, rec); err != nil {
-			e.log.Error("saving VM record", "vm", id, "err", err)
-		}
-	}
 	running, lastErr := e.stop(ctx, id)
-	if !e.cfg.Now().Before(destroyAt) {
+	// Only the control plane's word destroys, said once its own clock has
+	// passed destroy_at: this host's clock may run ahead of the one the
+	// console's "restorable until" was read from.
+	if d.GetDestroy() {
 		err := e.destroy(ctx, id)
 		if err == nil {
 			return outcome{gone: true, destroyed: true}
@@ -430,35 +446,73 @@ func (e *Engine) deleting(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 	return outcome{row: newRow(id, rec, powerWord(running), phaseDeleting, lastErr, "")}
 }
 
-// quarantine handles a VM no snapshot names: kept stopped for
-// QuarantineGrace from when it was first noticed, then destroyed.
-func (e *Engine) quarantine(ctx context.Context, id string, rec state.Record, ok bool) outcome {
+// hold keeps a VM the agent will not take the desired state's word on (no
+// snapshot names it, or names it with an older record than this host
+// applied) as it was: a guest last wanted running stays running (and is
+// booted again if it crashed), nothing is stopped and nothing destroyed. It
+// is reported held, with its record, until an admin adopts it (a newer
+// version) or destroys it. stale: the desired state does name it, so it
+// keeps its row too.
+func (e *Engine) hold(ctx context.Context, id string, rec state.Record, ok, stale bool, why string) outcome {
 	if !ok {
 		return outcome{gone: true}
 	}
 	if rec.QuarantinedAt.IsZero() {
 		rec.QuarantinedAt = e.cfg.Now()
 		if err := e.cfg.St.SaveVM(id, rec); err != nil {
-			e.log.Error("saving quarantined VM record", "vm", id, "err", err)
+			e.log.Error("saving held VM record", "vm", id, "err", err)
 		}
-		e.log.Warn("desired state no longer names this VM; quarantined", "vm", id,
-			"destroy_at", rec.QuarantinedAt.Add(e.cfg.QuarantineGrace))
+		e.log.Warn("holding the VM as it is until an admin adopts or destroys it", "vm", id, "why", why)
 	}
-	destroyAt := rec.QuarantinedAt.Add(e.cfg.QuarantineGrace)
-	_, _ = e.stop(ctx, id)
-	if !e.cfg.Now().Before(destroyAt) && e.destroy(ctx, id) == nil {
-		return outcome{gone: true, destroyed: true}
+	power := ""
+	running, err := e.cfg.Hyper.Power(ctx, id)
+	if err == nil {
+		if !running && rec.Power == powerRunning && !rec.Deleted && rec.BootID != "" {
+			if err := e.cfg.Hyper.Boot(ctx, rec.Spec, e.cfg.St.SeedPath(id)); err != nil {
+				e.log.Warn("booting a held VM failed", "vm", id, "err", err)
+			} else if running, err = e.cfg.Hyper.Power(ctx, id); err != nil {
+				running = false
+			}
+		}
+		power = powerWord(running)
 	}
 	spec, err := json.Marshal(rec.Spec)
 	if err != nil {
 		spec = nil
 	}
-	return outcome{quar: &eitriv1.QuarantinedVM{
-		VmId:          id,
-		Name:          rec.Spec.Name,
-		VmspecJson:    spec,
-		DestroyAtUnix: destroyAt.Unix(),
+	held := rec.Power
+	if held == "" { // a record from before it was kept: as it is now
+		held = power
+	}
+	out := outcome{quar: &eitriv1.QuarantinedVM{
+		VmId:       id,
+		Name:       rec.Spec.Name,
+		VmspecJson: spec,
+		Held: &eitriv1.VMDesired{
+			VmId: id, Name: rec.Spec.Name, ImageUrl: rec.Spec.ImageURL, ImageSha256: rec.Spec.ImageSHA256,
+			Vcpus: rec.Spec.VCPUs, MemMb: rec.Spec.MemMB, DiskGb: rec.Spec.DiskGB, PowerState: held,
+			Deleted: rec.Deleted, SshAuthorizedKey: rec.Spec.SSHAuthorizedKey, Owner: rec.Spec.Owner, Version: rec.Version,
+		},
+		Power:     power,
+		Reason:    why,
+		Stale:     stale,
+		SinceUnix: rec.QuarantinedAt.Unix(),
 	}}
+	if stale {
+		phase := phaseStopped
+		switch {
+		case rec.Deleted:
+			phase = phaseDeleting
+		case rec.BootID == "":
+			phase = phaseCreating
+		case running && rec.IP != "":
+			phase = phaseReady
+		case running:
+			phase = phaseCreating
+		}
+		out.row = newRow(id, rec, power, phase, "", "")
+	}
+	return out
 }
 
 // stop shuts the VM down if it is running and reports the power it ends in.
@@ -482,8 +536,14 @@ func (e *Engine) stop(ctx context.Context, id string) (running bool, lastErr str
 }
 
 // destroy removes the VM and its record; on error something is left behind
-// and the next pass tries again.
+// and the next pass tries again. The id is marked destroyed first, so from
+// that moment on nothing builds it again, whatever a crash leaves.
 func (e *Engine) destroy(ctx context.Context, id string) error {
+	if err := e.cfg.St.MarkDestroyed(id, e.cfg.Now()); err != nil {
+		e.log.Error("marking the VM destroyed", "vm", id, "err", err)
+		return err
+	}
+	e.markDestroyed(id)
 	if err := e.cfg.Hyper.Destroy(ctx, id); err != nil {
 		e.log.Error("destroy failed", "vm", id, "err", err)
 		return err
@@ -494,6 +554,22 @@ func (e *Engine) destroy(ctx context.Context, id string) error {
 	}
 	e.log.Info("VM destroyed", "vm", id)
 	return nil
+}
+
+// isDestroyed says whether this host has destroyed the VM.
+func (e *Engine) isDestroyed(id string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	_, ok := e.destroyed[id]
+	return ok
+}
+
+func (e *Engine) markDestroyed(id string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if _, ok := e.destroyed[id]; !ok {
+		e.destroyed[id] = e.cfg.Now().UTC()
+	}
 }
 
 // newRow builds a report row. Every row carries the guest's public host key

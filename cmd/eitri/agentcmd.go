@@ -234,8 +234,10 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 		Identity: id, Source: n, Log: log,
 		Hello: func() *eitriv1.Hello {
 			acc := qb.Accel()
+			cp, epoch, gen := eng.Lineage()
 			return &eitriv1.Hello{HostId: id.HostID, AgentVersion: version, Hostname: a.name, Address: addr, InstanceId: instance,
-				Accelerator: acc.Name, AcceleratorReason: acc.Reason}
+				Accelerator: acc.Name, AcceleratorReason: acc.Reason,
+				ControlPlaneId: cp, AppliedEpoch: epoch, AppliedGeneration: gen}
 		},
 	})
 }
