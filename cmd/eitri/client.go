@@ -105,6 +105,7 @@ func cmdClient(ctx context.Context, noun string, args []string, out io.Writer) e
 	udp := fs.Bool("udp", false, "UDP instead of TCP")
 	local := fs.Bool("local", false, "listen on the host's loopback only")
 	maxSessions := fs.Uint("max", 0, "cap on concurrent connections/sessions")
+	force := fs.Bool("force", false, "host decommission: the host is gone for good; its VMs are marked lost")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err
@@ -233,11 +234,23 @@ func cmdClient(ctx context.Context, noun string, args []string, out io.Writer) e
 		if err := need(1, "a host id"); err != nil {
 			return err
 		}
-		_, callErr = c.host.DecommissionHost(ctx, connect.NewRequest(&eitriv1.DecommissionHostRequest{Id: pos[0]}))
-		if callErr == nil {
-			fmt.Fprintln(out, "decommissioned", pos[0])
-			return nil
+		r, err := c.host.DecommissionHost(ctx, connect.NewRequest(&eitriv1.DecommissionHostRequest{Id: pos[0], Force: *force}))
+		if err == nil {
+			return c.print(r.Msg, func(w io.Writer) {
+				if !*force {
+					fmt.Fprintln(w, "decommissioned", pos[0])
+					return
+				}
+				fmt.Fprintf(w, "decommissioned %s by force\n", pos[0])
+				if ids := r.Msg.GetLostVmIds(); len(ids) > 0 {
+					fmt.Fprintf(w, "%d VM(s) marked lost (kept to read; eitri vm rm removes them): %s\n", len(ids), strings.Join(ids, " "))
+				}
+				if ids := r.Msg.GetForgottenVmIds(); len(ids) > 0 {
+					fmt.Fprintf(w, "%d deleted VM(s) removed: %s\n", len(ids), strings.Join(ids, " "))
+				}
+			})
 		}
+		callErr = err
 	case "expose create":
 		if err := need(2, "a VM id and a guest port"); err != nil {
 			return err
@@ -399,7 +412,7 @@ func statusLine(v *eitriv1.VM) string {
 	switch {
 	case v.Lifecycle == "creating" && v.StatusDetail != "":
 		return v.StatusDetail
-	case v.Lifecycle == "failed":
+	case v.Lifecycle == "failed", v.Lifecycle == "lost":
 		return v.LastError
 	case v.Deleted && v.DestroyAt != nil:
 		return "restorable until " + when(v.DestroyAt.AsTime())

@@ -28,7 +28,8 @@ Usage:
 
   eitri vm create NAME --image URL --sha256 HEX [--vcpus N --mem-mb N --disk-gb N --host ID --ssh-key FILE|KEY --stopped]
   eitri vm ls | get ID | start ID | stop ID | rm ID | restore ID | events ID | watch
-  eitri host ls | get ID | join-token [--ttl 1h] | decommission ID
+  eitri host ls | get ID | join-token [--ttl 1h] | decommission ID [--force]
+                  (--force: a host gone for good, disconnected 10 min or more; its VMs are marked lost)
   eitri expose create VM_ID GUEST_PORT [--host-port N --udp --local --max N] | ls [VM_ID] | rm ID
   eitri token create NAME [--ttl 720h --user NAME] | ls | revoke ID | sessions | end-session ID
   eitri quota get [--user NAME]

@@ -1,0 +1,68 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/server/store"
+)
+
+func TestHostDecommissionForceMarksADeadHostsVMsLost(t *testing.T) {
+	var mu sync.Mutex
+	now := time.Now().UTC()
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), Plaintext: true, Now: clock})
+	require.NoError(t, err)
+	ts := httptest.NewUnstartedServer(srv.Handler())
+	ts.Config.Protocols = new(http.Protocols)
+	ts.Config.Protocols.SetHTTP1(true)
+	ts.Config.Protocols.SetUnencryptedHTTP2(true) // the CLI speaks h2c to http:// URLs
+	ts.Start()
+	t.Cleanup(func() { ts.Close(); srv.Close() })
+	t.Setenv("EITRI_URL", ts.URL)
+	t.Setenv("EITRI_TOKEN", srv.AdminToken)
+	eitri := func(args ...string) (string, error) {
+		var out bytes.Buffer
+		err := run(args, &out)
+		return out.String(), err
+	}
+
+	// A host that ran a VM and then went silent for good.
+	ctx := context.Background()
+	admin, err := srv.Fleet.Resolve(ctx, srv.AdminToken)
+	require.NoError(t, err)
+	seen := now.Add(-5 * time.Minute)
+	require.NoError(t, srv.Store.CreateHost(ctx, store.Host{ID: "h-dead", Name: "rack9", CredentialHash: []byte("x"), CreatedAt: seen, LastSeenAt: &seen}))
+	require.NoError(t, srv.Store.CreateVM(ctx, store.VM{ID: "vm-1", OwnerID: admin.UserID, HostID: "h-dead", Name: "web",
+		ImageURL: "http://x/y.raw", VCPUs: 1, MemMB: 256, DiskGB: 1, PowerState: store.PowerRunning, Status: "ready"}))
+
+	_, err = eitri("host", "decommission", "h-dead")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "with force")
+
+	_, err = eitri("host", "decommission", "h-dead", "--force")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "try again in 5m0s")
+
+	mu.Lock()
+	now = now.Add(5 * time.Minute)
+	mu.Unlock()
+	out, err := eitri("host", "decommission", "h-dead", "--force")
+	require.NoError(t, err)
+	assert.Contains(t, out, "decommissioned h-dead by force")
+	assert.Contains(t, out, "1 VM(s) marked lost")
+	assert.Contains(t, out, "vm-1")
+
+	out, err = eitri("vm", "ls")
+	require.NoError(t, err)
+	assert.Regexp(t, `vm-1\s+web\s+.*lost.*rack9.*decommissioned by force`, out)
+}
