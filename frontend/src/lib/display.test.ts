@@ -14,6 +14,7 @@ import {
 	sizeLabel,
 	vmDetail,
 	vmError,
+	vmStatusTone,
 	vmStatusWord
 } from './display';
 import { sha256, sshFingerprint } from './sshkey';
@@ -48,6 +49,11 @@ describe('vmError', () => {
 	test('a failed VM shows its last error', () => {
 		expect(vmError(vm({ lifecycle: 'failed', lastError: 'sha256 mismatch' }))).toBe('sha256 mismatch');
 	});
+	test('a lost VM says how it was lost', () => {
+		const why = 'lost: its host rack9 (h-1) was decommissioned by force';
+		expect(vmError(vm({ lifecycle: 'lost', lastError: why }))).toBe(why);
+		expect(vmStatusTone(vm({ lifecycle: 'lost' }))).toBe('bad');
+	});
 	test('a ready VM does not show an old error', () => {
 		expect(vmError(vm({ lifecycle: 'ready', lastError: 'sha256 mismatch' }))).toBe('');
 	});
@@ -62,6 +68,7 @@ describe('lifecycle words', () => {
 		['failed', 'failed'],
 		['deleting', 'deleting'],
 		['unknown', 'unknown — host not reporting'],
+		['lost', 'lost — host decommissioned'],
 		['', 'unknown — host not reporting'],
 		['migrating', 'migrating']
 	])('%j reads %j', (lifecycle, word) => {

@@ -4,7 +4,7 @@ import type { Timestamp } from '@bufbuild/protobuf/wkt';
 import type { VM } from '@eitri/sdk/vm_pb';
 import type { ExposureSessions } from '@eitri/sdk/resources_pb';
 
-export type Lifecycle = 'pending' | 'creating' | 'ready' | 'stopped' | 'failed' | 'deleting' | 'unknown';
+export type Lifecycle = 'pending' | 'creating' | 'ready' | 'stopped' | 'failed' | 'deleting' | 'unknown' | 'lost';
 
 /** Tone drives the colour of a status dot; the word always says the same thing. */
 export type Tone = 'ok' | 'busy' | 'bad' | 'idle' | 'muted';
@@ -16,7 +16,9 @@ const lifecycles: Record<Lifecycle, { word: string; tone: Tone }> = {
 	stopped: { word: 'stopped', tone: 'idle' },
 	failed: { word: 'failed', tone: 'bad' },
 	deleting: { word: 'deleting', tone: 'muted' },
-	unknown: { word: 'unknown — host not reporting', tone: 'muted' }
+	unknown: { word: 'unknown — host not reporting', tone: 'muted' },
+	// Its host was decommissioned by force: nothing runs it anywhere.
+	lost: { word: 'lost — host decommissioned', tone: 'bad' }
 };
 
 function isLifecycle(s: string): s is Lifecycle {
@@ -55,9 +57,10 @@ export function vmDetail(vm: VMStatusFields): string {
 	return vm.statusDetail.trim();
 }
 
-/** Why a failed VM failed, in its host's words; '' for any other VM. */
+/** Why a failed VM failed, in its host's words, or how a lost VM was lost;
+ *  '' for any other VM. */
 export function vmError(vm: VMStatusFields): string {
-	if (vm.deleted || vm.lifecycle !== 'failed') return '';
+	if (vm.deleted || (vm.lifecycle !== 'failed' && vm.lifecycle !== 'lost')) return '';
 	return vm.lastError;
 }
 
