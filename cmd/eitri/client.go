@@ -106,6 +106,8 @@ func cmdClient(ctx context.Context, noun string, args []string, out io.Writer) e
 	local := fs.Bool("local", false, "listen on the host's loopback only")
 	maxSessions := fs.Uint("max", 0, "cap on concurrent connections/sessions")
 	force := fs.Bool("force", false, "host decommission: the host is gone for good; its VMs are marked lost")
+	owner := fs.String("owner", "", "vm adopt: the user id to give an orphaned VM whose owner is unknown here")
+	newName := fs.String("name", "", "vm adopt: a name for the VM when its owner already uses the recorded one")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return err
@@ -203,6 +205,30 @@ func cmdClient(ctx context.Context, noun string, args []string, out io.Writer) e
 		callErr = err
 	case "vm watch":
 		return c.watchVMs(ctx)
+	case "vm orphans":
+		r, err := c.vm.ListOrphanedVMs(ctx, connect.NewRequest(&eitriv1.ListOrphanedVMsRequest{}))
+		if err == nil {
+			return c.print(r.Msg, func(w io.Writer) { orphanTable(w, r.Msg.Vms...) })
+		}
+		callErr = err
+	case "vm adopt":
+		if err := need(2, "a HOST id and a VM id (eitri vm orphans lists them)"); err != nil {
+			return err
+		}
+		r, err := c.vm.AdoptOrphanedVM(ctx, connect.NewRequest(&eitriv1.AdoptOrphanedVMRequest{HostId: pos[0], VmId: pos[1], OwnerId: *owner, Name: *newName}))
+		if err == nil {
+			return c.print(r.Msg, func(w io.Writer) { vmTable(w, r.Msg.Vm) })
+		}
+		callErr = err
+	case "vm destroy-orphan":
+		if err := need(2, "a HOST id and a VM id (eitri vm orphans lists them)"); err != nil {
+			return err
+		}
+		_, callErr = c.vm.DestroyOrphanedVM(ctx, connect.NewRequest(&eitriv1.DestroyOrphanedVMRequest{HostId: pos[0], VmId: pos[1]}))
+		if callErr == nil {
+			fmt.Fprintf(out, "host %s destroys %s and its disk\n", pos[0], pos[1])
+			return nil
+		}
 	case "host ls":
 		r, err := c.host.ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
 		if err == nil {
@@ -414,10 +440,37 @@ func statusLine(v *eitriv1.VM) string {
 		return v.StatusDetail
 	case v.Lifecycle == "failed", v.Lifecycle == "lost":
 		return v.LastError
-	case v.Deleted && v.DestroyAt != nil:
-		return "restorable until " + when(v.DestroyAt.AsTime())
+	case v.Deleted && v.RestorableUntil != nil:
+		if time.Now().Before(v.RestorableUntil.AsTime()) {
+			return "restorable until " + when(v.RestorableUntil.AsTime())
+		}
+		return "destroyed at " + when(v.DestroyAt.AsTime())
 	}
 	return ""
+}
+
+// orphanTable lists VMs hosts hold without this control plane's trust in
+// its record of them, with what the host recorded and why it holds them.
+func orphanTable(w io.Writer, vms ...*eitriv1.OrphanedVM) {
+	fmt.Fprintln(w, "HOST\tID\tNAME\tOWNER\tSIZE\tPOWER\tROW HERE\tSINCE\tWHY")
+	for _, o := range vms {
+		owner := o.OwnerId
+		if o.OwnerName != "" {
+			owner = o.OwnerName + " (" + o.OwnerId + ")"
+		} else if owner != "" {
+			owner += " (unknown here)"
+		}
+		power := dash(o.ActualPower) + " (held " + dash(o.PowerState) + ")"
+		if o.Deleted {
+			power += ", deleted"
+		}
+		row := "none"
+		if o.HasRow {
+			row = "older"
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%dc/%dM/%dG\t%s\t%s\t%s\t%s\n", o.HostId, o.VmId, o.Name, dash(owner), o.Vcpus, o.MemMb, o.DiskGb,
+			power, row, whenPB(o.Since, "—"), o.Reason)
+	}
 }
 
 func vmTable(w io.Writer, vms ...*eitriv1.VM) {

@@ -1,0 +1,107 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/fleet"
+)
+
+// holder is an agent's node that holds one VM the control plane does not
+// know of.
+type holder struct{ held *eitriv1.QuarantinedVM }
+
+func (h *holder) Apply(*eitriv1.DesiredStateSnapshot) bool { return true }
+func (h *holder) Fill(rep *eitriv1.ActualStateReport) {
+	rep.Capacity = &eitriv1.Capacity{Vcpus: 4, MemMb: 8192, DiskGb: 100}
+	rep.Quarantined = []*eitriv1.QuarantinedVM{h.held}
+}
+
+func TestAnAdminSeesAndAdoptsAnOrphanedVMFromTheCLI(t *testing.T) {
+	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), Plaintext: true})
+	require.NoError(t, err)
+	ts := httptest.NewUnstartedServer(srv.Handler())
+	ts.Config.Protocols = new(http.Protocols)
+	ts.Config.Protocols.SetHTTP1(true)
+	ts.Config.Protocols.SetUnencryptedHTTP2(true)
+	ts.Start()
+	t.Cleanup(func() { ts.Close(); srv.Close() })
+	t.Setenv("EITRI_URL", ts.URL)
+	t.Setenv("EITRI_TOKEN", srv.AdminToken)
+	eitri := func(args ...string) (string, error) {
+		var out bytes.Buffer
+		err := run(args, &out)
+		return out.String(), err
+	}
+
+	p, err := srv.Fleet.Resolve(context.Background(), srv.AdminToken)
+	require.NoError(t, err)
+	admin := auth.WithPrincipal(context.Background(), p)
+	jt, err := srv.Fleet.CreateJoinToken(admin, time.Minute)
+	require.NoError(t, err)
+	// The join token names the public URL, which the test server does not
+	// know; enroll against where it really listens.
+	tok, err := fleet.DecodeJoinToken(jt.Token)
+	require.NoError(t, err)
+	tok.Url = ts.URL
+	id, err := syncclient.Enroll(context.Background(), fleet.EncodeJoinToken(tok), "h1", "test")
+	require.NoError(t, err)
+	held := &eitriv1.QuarantinedVM{VmId: "vm-lost", Name: "db", Power: "running", Reason: "no snapshot names it",
+		SinceUnix: time.Now().Unix(), Held: &eitriv1.VMDesired{VmId: "vm-lost", Name: "db", ImageUrl: "http://images.test/g.raw",
+			ImageSha256: strings.Repeat("ab", 32), Vcpus: 2, MemMb: 1024, DiskGb: 8, PowerState: "running", Owner: p.UserID, Version: 9}}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: &holder{held: held}, ReportEvery: 20 * time.Millisecond,
+			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test"} }})
+	}()
+
+	var out string
+	require.Eventually(t, func() bool {
+		out, err = eitri("vm", "orphans")
+		return err == nil && strings.Contains(out, "vm-lost")
+	}, 10*time.Second, 20*time.Millisecond)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Len(t, lines, 2, out)
+	assert.Contains(t, lines[1], id.HostID)
+	assert.Contains(t, lines[1], "admin ("+p.UserID+")", "the owner, by name")
+	assert.Contains(t, lines[1], "2c/1024M/8G")
+	assert.Contains(t, lines[1], "running (held running)")
+	assert.Contains(t, lines[1], "no snapshot names it")
+
+	out, err = eitri("host", "ls")
+	require.NoError(t, err)
+	assert.Contains(t, out, "ORPHANED VMS: 1 VM(s)")
+
+	out, err = eitri("vm", "adopt", id.HostID, "vm-lost")
+	require.NoError(t, err)
+	assert.Contains(t, out, "vm-lost")
+	out, err = eitri("vm", "get", "vm-lost")
+	require.NoError(t, err)
+	assert.Contains(t, out, "db")
+
+	_, err = eitri("vm", "adopt", id.HostID)
+	var ue usageError
+	assert.ErrorAs(t, err, &ue)
+}
+
+func TestADeletedVMSaysUntilWhenItCanBeRestoredThenWhenItIsDestroyed(t *testing.T) {
+	until := time.Now().Add(time.Hour)
+	v := &eitriv1.VM{Deleted: true, Lifecycle: "deleting", RestorableUntil: timestamppb.New(until), DestroyAt: timestamppb.New(until.Add(time.Minute))}
+	assert.Equal(t, "restorable until "+when(until), statusLine(v))
+	v.RestorableUntil = timestamppb.New(time.Now().Add(-time.Second))
+	assert.Equal(t, "destroyed at "+when(until.Add(time.Minute)), statusLine(v), "no Restore is offered once it cannot work")
+}
