@@ -245,7 +245,11 @@ func optEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 // base with a hard link beside it (dst + ".base") when both are on one
 // filesystem.
 //
-// An existing dst is kept as is: it may already hold a guest's data.
+// An existing dst is kept as is: it may already hold a guest's data. One
+// that is not a qcow2 image at all (an empty or torn file a power loss left
+// by an older agent) holds nothing and is made again: booted, it would be
+// taken for a blank raw disk. A new overlay is on disk (file and directory
+// synced) before PrepareRootDisk returns, so its existence can be trusted.
 func (b *Backend) PrepareRootDisk(ctx context.Context, dst, base string, sizeGB int64) error {
 	if sizeGB <= 0 {
 		return permanent("qemu: root disk size must be positive, got %d GiB", sizeGB)
@@ -255,8 +259,14 @@ func (b *Backend) PrepareRootDisk(ctx context.Context, dst, base string, sizeGB 
 		return err
 	}
 	if _, err := os.Stat(dst); err == nil {
-		b.log.Debug("root disk exists, keeping it", "path", dst)
-		return nil
+		if format, ferr := diskFormat(dst); ferr == nil && format == "qcow2" {
+			b.log.Debug("root disk exists, keeping it", "path", dst)
+			return nil
+		}
+		b.log.Warn("root disk exists but is no qcow2 image (torn by a crash?); making it again", "path", dst)
+		if err := os.Remove(dst); err != nil {
+			return fmt.Errorf("qemu: root disk: %w", err)
+		}
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("qemu: root disk: %w", err)
 	}
@@ -299,12 +309,35 @@ func (b *Backend) PrepareRootDisk(ctx context.Context, dst, base string, sizeGB 
 		}
 		return fmt.Errorf("qemu-img create: %w: %s", err, bytes.TrimSpace(out))
 	}
+	// qemu-img does not sync what it writes: without this a power loss
+	// could leave a dst that exists but is empty.
+	if err := syncPath(tmp); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("qemu: root disk: %w", err)
+	}
 	if err := os.Rename(tmp, dst); err != nil {
 		_ = os.Remove(tmp)
 		return fmt.Errorf("qemu: root disk: %w", err)
 	}
+	// The rename and the pin's link are entries of one directory.
+	if err := syncPath(filepath.Dir(dst)); err != nil {
+		return fmt.Errorf("qemu: root disk: %w", err)
+	}
 	b.log.Debug("root disk prepared", "path", dst, "base", base, "size_gb", sizeGB)
 	return nil
+}
+
+// fsync is (*os.File).Sync; a test swaps it to see what is synced.
+var fsync = (*os.File).Sync
+
+// syncPath flushes a file, or a directory's entries, to disk.
+func syncPath(path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return fsync(f)
 }
 
 // Start boots vm unless its QEMU is already running, in which case it does
