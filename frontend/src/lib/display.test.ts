@@ -2,7 +2,9 @@ import { describe, expect, test } from 'vitest';
 import { create, type MessageInitShape } from '@bufbuild/protobuf';
 import { VMSchema } from '@eitri/sdk/vm_pb';
 import { ExposureSessionsSchema } from '@eitri/sdk/resources_pb';
+import { timestampFromDate } from '@bufbuild/protobuf/wkt';
 import {
+	canRestore,
 	formatBytes,
 	formatGB,
 	formatMB,
@@ -77,6 +79,16 @@ describe('lifecycle words', () => {
 
 	test('a deleted VM says it can still be restored', () => {
 		expect(vmStatusWord(vm({ deleted: true, lifecycle: 'deleting' }))).toBe('deleting — restorable');
+	});
+
+	test('a deleted VM past restorable_until no longer offers a restore', () => {
+		const until = new Date('2026-12-02T12:00:00Z');
+		const d = vm({ deleted: true, lifecycle: 'deleting', restorableUntil: timestampFromDate(until) });
+		expect(canRestore(d, new Date(until.getTime() - 1000))).toBe(true);
+		expect(vmStatusWord(d, new Date(until.getTime() - 1000))).toBe('deleting — restorable');
+		expect(canRestore(d, until)).toBe(false);
+		expect(vmStatusWord(d, until)).toBe('deleting — being destroyed');
+		expect(canRestore(vm({ deleted: false, lifecycle: 'ready' }), until)).toBe(false);
 	});
 });
 

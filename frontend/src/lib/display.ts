@@ -36,12 +36,23 @@ export function lifecycleTone(lifecycle: string): Tone {
 	return isLifecycle(lifecycle) ? lifecycles[lifecycle].tone : 'muted';
 }
 
-type VMStatusFields = Pick<VM, 'lifecycle' | 'deleted' | 'statusDetail' | 'lastError'>;
+type VMStatusFields = Pick<VM, 'lifecycle' | 'deleted' | 'statusDetail' | 'lastError'> & Partial<Pick<VM, 'restorableUntil'>>;
 
-/** The status cell's main text. A soft-deleted VM can still be brought back,
- *  and saying so is the point of the row. */
-export function vmStatusWord(vm: VMStatusFields): string {
-	if (vm.deleted) return 'deleting — restorable';
+/** Whether RestoreVM can still bring a deleted VM back at now. The control
+ *  plane closes restores at restorable_until, a margin before it tells the
+ *  host to destroy the disk; a Restore offered after that could only fail.
+ *  A deleted VM that does not say (an older control plane) is taken as
+ *  restorable: the control plane still refuses what it must. */
+export function canRestore(vm: Pick<VM, 'deleted'> & Partial<Pick<VM, 'restorableUntil'>>, now: Date): boolean {
+	if (!vm.deleted) return false;
+	const until = tsDate(vm.restorableUntil);
+	return until === null || now.getTime() < until.getTime();
+}
+
+/** The status cell's main text. A soft-deleted VM can still be brought back
+ *  until restorable_until, and saying so is the point of the row. */
+export function vmStatusWord(vm: VMStatusFields, now: Date = new Date()): string {
+	if (vm.deleted) return canRestore(vm, now) ? 'deleting — restorable' : 'deleting — being destroyed';
 	return lifecycleWord(vm.lifecycle);
 }
 
