@@ -38,7 +38,9 @@ func LoadOrCreate(dir string, hosts []string) (tls.Certificate, error) {
 	if c, err := tls.LoadX509KeyPair(certPath, keyPath); err == nil {
 		return withLeaf(c)
 	} else if !errors.Is(err, os.ErrNotExist) {
-		return tls.Certificate{}, fmt.Errorf("load %s: %w", certPath, err)
+		// Never made afresh on its own: agents pin this identity, and a new
+		// one would lock every one of them out.
+		return tls.Certificate{}, fmt.Errorf("load %s: %w (if it was torn by a crash, restore it, or remove %s to make a new identity that agents must re-enroll with)", certPath, err, dir)
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return tls.Certificate{}, err
@@ -154,10 +156,49 @@ func pemBlock(typ string, der []byte) []byte {
 	return pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der})
 }
 
-func writePEM(path string, mode os.FileMode, data []byte) error {
+// writePEM replaces path with data, durably: the control plane's identity is
+// handed out (as a fingerprint in join tokens) as soon as it exists, so a
+// power loss must not take it back. The file is flushed before the rename and
+// the directory after it, so path is either absent or whole.
+func writePEM(path string, mode os.FileMode, data []byte) (err error) {
 	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, data, mode); err != nil {
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+	if err != nil {
 		return err
 	}
-	return os.Rename(tmp, path)
+	defer func() {
+		if err != nil {
+			f.Close()
+			os.Remove(tmp)
+		}
+	}()
+	if _, err = f.Write(data); err != nil {
+		return err
+	}
+	if err = fsync(f); err != nil {
+		return fmt.Errorf("sync %s: %w", tmp, err)
+	}
+	if err = f.Close(); err != nil {
+		return err
+	}
+	if err = os.Rename(tmp, path); err != nil {
+		return err
+	}
+	return syncDir(filepath.Dir(path))
+}
+
+// fsync is (*os.File).Sync; a test swaps it to see what is synced.
+var fsync = (*os.File).Sync
+
+// syncDir makes the entries of dir (a rename into it) durable.
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	if err := fsync(d); err != nil {
+		return fmt.Errorf("sync %s: %w", dir, err)
+	}
+	return nil
 }

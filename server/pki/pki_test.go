@@ -1,6 +1,8 @@
 package pki
 
 import (
+	"os"
+	"path/filepath"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -15,4 +17,34 @@ func TestFirstStartMakesACertificateAndLaterStartsKeepIt(t *testing.T) {
 	b, err := LoadOrCreate(dir, nil)
 	require.NoError(t, err)
 	assert.Equal(t, Fingerprint(a.Certificate[0]), Fingerprint(b.Certificate[0]), "a restart must not change the pinned identity")
+}
+
+// The identity is pinned by every join token handed out after the first
+// start, so a power loss must not undo it: each file is flushed before it is
+// renamed into place and the directory after, all before LoadOrCreate
+// returns; no work file is left.
+func TestTLSIdentityIsOnDiskBeforeItIsUsed(t *testing.T) {
+	var synced []string
+	orig := fsync
+	fsync = func(f *os.File) error {
+		synced = append(synced, filepath.Base(f.Name()))
+		return orig(f)
+	}
+	t.Cleanup(func() { fsync = orig })
+
+	dir := filepath.Join(t.TempDir(), "tls")
+	_, err := LoadOrCreate(dir, nil)
+	require.NoError(t, err)
+	want := []string{}
+	for _, name := range []string{"ca.crt", "ca.key", "server.key", "server.crt"} {
+		want = append(want, name+".tmp", "tls")
+	}
+	assert.Equal(t, want, synced)
+	ents, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	assert.ElementsMatch(t, []string{"ca.crt", "ca.key", "server.crt", "server.key"}, names)
 }
