@@ -28,6 +28,19 @@ func clip(s string, n int) string {
 	return s[:cut] + "…"
 }
 
+// clipFront is clip for text whose end matters most (a console's last
+// lines): it keeps the last n bytes, starting with "…".
+func clipFront(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	cut := len(s) - (n - len("…"))
+	for cut < len(s) && !utf8.RuneStart(s[cut]) {
+		cut++
+	}
+	return "…" + s[cut:]
+}
+
 // clipHello bounds the free text of a Hello in place.
 func clipHello(h *eitriv1.Hello) {
 	h.AgentVersion = clip(h.GetAgentVersion(), maxAgentShort)
@@ -49,6 +62,10 @@ func clipReport(r *eitriv1.ActualStateReport) {
 		v.StatusDetail = clip(v.GetStatusDetail(), maxAgentLine)
 		v.LastError = clip(v.GetLastError(), maxAgentError)
 		v.SshHostPubkey = clip(v.GetSshHostPubkey(), maxAgentPubkey)
+		if x := v.GetLastExit(); x != nil {
+			x.Reason = clip(x.GetReason(), maxAgentLine)
+			x.SerialTail = clipFront(x.GetSerialTail(), maxAgentError)
+		}
 	}
 	for _, e := range r.GetExposures() {
 		e.State = clip(e.GetState(), maxAgentShort)

@@ -51,3 +51,27 @@ func TestAHostileAgentsTextIsBounded(t *testing.T) {
 	assert.LessOrEqual(t, len(r.Exposures[0].Reason), maxAgentLine)
 	assert.Equal(t, "vm-1", r.Vms[0].VmId, "ids are left alone: the registry matches on them")
 }
+
+func TestAGuestExitKeepsTheEndOfItsSerialTail(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		n    int
+		want string
+	}{
+		{"short", 10, "short"},
+		{"0123456789abc", 10, "…6789abc"},
+		{"ééééé", 8, "…éé"}, // a cut inside é steps forward to the next rune
+	} {
+		got := clipFront(c.in, c.n)
+		assert.Equal(t, c.want, got, "clipFront(%q, %d)", c.in, c.n)
+		assert.LessOrEqual(t, len(got), c.n)
+		assert.True(t, utf8.ValidString(got))
+	}
+	tail := strings.Repeat("boot line\n", 1000) + "kernel panic"
+	r := &eitriv1.ActualStateReport{Vms: []*eitriv1.ActualVM{{LastExit: &eitriv1.GuestExit{Reason: strings.Repeat("x", 1<<20), SerialTail: tail}}}}
+	clipReport(r)
+	x := r.Vms[0].LastExit
+	assert.LessOrEqual(t, len(x.Reason), maxAgentLine)
+	assert.LessOrEqual(t, len(x.SerialTail), maxAgentError)
+	assert.True(t, strings.HasSuffix(x.SerialTail, "kernel panic"), "the last lines are the ones that explain")
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
@@ -131,6 +132,7 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 			VmId: v.ID, Name: v.Name, ImageUrl: v.ImageURL, ImageSha256: v.ImageSHA256,
 			Vcpus: v.VCPUs, MemMb: v.MemMB, DiskGb: v.DiskGB, PowerState: v.PowerState,
 			SshAuthorizedKey: v.SSHAuthorizedKey, Owner: v.OwnerID, Version: v.DesiredGen,
+			Retry: v.Retry,
 		}
 		if v.DeletedAt != nil {
 			d.Deleted = true
@@ -216,7 +218,8 @@ func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
 }
 
 func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.ActualVM) {
-	var from string
+	var from, to string
+	var exits uint64 // unexpected exits not yet recorded as events
 	_, changed, err := f.st.UpdateVM(ctx, row.GetVmId(), func(v *store.VM) error {
 		if v.HostID != hostID {
 			return errNotMine
@@ -224,6 +227,9 @@ func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.Actu
 		from = v.Status
 		switch ph := row.GetPhase(); ph {
 		case "creating", "ready", "stopped", "failed":
+			if ph == "failed" && row.GetRetry() < v.Retry {
+				break // sent before the host saw the retry; the next report answers it
+			}
 			v.Status = ph
 			if ph == "failed" {
 				v.LastError = row.GetLastError()
@@ -237,6 +243,14 @@ func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.Actu
 		if k := row.GetSshHostPubkey(); k != "" {
 			v.SSHHostPubkey = k
 		}
+		// The host's count only rises; a resent report finds it recorded.
+		if n := uint64(row.GetUnexpectedExits()); n != v.ExitsSeen {
+			if n > v.ExitsSeen && row.GetLastExit() != nil {
+				exits = n - v.ExitsSeen
+			}
+			v.ExitsSeen = n
+		}
+		to = v.Status
 		return nil
 	})
 	if err != nil {
@@ -245,16 +259,36 @@ func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.Actu
 		}
 		return
 	}
-	if changed && from != row.GetPhase() && row.GetPhase() != "deleting" {
-		msg := fmt.Sprintf("%s → %s", from, row.GetPhase())
-		if row.GetPhase() == "ready" && row.GetIp() != "" {
+	if exits > 0 {
+		f.event(ctx, row.GetVmId(), "exited", exitWords(row.GetLastExit(), exits))
+	}
+	if changed && from != to {
+		msg := fmt.Sprintf("%s → %s", from, to)
+		if to == "ready" && row.GetIp() != "" {
 			msg += " at " + row.GetIp()
 		}
-		if row.GetPhase() == "failed" && row.GetLastError() != "" {
+		if to == "failed" && row.GetLastError() != "" {
 			msg += ": " + row.GetLastError()
 		}
 		f.event(ctx, row.GetVmId(), "status", msg)
 	}
+}
+
+// exitWords is the event for a guest that ended unasked: how, and what its
+// serial console said last. n > 1 when the host counted exits this control
+// plane never heard of (it was away); only the latest is described.
+func exitWords(e *eitriv1.GuestExit, n uint64) string {
+	msg := e.GetReason()
+	if msg == "" {
+		msg = "the guest ended unasked"
+	}
+	if n > 1 {
+		msg += fmt.Sprintf(" (the latest of %d exits since the last one recorded)", n)
+	}
+	if tail := strings.TrimSpace(e.GetSerialTail()); tail != "" {
+		return msg + "; serial console:\n" + tail
+	}
+	return msg + "; the serial console was empty"
 }
 
 var errNotMine = errors.New("vm belongs to another host")

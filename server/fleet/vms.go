@@ -448,41 +448,63 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 			out.LastError = row.GetLastError()
 		}
 	}
-	out.Lifecycle = Lifecycle(v.DeletedAt != nil, v.Status, row, reporting)
+	out.Lifecycle = Lifecycle(v, row, reporting)
 	return out
 }
 
-// Lifecycle derives the one word a person reads from the durable row and the
-// live report row (nil when the host is not reporting on the VM).
-func Lifecycle(deleted bool, status string, row *eitriv1.ActualVM, reporting bool) string {
-	if status == store.StatusLost {
+// Lifecycle words the control plane derives beyond the host's phases.
+const (
+	lifecycleStarting   = "starting"
+	lifecycleStopping   = "stopping"
+	lifecycleRestoring  = "restoring"
+	lifecycleRetrying   = "retrying"
+	lifecycleRestarting = "restarting"
+)
+
+// Lifecycle derives the one word a person reads from the durable row (what
+// was asked — deleted, desired power, retry — and the last status its host
+// reported) and the live report row (nil when the host is not reporting on
+// the VM). A request shows from the moment it is made: until the host's
+// report catches up, the word says where the VM is going ("starting",
+// "stopping", "restoring", "retrying"), and the next report confirms it.
+func Lifecycle(v store.VM, row *eitriv1.ActualVM, reporting bool) string {
+	if v.Status == store.StatusLost {
 		return "lost" // no host is left to say anything else
 	}
-	if deleted {
+	if v.DeletedAt != nil {
 		return "deleting"
 	}
 	if row == nil {
 		// A connected host that has not picked the VM up yet, or a VM never
 		// reported on: pending. A VM its host has reported before but is not
 		// reporting now: nobody can say.
-		if reporting || status == "" || status == "pending" {
+		if reporting || v.Status == "" || v.Status == "pending" {
 			return "pending"
 		}
 		return "unknown"
 	}
 	switch row.GetPhase() {
 	case "failed":
+		if row.GetRetry() < v.Retry {
+			return lifecycleRetrying // the host has not seen the retry yet
+		}
 		return "failed"
 	case "creating":
 		return "creating"
 	case "deleting":
-		return "deleting"
-	case "ready":
-		if row.GetPower() == PowerRunning {
+		return lifecycleRestoring // not deleted here: the host has not seen the restore yet
+	case lifecycleStarting, lifecycleStopping, lifecycleRestarting:
+		return row.GetPhase()
+	case "ready", "stopped":
+		running := row.GetPower() == PowerRunning
+		switch {
+		case v.PowerState == PowerRunning && !running:
+			return lifecycleStarting
+		case v.PowerState == PowerStopped && running:
+			return lifecycleStopping
+		case running:
 			return "ready"
 		}
-		return "stopped"
-	case "stopped":
 		return "stopped"
 	}
 	return "pending"

@@ -36,6 +36,12 @@ type VM struct {
 	// a snapshot sends about the VM) last changed. The store sets it on
 	// every such write; what a caller puts here is ignored.
 	DesiredGen uint64
+	// Retry counts RetryVM calls; sent to the host, which starts a failed
+	// VM over when it rises.
+	Retry uint64
+	// ExitsSeen is the host's count of unexpected guest exits already
+	// recorded as events.
+	ExitsSeen uint64
 }
 
 // VMEvent is one line of a VM's history.
@@ -58,12 +64,14 @@ func validVM(vm *VM) error {
 }
 
 const vmCols = `id, owner_id, host_id, name, image_url, image_sha256, vcpus, mem_mb, disk_gb, power_state,
-	status, last_error, assigned_ip, ssh_authorized_key, ssh_host_pubkey, created_at, updated_at, deleted_at, destroy_at, desired_gen`
+	status, last_error, assigned_ip, ssh_authorized_key, ssh_host_pubkey, created_at, updated_at, deleted_at, destroy_at, desired_gen,
+	retry, exits_seen`
 
 func vmArgs(vm *VM) []any {
 	return []any{vm.ID, vm.OwnerID, nullString(vm.HostID), vm.Name, vm.ImageURL, vm.ImageSHA256, vm.VCPUs, vm.MemMB, vm.DiskGB, vm.PowerState,
 		vm.Status, vm.LastError, vm.AssignedIP, vm.SSHAuthorizedKey, vm.SSHHostPubkey,
-		nanos(vm.CreatedAt), nanos(vm.UpdatedAt), nullNanos(vm.DeletedAt), nullNanos(vm.DestroyAt), int64(vm.DesiredGen)}
+		nanos(vm.CreatedAt), nanos(vm.UpdatedAt), nullNanos(vm.DeletedAt), nullNanos(vm.DestroyAt), int64(vm.DesiredGen),
+		int64(vm.Retry), int64(vm.ExitsSeen)}
 }
 
 func scanVM(row interface{ Scan(...any) error }) (VM, error) {
@@ -71,13 +79,15 @@ func scanVM(row interface{ Scan(...any) error }) (VM, error) {
 	var host sql.NullString
 	var created, updated int64
 	var deleted, destroy sql.NullInt64
-	var gen int64
+	var gen, retry, exits int64
 	err := row.Scan(&vm.ID, &vm.OwnerID, &host, &vm.Name, &vm.ImageURL, &vm.ImageSHA256, &vm.VCPUs, &vm.MemMB, &vm.DiskGB, &vm.PowerState,
-		&vm.Status, &vm.LastError, &vm.AssignedIP, &vm.SSHAuthorizedKey, &vm.SSHHostPubkey, &created, &updated, &deleted, &destroy, &gen)
+		&vm.Status, &vm.LastError, &vm.AssignedIP, &vm.SSHAuthorizedKey, &vm.SSHHostPubkey, &created, &updated, &deleted, &destroy, &gen,
+		&retry, &exits)
 	if err != nil {
 		return VM{}, err
 	}
 	vm.DesiredGen = uint64(gen)
+	vm.Retry, vm.ExitsSeen = uint64(retry), uint64(exits)
 	vm.HostID = host.String
 	vm.CreatedAt = fromNanos(created)
 	vm.UpdatedAt = fromNanos(updated)
@@ -121,7 +131,7 @@ func (s *Store) CreateVM(ctx context.Context, vm VM) error {
 		}
 		vm.DesiredGen = l.Generation
 		_, err = tx.ExecContext(ctx, `INSERT INTO vms (`+vmCols+`)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20)`, vmArgs(&vm)...)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22)`, vmArgs(&vm)...)
 		switch {
 		case isUniqueViolation(err):
 			return fmt.Errorf("%w: vm %s (%q) already exists", ErrConflict, vm.ID, vm.Name)
@@ -239,7 +249,7 @@ func (s *Store) updateVM(ctx context.Context, id string, reassert bool, fn func(
 		_, err = tx.ExecContext(ctx, `UPDATE vms SET owner_id = $2, host_id = $3, name = $4, image_url = $5, image_sha256 = $6,
 			vcpus = $7, mem_mb = $8, disk_gb = $9, power_state = $10, status = $11, last_error = $12, assigned_ip = $13,
 			ssh_authorized_key = $14, ssh_host_pubkey = $15, created_at = $16, updated_at = $17, deleted_at = $18, destroy_at = $19,
-			desired_gen = $20
+			desired_gen = $20, retry = $21, exits_seen = $22
 			WHERE id = $1`, args...)
 		switch {
 		case isUniqueViolation(err):
@@ -284,7 +294,8 @@ func sameVM(a, b VM) bool {
 		a.VCPUs == b.VCPUs && a.MemMB == b.MemMB && a.DiskGB == b.DiskGB && a.PowerState == b.PowerState &&
 		a.Status == b.Status && a.LastError == b.LastError && a.AssignedIP == b.AssignedIP &&
 		a.SSHAuthorizedKey == b.SSHAuthorizedKey && a.SSHHostPubkey == b.SSHHostPubkey &&
-		a.CreatedAt.Equal(b.CreatedAt) && sameTimePtr(a.DeletedAt, b.DeletedAt) && sameTimePtr(a.DestroyAt, b.DestroyAt)
+		a.CreatedAt.Equal(b.CreatedAt) && sameTimePtr(a.DeletedAt, b.DeletedAt) && sameTimePtr(a.DestroyAt, b.DestroyAt) &&
+		a.Retry == b.Retry && a.ExitsSeen == b.ExitsSeen
 }
 
 // sameDesired compares what a snapshot sends about the VM.
@@ -292,7 +303,7 @@ func sameDesired(a, b VM) bool {
 	return a.OwnerID == b.OwnerID && a.HostID == b.HostID && a.Name == b.Name &&
 		a.ImageURL == b.ImageURL && a.ImageSHA256 == b.ImageSHA256 &&
 		a.VCPUs == b.VCPUs && a.MemMB == b.MemMB && a.DiskGB == b.DiskGB && a.PowerState == b.PowerState &&
-		a.SSHAuthorizedKey == b.SSHAuthorizedKey &&
+		a.SSHAuthorizedKey == b.SSHAuthorizedKey && a.Retry == b.Retry &&
 		sameTimePtr(a.DeletedAt, b.DeletedAt) && sameTimePtr(a.DestroyAt, b.DestroyAt)
 }
 

@@ -654,7 +654,9 @@ type ActualVM struct {
 	// "running" or "stopped", read from the hypervisor.
 	Power string `protobuf:"bytes,2,opt,name=power,proto3" json:"power,omitempty"`
 	// The agent's reconcile phase: "creating", "ready", "stopped", "failed",
-	// "deleting".
+	// "deleting"; "starting" while it boots a created VM, "restarting" while
+	// it boots one again after its guest ended unasked (see last_exit), and
+	// "stopping" while it shuts one down.
 	Phase string `protobuf:"bytes,3,opt,name=phase,proto3" json:"phase,omitempty"`
 	// The guest's address once it has leased one; empty before.
 	Ip string `protobuf:"bytes,4,opt,name=ip,proto3" json:"ip,omitempty"`
@@ -667,7 +669,17 @@ type ActualVM struct {
 	// ("downloading image 1.2/3.7 GiB", "preparing root disk", "booting").
 	// Free text for people; nothing parses it. Empty means "nothing to add": a
 	// settled VM, or an agent that predates the field.
-	StatusDetail  string `protobuf:"bytes,7,opt,name=status_detail,json=statusDetail,proto3" json:"status_detail,omitempty"`
+	StatusDetail string `protobuf:"bytes,7,opt,name=status_detail,json=statusDetail,proto3" json:"status_detail,omitempty"`
+	// How many times the VM's guest process ended on this host without being
+	// asked to (a crash, a kill, a host reboot), over the VM's life here; it
+	// never goes down. 0 from agents that do not count.
+	UnexpectedExits uint32 `protobuf:"varint,8,opt,name=unexpected_exits,json=unexpectedExits,proto3" json:"unexpected_exits,omitempty"`
+	// The latest of those exits; unset when there was none (or from agents
+	// that do not say).
+	LastExit *GuestExit `protobuf:"bytes,9,opt,name=last_exit,json=lastExit,proto3" json:"last_exit,omitempty"`
+	// The retry (VMDesired.retry) this row answers to: the agent has reset the
+	// VM's budgets for it. 0 before any retry, or from agents without retries.
+	Retry         uint64 `protobuf:"varint,10,opt,name=retry,proto3" json:"retry,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -751,6 +763,93 @@ func (x *ActualVM) GetStatusDetail() string {
 	return ""
 }
 
+func (x *ActualVM) GetUnexpectedExits() uint32 {
+	if x != nil {
+		return x.UnexpectedExits
+	}
+	return 0
+}
+
+func (x *ActualVM) GetLastExit() *GuestExit {
+	if x != nil {
+		return x.LastExit
+	}
+	return nil
+}
+
+func (x *ActualVM) GetRetry() uint64 {
+	if x != nil {
+		return x.Retry
+	}
+	return 0
+}
+
+// GuestExit is a guest process that ended without being asked to.
+type GuestExit struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How it ended, for people: "qemu exited (signal 9)", "qemu exited
+	// (status 1)", or "qemu exited (exit status unknown)" when it ended while
+	// the agent could not see how.
+	Reason string `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	// The last lines of the guest's serial console from the boot that ended.
+	SerialTail string `protobuf:"bytes,2,opt,name=serial_tail,json=serialTail,proto3" json:"serial_tail,omitempty"`
+	// When the agent noticed, in unix seconds by its clock.
+	AtUnix        int64 `protobuf:"varint,3,opt,name=at_unix,json=atUnix,proto3" json:"at_unix,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GuestExit) Reset() {
+	*x = GuestExit{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GuestExit) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GuestExit) ProtoMessage() {}
+
+func (x *GuestExit) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GuestExit.ProtoReflect.Descriptor instead.
+func (*GuestExit) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *GuestExit) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *GuestExit) GetSerialTail() string {
+	if x != nil {
+		return x.SerialTail
+	}
+	return ""
+}
+
+func (x *GuestExit) GetAtUnix() int64 {
+	if x != nil {
+		return x.AtUnix
+	}
+	return 0
+}
+
 // QuarantinedVM is a VM the host holds but will not take the desired
 // state's word on (see ActualStateReport.quarantined).
 type QuarantinedVM struct {
@@ -781,7 +880,7 @@ type QuarantinedVM struct {
 
 func (x *QuarantinedVM) Reset() {
 	*x = QuarantinedVM{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	mi := &file_eitri_v1_agent_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -793,7 +892,7 @@ func (x *QuarantinedVM) String() string {
 func (*QuarantinedVM) ProtoMessage() {}
 
 func (x *QuarantinedVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	mi := &file_eitri_v1_agent_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -806,7 +905,7 @@ func (x *QuarantinedVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use QuarantinedVM.ProtoReflect.Descriptor instead.
 func (*QuarantinedVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{8}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *QuarantinedVM) GetVmId() string {
@@ -899,7 +998,7 @@ type DesiredStateSnapshot struct {
 
 func (x *DesiredStateSnapshot) Reset() {
 	*x = DesiredStateSnapshot{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[9]
+	mi := &file_eitri_v1_agent_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -911,7 +1010,7 @@ func (x *DesiredStateSnapshot) String() string {
 func (*DesiredStateSnapshot) ProtoMessage() {}
 
 func (x *DesiredStateSnapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[9]
+	mi := &file_eitri_v1_agent_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -924,7 +1023,7 @@ func (x *DesiredStateSnapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DesiredStateSnapshot.ProtoReflect.Descriptor instead.
 func (*DesiredStateSnapshot) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{9}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *DesiredStateSnapshot) GetGeneration() uint64 {
@@ -1000,14 +1099,19 @@ type VMDesired struct {
 	// counter as snapshot generations). An agent that applied a newer version
 	// of this VM holds it as it is rather than going back. 0 from a control
 	// plane that predates fencing.
-	Version       uint64 `protobuf:"varint,14,opt,name=version,proto3" json:"version,omitempty"`
+	Version uint64 `protobuf:"varint,14,opt,name=version,proto3" json:"version,omitempty"`
+	// Rises each time someone asks for the VM to be tried again (RetryVM). An
+	// agent that holds the VM failed, or counting failed attempts, under a
+	// lower retry resets its budgets and tries again at once. 0 from a control
+	// plane that predates it.
+	Retry         uint64 `protobuf:"varint,15,opt,name=retry,proto3" json:"retry,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *VMDesired) Reset() {
 	*x = VMDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[10]
+	mi := &file_eitri_v1_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1019,7 +1123,7 @@ func (x *VMDesired) String() string {
 func (*VMDesired) ProtoMessage() {}
 
 func (x *VMDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[10]
+	mi := &file_eitri_v1_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1032,7 +1136,7 @@ func (x *VMDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMDesired.ProtoReflect.Descriptor instead.
 func (*VMDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{10}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *VMDesired) GetVmId() string {
@@ -1133,6 +1237,13 @@ func (x *VMDesired) GetVersion() uint64 {
 	return 0
 }
 
+func (x *VMDesired) GetRetry() uint64 {
+	if x != nil {
+		return x.Retry
+	}
+	return 0
+}
+
 // AgentUpgrade offers the agent a newer build. The agent reports it and
 // keeps running its own version until upgrades are implemented.
 type AgentUpgrade struct {
@@ -1146,7 +1257,7 @@ type AgentUpgrade struct {
 
 func (x *AgentUpgrade) Reset() {
 	*x = AgentUpgrade{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[11]
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1158,7 +1269,7 @@ func (x *AgentUpgrade) String() string {
 func (*AgentUpgrade) ProtoMessage() {}
 
 func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[11]
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1171,7 +1282,7 @@ func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentUpgrade.ProtoReflect.Descriptor instead.
 func (*AgentUpgrade) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *AgentUpgrade) GetVersion() string {
@@ -1215,7 +1326,7 @@ type ExposureDesired struct {
 
 func (x *ExposureDesired) Reset() {
 	*x = ExposureDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1227,7 +1338,7 @@ func (x *ExposureDesired) String() string {
 func (*ExposureDesired) ProtoMessage() {}
 
 func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1240,7 +1351,7 @@ func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureDesired.ProtoReflect.Descriptor instead.
 func (*ExposureDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ExposureDesired) GetId() string {
@@ -1308,7 +1419,7 @@ type ExposureActual struct {
 
 func (x *ExposureActual) Reset() {
 	*x = ExposureActual{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1320,7 +1431,7 @@ func (x *ExposureActual) String() string {
 func (*ExposureActual) ProtoMessage() {}
 
 func (x *ExposureActual) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1333,7 +1444,7 @@ func (x *ExposureActual) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureActual.ProtoReflect.Descriptor instead.
 func (*ExposureActual) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ExposureActual) GetId() string {
@@ -1382,7 +1493,7 @@ type JoinToken struct {
 
 func (x *JoinToken) Reset() {
 	*x = JoinToken{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[14]
+	mi := &file_eitri_v1_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1394,7 +1505,7 @@ func (x *JoinToken) String() string {
 func (*JoinToken) ProtoMessage() {}
 
 func (x *JoinToken) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[14]
+	mi := &file_eitri_v1_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1407,7 +1518,7 @@ func (x *JoinToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
 func (*JoinToken) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *JoinToken) GetUrl() string {
@@ -1484,7 +1595,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\n" +
 	"generation\x18\x03 \x01(\x04R\n" +
 	"generation\x12\x16\n" +
-	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xc7\x01\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xba\x02\n" +
 	"\bActualVM\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x14\n" +
 	"\x05power\x18\x02 \x01(\tR\x05power\x12\x14\n" +
@@ -1493,7 +1604,16 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\n" +
 	"last_error\x18\x05 \x01(\tR\tlastError\x12&\n" +
 	"\x0fssh_host_pubkey\x18\x06 \x01(\tR\rsshHostPubkey\x12#\n" +
-	"\rstatus_detail\x18\a \x01(\tR\fstatusDetail\"\x8d\x02\n" +
+	"\rstatus_detail\x18\a \x01(\tR\fstatusDetail\x12)\n" +
+	"\x10unexpected_exits\x18\b \x01(\rR\x0funexpectedExits\x120\n" +
+	"\tlast_exit\x18\t \x01(\v2\x13.eitri.v1.GuestExitR\blastExit\x12\x14\n" +
+	"\x05retry\x18\n" +
+	" \x01(\x04R\x05retry\"]\n" +
+	"\tGuestExit\x12\x16\n" +
+	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x1f\n" +
+	"\vserial_tail\x18\x02 \x01(\tR\n" +
+	"serialTail\x12\x17\n" +
+	"\aat_unix\x18\x03 \x01(\x03R\x06atUnix\"\x8d\x02\n" +
 	"\rQuarantinedVM\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1f\n" +
@@ -1514,7 +1634,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\ragent_upgrade\x18\x03 \x01(\v2\x16.eitri.v1.AgentUpgradeR\fagentUpgrade\x127\n" +
 	"\texposures\x18\x04 \x03(\v2\x19.eitri.v1.ExposureDesiredR\texposures\x12(\n" +
 	"\x10control_plane_id\x18\x05 \x01(\tR\x0econtrolPlaneId\x12\x14\n" +
-	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\"\x95\x03\n" +
+	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\"\xab\x03\n" +
 	"\tVMDesired\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -1531,7 +1651,8 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x12ssh_authorized_key\x18\v \x01(\tR\x10sshAuthorizedKey\x12\x14\n" +
 	"\x05owner\x18\f \x01(\tR\x05owner\x12\x18\n" +
 	"\adestroy\x18\r \x01(\bR\adestroy\x12\x18\n" +
-	"\aversion\x18\x0e \x01(\x04R\aversion\"R\n" +
+	"\aversion\x18\x0e \x01(\x04R\aversion\x12\x14\n" +
+	"\x05retry\x18\x0f \x01(\x04R\x05retry\"R\n" +
 	"\fAgentUpgrade\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x12\x16\n" +
@@ -1570,7 +1691,7 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
@@ -1580,41 +1701,43 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*ActualStateReport)(nil),    // 5: eitri.v1.ActualStateReport
 	(*SnapshotRefusal)(nil),      // 6: eitri.v1.SnapshotRefusal
 	(*ActualVM)(nil),             // 7: eitri.v1.ActualVM
-	(*QuarantinedVM)(nil),        // 8: eitri.v1.QuarantinedVM
-	(*DesiredStateSnapshot)(nil), // 9: eitri.v1.DesiredStateSnapshot
-	(*VMDesired)(nil),            // 10: eitri.v1.VMDesired
-	(*AgentUpgrade)(nil),         // 11: eitri.v1.AgentUpgrade
-	(*ExposureDesired)(nil),      // 12: eitri.v1.ExposureDesired
-	(*ExposureActual)(nil),       // 13: eitri.v1.ExposureActual
-	(*JoinToken)(nil),            // 14: eitri.v1.JoinToken
-	(*Capacity)(nil),             // 15: eitri.v1.Capacity
-	(*Metrics)(nil),              // 16: eitri.v1.Metrics
-	(*ExposureSessions)(nil),     // 17: eitri.v1.ExposureSessions
+	(*GuestExit)(nil),            // 8: eitri.v1.GuestExit
+	(*QuarantinedVM)(nil),        // 9: eitri.v1.QuarantinedVM
+	(*DesiredStateSnapshot)(nil), // 10: eitri.v1.DesiredStateSnapshot
+	(*VMDesired)(nil),            // 11: eitri.v1.VMDesired
+	(*AgentUpgrade)(nil),         // 12: eitri.v1.AgentUpgrade
+	(*ExposureDesired)(nil),      // 13: eitri.v1.ExposureDesired
+	(*ExposureActual)(nil),       // 14: eitri.v1.ExposureActual
+	(*JoinToken)(nil),            // 15: eitri.v1.JoinToken
+	(*Capacity)(nil),             // 16: eitri.v1.Capacity
+	(*Metrics)(nil),              // 17: eitri.v1.Metrics
+	(*ExposureSessions)(nil),     // 18: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
 	5,  // 1: eitri.v1.SyncRequest.report:type_name -> eitri.v1.ActualStateReport
-	9,  // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
+	10, // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
 	7,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
-	8,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	15, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	16, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
-	13, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
+	9,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
+	16, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	17, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	14, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
 	6,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
-	10, // 9: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
-	10, // 10: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
-	11, // 11: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
-	12, // 12: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	17, // 13: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	0,  // 14: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 15: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	1,  // 16: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 17: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	16, // [16:18] is the sub-list for method output_type
-	14, // [14:16] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	8,  // 9: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
+	11, // 10: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
+	11, // 11: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
+	12, // 12: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
+	13, // 13: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
+	18, // 14: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	0,  // 15: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 16: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	1,  // 17: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 18: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	17, // [17:19] is the sub-list for method output_type
+	15, // [15:17] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -1636,7 +1759,7 @@ func file_eitri_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   15,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

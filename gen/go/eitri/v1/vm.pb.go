@@ -56,8 +56,11 @@ type VM struct {
 	// When a deleted VM will be destroyed for good; null unless deleted.
 	DestroyAt *timestamppb.Timestamp `protobuf:"bytes,18,opt,name=destroy_at,json=destroyAt,proto3" json:"destroy_at,omitempty"`
 	// Derived from the durable row and the live report: "pending", "creating",
-	// "ready", "stopped", "failed", "deleting", or "unknown" while its host is
-	// not reporting on it; "lost" when its host was decommissioned by force
+	// "ready", "stopped", "failed", "deleting"; "starting", "stopping",
+	// "restoring" or "retrying" from the moment such a request is made until
+	// its host reports it done; "restarting" while its host boots it again
+	// after its guest ended unasked; or "unknown" while its host is not
+	// reporting on it; "lost" when its host was decommissioned by force
 	// (host_id is then empty and last_error says what happened).
 	Lifecycle string `protobuf:"bytes,19,opt,name=lifecycle,proto3" json:"lifecycle,omitempty"`
 	// The public key injected into the guest; may be empty.
@@ -943,10 +946,100 @@ func (x *RestoreVMResponse) GetVm() *VM {
 	return nil
 }
 
+type RetryVMRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RetryVMRequest) Reset() {
+	*x = RetryVMRequest{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RetryVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RetryVMRequest) ProtoMessage() {}
+
+func (x *RetryVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RetryVMRequest.ProtoReflect.Descriptor instead.
+func (*RetryVMRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *RetryVMRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type RetryVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RetryVMResponse) Reset() {
+	*x = RetryVMResponse{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RetryVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RetryVMResponse) ProtoMessage() {}
+
+func (x *RetryVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RetryVMResponse.ProtoReflect.Descriptor instead.
+func (*RetryVMResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *RetryVMResponse) GetVm() *VM {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
 type VMEvent struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	At    *timestamppb.Timestamp `protobuf:"bytes,1,opt,name=at,proto3" json:"at,omitempty"`
-	// A short machine word: "created", "status", "power", "deleted", "restored", ...
+	// A short machine word: "created", "status", "power", "deleted",
+	// "restored", "exited" (the guest ended unasked; the message says how and
+	// carries its serial console's last lines), "retried", ...
 	Kind string `protobuf:"bytes,2,opt,name=kind,proto3" json:"kind,omitempty"`
 	// For people.
 	Message       string `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
@@ -956,7 +1049,7 @@ type VMEvent struct {
 
 func (x *VMEvent) Reset() {
 	*x = VMEvent{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[15]
+	mi := &file_eitri_v1_vm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -968,7 +1061,7 @@ func (x *VMEvent) String() string {
 func (*VMEvent) ProtoMessage() {}
 
 func (x *VMEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[15]
+	mi := &file_eitri_v1_vm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -981,7 +1074,7 @@ func (x *VMEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMEvent.ProtoReflect.Descriptor instead.
 func (*VMEvent) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{15}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *VMEvent) GetAt() *timestamppb.Timestamp {
@@ -1014,7 +1107,7 @@ type ListVMEventsRequest struct {
 
 func (x *ListVMEventsRequest) Reset() {
 	*x = ListVMEventsRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[16]
+	mi := &file_eitri_v1_vm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1026,7 +1119,7 @@ func (x *ListVMEventsRequest) String() string {
 func (*ListVMEventsRequest) ProtoMessage() {}
 
 func (x *ListVMEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[16]
+	mi := &file_eitri_v1_vm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1039,7 +1132,7 @@ func (x *ListVMEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListVMEventsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{16}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ListVMEventsRequest) GetVmId() string {
@@ -1058,7 +1151,7 @@ type ListVMEventsResponse struct {
 
 func (x *ListVMEventsResponse) Reset() {
 	*x = ListVMEventsResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[17]
+	mi := &file_eitri_v1_vm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1070,7 +1163,7 @@ func (x *ListVMEventsResponse) String() string {
 func (*ListVMEventsResponse) ProtoMessage() {}
 
 func (x *ListVMEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[17]
+	mi := &file_eitri_v1_vm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1083,7 +1176,7 @@ func (x *ListVMEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListVMEventsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{17}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ListVMEventsResponse) GetEvents() []*VMEvent {
@@ -1101,7 +1194,7 @@ type WatchVMsRequest struct {
 
 func (x *WatchVMsRequest) Reset() {
 	*x = WatchVMsRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[18]
+	mi := &file_eitri_v1_vm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1113,7 +1206,7 @@ func (x *WatchVMsRequest) String() string {
 func (*WatchVMsRequest) ProtoMessage() {}
 
 func (x *WatchVMsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[18]
+	mi := &file_eitri_v1_vm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1126,7 +1219,7 @@ func (x *WatchVMsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVMsRequest.ProtoReflect.Descriptor instead.
 func (*WatchVMsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{18}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{20}
 }
 
 type VMList struct {
@@ -1138,7 +1231,7 @@ type VMList struct {
 
 func (x *VMList) Reset() {
 	*x = VMList{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[19]
+	mi := &file_eitri_v1_vm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1150,7 +1243,7 @@ func (x *VMList) String() string {
 func (*VMList) ProtoMessage() {}
 
 func (x *VMList) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[19]
+	mi := &file_eitri_v1_vm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1163,7 +1256,7 @@ func (x *VMList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMList.ProtoReflect.Descriptor instead.
 func (*VMList) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{19}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *VMList) GetVms() []*VM {
@@ -1187,7 +1280,7 @@ type WatchVMsResponse struct {
 
 func (x *WatchVMsResponse) Reset() {
 	*x = WatchVMsResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[20]
+	mi := &file_eitri_v1_vm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1199,7 +1292,7 @@ func (x *WatchVMsResponse) String() string {
 func (*WatchVMsResponse) ProtoMessage() {}
 
 func (x *WatchVMsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[20]
+	mi := &file_eitri_v1_vm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1212,7 +1305,7 @@ func (x *WatchVMsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVMsResponse.ProtoReflect.Descriptor instead.
 func (*WatchVMsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{20}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *WatchVMsResponse) GetEvent() isWatchVMsResponse_Event {
@@ -1309,7 +1402,7 @@ type OrphanedVM struct {
 
 func (x *OrphanedVM) Reset() {
 	*x = OrphanedVM{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[21]
+	mi := &file_eitri_v1_vm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1321,7 +1414,7 @@ func (x *OrphanedVM) String() string {
 func (*OrphanedVM) ProtoMessage() {}
 
 func (x *OrphanedVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[21]
+	mi := &file_eitri_v1_vm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1334,7 +1427,7 @@ func (x *OrphanedVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OrphanedVM.ProtoReflect.Descriptor instead.
 func (*OrphanedVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{21}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *OrphanedVM) GetHostId() string {
@@ -1464,7 +1557,7 @@ type ListOrphanedVMsRequest struct {
 
 func (x *ListOrphanedVMsRequest) Reset() {
 	*x = ListOrphanedVMsRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[22]
+	mi := &file_eitri_v1_vm_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1476,7 +1569,7 @@ func (x *ListOrphanedVMsRequest) String() string {
 func (*ListOrphanedVMsRequest) ProtoMessage() {}
 
 func (x *ListOrphanedVMsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[22]
+	mi := &file_eitri_v1_vm_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1489,7 +1582,7 @@ func (x *ListOrphanedVMsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOrphanedVMsRequest.ProtoReflect.Descriptor instead.
 func (*ListOrphanedVMsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{22}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{24}
 }
 
 type ListOrphanedVMsResponse struct {
@@ -1501,7 +1594,7 @@ type ListOrphanedVMsResponse struct {
 
 func (x *ListOrphanedVMsResponse) Reset() {
 	*x = ListOrphanedVMsResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[23]
+	mi := &file_eitri_v1_vm_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1513,7 +1606,7 @@ func (x *ListOrphanedVMsResponse) String() string {
 func (*ListOrphanedVMsResponse) ProtoMessage() {}
 
 func (x *ListOrphanedVMsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[23]
+	mi := &file_eitri_v1_vm_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1526,7 +1619,7 @@ func (x *ListOrphanedVMsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOrphanedVMsResponse.ProtoReflect.Descriptor instead.
 func (*ListOrphanedVMsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{23}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListOrphanedVMsResponse) GetVms() []*OrphanedVM {
@@ -1552,7 +1645,7 @@ type AdoptOrphanedVMRequest struct {
 
 func (x *AdoptOrphanedVMRequest) Reset() {
 	*x = AdoptOrphanedVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[24]
+	mi := &file_eitri_v1_vm_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1564,7 +1657,7 @@ func (x *AdoptOrphanedVMRequest) String() string {
 func (*AdoptOrphanedVMRequest) ProtoMessage() {}
 
 func (x *AdoptOrphanedVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[24]
+	mi := &file_eitri_v1_vm_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1577,7 +1670,7 @@ func (x *AdoptOrphanedVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptOrphanedVMRequest.ProtoReflect.Descriptor instead.
 func (*AdoptOrphanedVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{24}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *AdoptOrphanedVMRequest) GetHostId() string {
@@ -1617,7 +1710,7 @@ type AdoptOrphanedVMResponse struct {
 
 func (x *AdoptOrphanedVMResponse) Reset() {
 	*x = AdoptOrphanedVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[25]
+	mi := &file_eitri_v1_vm_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1629,7 +1722,7 @@ func (x *AdoptOrphanedVMResponse) String() string {
 func (*AdoptOrphanedVMResponse) ProtoMessage() {}
 
 func (x *AdoptOrphanedVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[25]
+	mi := &file_eitri_v1_vm_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1642,7 +1735,7 @@ func (x *AdoptOrphanedVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptOrphanedVMResponse.ProtoReflect.Descriptor instead.
 func (*AdoptOrphanedVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{25}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *AdoptOrphanedVMResponse) GetVm() *VM {
@@ -1662,7 +1755,7 @@ type DestroyOrphanedVMRequest struct {
 
 func (x *DestroyOrphanedVMRequest) Reset() {
 	*x = DestroyOrphanedVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[26]
+	mi := &file_eitri_v1_vm_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1674,7 +1767,7 @@ func (x *DestroyOrphanedVMRequest) String() string {
 func (*DestroyOrphanedVMRequest) ProtoMessage() {}
 
 func (x *DestroyOrphanedVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[26]
+	mi := &file_eitri_v1_vm_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1687,7 +1780,7 @@ func (x *DestroyOrphanedVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyOrphanedVMRequest.ProtoReflect.Descriptor instead.
 func (*DestroyOrphanedVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{26}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *DestroyOrphanedVMRequest) GetHostId() string {
@@ -1712,7 +1805,7 @@ type DestroyOrphanedVMResponse struct {
 
 func (x *DestroyOrphanedVMResponse) Reset() {
 	*x = DestroyOrphanedVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[27]
+	mi := &file_eitri_v1_vm_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1724,7 +1817,7 @@ func (x *DestroyOrphanedVMResponse) String() string {
 func (*DestroyOrphanedVMResponse) ProtoMessage() {}
 
 func (x *DestroyOrphanedVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[27]
+	mi := &file_eitri_v1_vm_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1737,7 +1830,7 @@ func (x *DestroyOrphanedVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyOrphanedVMResponse.ProtoReflect.Descriptor instead.
 func (*DestroyOrphanedVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{27}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{29}
 }
 
 var File_eitri_v1_vm_proto protoreflect.FileDescriptor
@@ -1810,6 +1903,10 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x10RestoreVMRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"1\n" +
 	"\x11RestoreVMResponse\x12\x1c\n" +
+	"\x02vm\x18\x01 \x01(\v2\f.eitri.v1.VMR\x02vm\" \n" +
+	"\x0eRetryVMRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"/\n" +
+	"\x0fRetryVMResponse\x12\x1c\n" +
 	"\x02vm\x18\x01 \x01(\v2\f.eitri.v1.VMR\x02vm\"c\n" +
 	"\aVMEvent\x12*\n" +
 	"\x02at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x12\n" +
@@ -1863,7 +1960,7 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x18DestroyOrphanedVMRequest\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12\x13\n" +
 	"\x05vm_id\x18\x02 \x01(\tR\x04vmId\"\x1b\n" +
-	"\x19DestroyOrphanedVMResponse2\xf0\x06\n" +
+	"\x19DestroyOrphanedVMResponse2\xb0\a\n" +
 	"\tVMService\x12A\n" +
 	"\bCreateVM\x12\x19.eitri.v1.CreateVMRequest\x1a\x1a.eitri.v1.CreateVMResponse\x128\n" +
 	"\x05GetVM\x12\x16.eitri.v1.GetVMRequest\x1a\x17.eitri.v1.GetVMResponse\x12>\n" +
@@ -1871,7 +1968,8 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\aStartVM\x12\x18.eitri.v1.StartVMRequest\x1a\x19.eitri.v1.StartVMResponse\x12;\n" +
 	"\x06StopVM\x12\x17.eitri.v1.StopVMRequest\x1a\x18.eitri.v1.StopVMResponse\x12A\n" +
 	"\bDeleteVM\x12\x19.eitri.v1.DeleteVMRequest\x1a\x1a.eitri.v1.DeleteVMResponse\x12D\n" +
-	"\tRestoreVM\x12\x1a.eitri.v1.RestoreVMRequest\x1a\x1b.eitri.v1.RestoreVMResponse\x12M\n" +
+	"\tRestoreVM\x12\x1a.eitri.v1.RestoreVMRequest\x1a\x1b.eitri.v1.RestoreVMResponse\x12>\n" +
+	"\aRetryVM\x12\x18.eitri.v1.RetryVMRequest\x1a\x19.eitri.v1.RetryVMResponse\x12M\n" +
 	"\fListVMEvents\x12\x1d.eitri.v1.ListVMEventsRequest\x1a\x1e.eitri.v1.ListVMEventsResponse\x12V\n" +
 	"\x0fListOrphanedVMs\x12 .eitri.v1.ListOrphanedVMsRequest\x1a!.eitri.v1.ListOrphanedVMsResponse\x12V\n" +
 	"\x0fAdoptOrphanedVM\x12 .eitri.v1.AdoptOrphanedVMRequest\x1a!.eitri.v1.AdoptOrphanedVMResponse\x12\\\n" +
@@ -1890,7 +1988,7 @@ func file_eitri_v1_vm_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_vm_proto_rawDescData
 }
 
-var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
+var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_eitri_v1_vm_proto_goTypes = []any{
 	(*VM)(nil),                        // 0: eitri.v1.VM
 	(*CreateVMRequest)(nil),           // 1: eitri.v1.CreateVMRequest
@@ -1907,25 +2005,27 @@ var file_eitri_v1_vm_proto_goTypes = []any{
 	(*DeleteVMResponse)(nil),          // 12: eitri.v1.DeleteVMResponse
 	(*RestoreVMRequest)(nil),          // 13: eitri.v1.RestoreVMRequest
 	(*RestoreVMResponse)(nil),         // 14: eitri.v1.RestoreVMResponse
-	(*VMEvent)(nil),                   // 15: eitri.v1.VMEvent
-	(*ListVMEventsRequest)(nil),       // 16: eitri.v1.ListVMEventsRequest
-	(*ListVMEventsResponse)(nil),      // 17: eitri.v1.ListVMEventsResponse
-	(*WatchVMsRequest)(nil),           // 18: eitri.v1.WatchVMsRequest
-	(*VMList)(nil),                    // 19: eitri.v1.VMList
-	(*WatchVMsResponse)(nil),          // 20: eitri.v1.WatchVMsResponse
-	(*OrphanedVM)(nil),                // 21: eitri.v1.OrphanedVM
-	(*ListOrphanedVMsRequest)(nil),    // 22: eitri.v1.ListOrphanedVMsRequest
-	(*ListOrphanedVMsResponse)(nil),   // 23: eitri.v1.ListOrphanedVMsResponse
-	(*AdoptOrphanedVMRequest)(nil),    // 24: eitri.v1.AdoptOrphanedVMRequest
-	(*AdoptOrphanedVMResponse)(nil),   // 25: eitri.v1.AdoptOrphanedVMResponse
-	(*DestroyOrphanedVMRequest)(nil),  // 26: eitri.v1.DestroyOrphanedVMRequest
-	(*DestroyOrphanedVMResponse)(nil), // 27: eitri.v1.DestroyOrphanedVMResponse
-	(*timestamppb.Timestamp)(nil),     // 28: google.protobuf.Timestamp
+	(*RetryVMRequest)(nil),            // 15: eitri.v1.RetryVMRequest
+	(*RetryVMResponse)(nil),           // 16: eitri.v1.RetryVMResponse
+	(*VMEvent)(nil),                   // 17: eitri.v1.VMEvent
+	(*ListVMEventsRequest)(nil),       // 18: eitri.v1.ListVMEventsRequest
+	(*ListVMEventsResponse)(nil),      // 19: eitri.v1.ListVMEventsResponse
+	(*WatchVMsRequest)(nil),           // 20: eitri.v1.WatchVMsRequest
+	(*VMList)(nil),                    // 21: eitri.v1.VMList
+	(*WatchVMsResponse)(nil),          // 22: eitri.v1.WatchVMsResponse
+	(*OrphanedVM)(nil),                // 23: eitri.v1.OrphanedVM
+	(*ListOrphanedVMsRequest)(nil),    // 24: eitri.v1.ListOrphanedVMsRequest
+	(*ListOrphanedVMsResponse)(nil),   // 25: eitri.v1.ListOrphanedVMsResponse
+	(*AdoptOrphanedVMRequest)(nil),    // 26: eitri.v1.AdoptOrphanedVMRequest
+	(*AdoptOrphanedVMResponse)(nil),   // 27: eitri.v1.AdoptOrphanedVMResponse
+	(*DestroyOrphanedVMRequest)(nil),  // 28: eitri.v1.DestroyOrphanedVMRequest
+	(*DestroyOrphanedVMResponse)(nil), // 29: eitri.v1.DestroyOrphanedVMResponse
+	(*timestamppb.Timestamp)(nil),     // 30: google.protobuf.Timestamp
 }
 var file_eitri_v1_vm_proto_depIdxs = []int32{
-	28, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
-	28, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
-	28, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
+	30, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
+	30, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
+	30, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
 	0,  // 3: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 4: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 5: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
@@ -1933,43 +2033,46 @@ var file_eitri_v1_vm_proto_depIdxs = []int32{
 	0,  // 7: eitri.v1.StopVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 8: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 9: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
-	28, // 10: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
-	15, // 11: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
-	0,  // 12: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
-	19, // 13: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
-	0,  // 14: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
-	28, // 15: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
-	21, // 16: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
-	0,  // 17: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
-	1,  // 18: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
-	3,  // 19: eitri.v1.VMService.GetVM:input_type -> eitri.v1.GetVMRequest
-	5,  // 20: eitri.v1.VMService.ListVMs:input_type -> eitri.v1.ListVMsRequest
-	7,  // 21: eitri.v1.VMService.StartVM:input_type -> eitri.v1.StartVMRequest
-	9,  // 22: eitri.v1.VMService.StopVM:input_type -> eitri.v1.StopVMRequest
-	11, // 23: eitri.v1.VMService.DeleteVM:input_type -> eitri.v1.DeleteVMRequest
-	13, // 24: eitri.v1.VMService.RestoreVM:input_type -> eitri.v1.RestoreVMRequest
-	16, // 25: eitri.v1.VMService.ListVMEvents:input_type -> eitri.v1.ListVMEventsRequest
-	22, // 26: eitri.v1.VMService.ListOrphanedVMs:input_type -> eitri.v1.ListOrphanedVMsRequest
-	24, // 27: eitri.v1.VMService.AdoptOrphanedVM:input_type -> eitri.v1.AdoptOrphanedVMRequest
-	26, // 28: eitri.v1.VMService.DestroyOrphanedVM:input_type -> eitri.v1.DestroyOrphanedVMRequest
-	18, // 29: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
-	2,  // 30: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
-	4,  // 31: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
-	6,  // 32: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
-	8,  // 33: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
-	10, // 34: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
-	12, // 35: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
-	14, // 36: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
-	17, // 37: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
-	23, // 38: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
-	25, // 39: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
-	27, // 40: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
-	20, // 41: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
-	30, // [30:42] is the sub-list for method output_type
-	18, // [18:30] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	0,  // 10: eitri.v1.RetryVMResponse.vm:type_name -> eitri.v1.VM
+	30, // 11: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
+	17, // 12: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
+	0,  // 13: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
+	21, // 14: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
+	0,  // 15: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
+	30, // 16: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
+	23, // 17: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
+	0,  // 18: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
+	1,  // 19: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
+	3,  // 20: eitri.v1.VMService.GetVM:input_type -> eitri.v1.GetVMRequest
+	5,  // 21: eitri.v1.VMService.ListVMs:input_type -> eitri.v1.ListVMsRequest
+	7,  // 22: eitri.v1.VMService.StartVM:input_type -> eitri.v1.StartVMRequest
+	9,  // 23: eitri.v1.VMService.StopVM:input_type -> eitri.v1.StopVMRequest
+	11, // 24: eitri.v1.VMService.DeleteVM:input_type -> eitri.v1.DeleteVMRequest
+	13, // 25: eitri.v1.VMService.RestoreVM:input_type -> eitri.v1.RestoreVMRequest
+	15, // 26: eitri.v1.VMService.RetryVM:input_type -> eitri.v1.RetryVMRequest
+	18, // 27: eitri.v1.VMService.ListVMEvents:input_type -> eitri.v1.ListVMEventsRequest
+	24, // 28: eitri.v1.VMService.ListOrphanedVMs:input_type -> eitri.v1.ListOrphanedVMsRequest
+	26, // 29: eitri.v1.VMService.AdoptOrphanedVM:input_type -> eitri.v1.AdoptOrphanedVMRequest
+	28, // 30: eitri.v1.VMService.DestroyOrphanedVM:input_type -> eitri.v1.DestroyOrphanedVMRequest
+	20, // 31: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
+	2,  // 32: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
+	4,  // 33: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
+	6,  // 34: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
+	8,  // 35: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
+	10, // 36: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
+	12, // 37: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
+	14, // 38: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
+	16, // 39: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
+	19, // 40: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
+	25, // 41: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
+	27, // 42: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
+	29, // 43: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
+	22, // 44: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
+	32, // [32:45] is the sub-list for method output_type
+	19, // [19:32] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_vm_proto_init() }
@@ -1977,7 +2080,7 @@ func file_eitri_v1_vm_proto_init() {
 	if File_eitri_v1_vm_proto != nil {
 		return
 	}
-	file_eitri_v1_vm_proto_msgTypes[20].OneofWrappers = []any{
+	file_eitri_v1_vm_proto_msgTypes[22].OneofWrappers = []any{
 		(*WatchVMsResponse_Snapshot)(nil),
 		(*WatchVMsResponse_Changed)(nil),
 		(*WatchVMsResponse_RemovedId)(nil),
@@ -1988,7 +2091,7 @@ func file_eitri_v1_vm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_vm_proto_rawDesc), len(file_eitri_v1_vm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   28,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

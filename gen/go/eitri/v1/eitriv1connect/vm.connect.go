@@ -47,6 +47,8 @@ const (
 	VMServiceDeleteVMProcedure = "/eitri.v1.VMService/DeleteVM"
 	// VMServiceRestoreVMProcedure is the fully-qualified name of the VMService's RestoreVM RPC.
 	VMServiceRestoreVMProcedure = "/eitri.v1.VMService/RestoreVM"
+	// VMServiceRetryVMProcedure is the fully-qualified name of the VMService's RetryVM RPC.
+	VMServiceRetryVMProcedure = "/eitri.v1.VMService/RetryVM"
 	// VMServiceListVMEventsProcedure is the fully-qualified name of the VMService's ListVMEvents RPC.
 	VMServiceListVMEventsProcedure = "/eitri.v1.VMService/ListVMEvents"
 	// VMServiceListOrphanedVMsProcedure is the fully-qualified name of the VMService's ListOrphanedVMs
@@ -75,6 +77,10 @@ type VMServiceClient interface {
 	// RestoreVM before then brings it back.
 	DeleteVM(context.Context, *connect.Request[v1.DeleteVMRequest]) (*connect.Response[v1.DeleteVMResponse], error)
 	RestoreVM(context.Context, *connect.Request[v1.RestoreVMRequest]) (*connect.Response[v1.RestoreVMResponse], error)
+	// RetryVM tries a failed VM again with a fresh budget: its host starts
+	// over the create (or the restarts) that failed, at once.
+	// FailedPrecondition unless the VM is failed.
+	RetryVM(context.Context, *connect.Request[v1.RetryVMRequest]) (*connect.Response[v1.RetryVMResponse], error)
 	// ListVMEvents is the VM's timeline, oldest first.
 	ListVMEvents(context.Context, *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error)
 	// ListOrphanedVMs lists VMs that hosts hold but will not take this control
@@ -149,6 +155,12 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("RestoreVM")),
 			connect.WithClientOptions(opts...),
 		),
+		retryVM: connect.NewClient[v1.RetryVMRequest, v1.RetryVMResponse](
+			httpClient,
+			baseURL+VMServiceRetryVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("RetryVM")),
+			connect.WithClientOptions(opts...),
+		),
 		listVMEvents: connect.NewClient[v1.ListVMEventsRequest, v1.ListVMEventsResponse](
 			httpClient,
 			baseURL+VMServiceListVMEventsProcedure,
@@ -191,6 +203,7 @@ type vMServiceClient struct {
 	stopVM            *connect.Client[v1.StopVMRequest, v1.StopVMResponse]
 	deleteVM          *connect.Client[v1.DeleteVMRequest, v1.DeleteVMResponse]
 	restoreVM         *connect.Client[v1.RestoreVMRequest, v1.RestoreVMResponse]
+	retryVM           *connect.Client[v1.RetryVMRequest, v1.RetryVMResponse]
 	listVMEvents      *connect.Client[v1.ListVMEventsRequest, v1.ListVMEventsResponse]
 	listOrphanedVMs   *connect.Client[v1.ListOrphanedVMsRequest, v1.ListOrphanedVMsResponse]
 	adoptOrphanedVM   *connect.Client[v1.AdoptOrphanedVMRequest, v1.AdoptOrphanedVMResponse]
@@ -233,6 +246,11 @@ func (c *vMServiceClient) RestoreVM(ctx context.Context, req *connect.Request[v1
 	return c.restoreVM.CallUnary(ctx, req)
 }
 
+// RetryVM calls eitri.v1.VMService.RetryVM.
+func (c *vMServiceClient) RetryVM(ctx context.Context, req *connect.Request[v1.RetryVMRequest]) (*connect.Response[v1.RetryVMResponse], error) {
+	return c.retryVM.CallUnary(ctx, req)
+}
+
 // ListVMEvents calls eitri.v1.VMService.ListVMEvents.
 func (c *vMServiceClient) ListVMEvents(ctx context.Context, req *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error) {
 	return c.listVMEvents.CallUnary(ctx, req)
@@ -271,6 +289,10 @@ type VMServiceHandler interface {
 	// RestoreVM before then brings it back.
 	DeleteVM(context.Context, *connect.Request[v1.DeleteVMRequest]) (*connect.Response[v1.DeleteVMResponse], error)
 	RestoreVM(context.Context, *connect.Request[v1.RestoreVMRequest]) (*connect.Response[v1.RestoreVMResponse], error)
+	// RetryVM tries a failed VM again with a fresh budget: its host starts
+	// over the create (or the restarts) that failed, at once.
+	// FailedPrecondition unless the VM is failed.
+	RetryVM(context.Context, *connect.Request[v1.RetryVMRequest]) (*connect.Response[v1.RetryVMResponse], error)
 	// ListVMEvents is the VM's timeline, oldest first.
 	ListVMEvents(context.Context, *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error)
 	// ListOrphanedVMs lists VMs that hosts hold but will not take this control
@@ -341,6 +363,12 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("RestoreVM")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServiceRetryVMHandler := connect.NewUnaryHandler(
+		VMServiceRetryVMProcedure,
+		svc.RetryVM,
+		connect.WithSchema(vMServiceMethods.ByName("RetryVM")),
+		connect.WithHandlerOptions(opts...),
+	)
 	vMServiceListVMEventsHandler := connect.NewUnaryHandler(
 		VMServiceListVMEventsProcedure,
 		svc.ListVMEvents,
@@ -387,6 +415,8 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServiceDeleteVMHandler.ServeHTTP(w, r)
 		case VMServiceRestoreVMProcedure:
 			vMServiceRestoreVMHandler.ServeHTTP(w, r)
+		case VMServiceRetryVMProcedure:
+			vMServiceRetryVMHandler.ServeHTTP(w, r)
 		case VMServiceListVMEventsProcedure:
 			vMServiceListVMEventsHandler.ServeHTTP(w, r)
 		case VMServiceListOrphanedVMsProcedure:
@@ -432,6 +462,10 @@ func (UnimplementedVMServiceHandler) DeleteVM(context.Context, *connect.Request[
 
 func (UnimplementedVMServiceHandler) RestoreVM(context.Context, *connect.Request[v1.RestoreVMRequest]) (*connect.Response[v1.RestoreVMResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.RestoreVM is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) RetryVM(context.Context, *connect.Request[v1.RetryVMRequest]) (*connect.Response[v1.RetryVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.RetryVM is not implemented"))
 }
 
 func (UnimplementedVMServiceHandler) ListVMEvents(context.Context, *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error) {

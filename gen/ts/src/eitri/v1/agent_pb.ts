@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file eitri/v1/agent.proto.
  */
 export const file_eitri_v1_agent: GenFile = /*@__PURE__*/
-  fileDesc("ChRlaXRyaS92MS9hZ2VudC5wcm90bxIIZWl0cmkudjEiTAoNRW5yb2xsUmVxdWVzdBISCgpqb2luX3Rva2VuGAEgASgJEhAKCGhvc3RuYW1lGAIgASgJEhUKDWFnZW50X3ZlcnNpb24YAyABKAkiOgoORW5yb2xsUmVzcG9uc2USDwoHaG9zdF9pZBgBIAEoCRIXCg9ob3N0X2NyZWRlbnRpYWwYAiABKAkiZQoLU3luY1JlcXVlc3QSIAoFaGVsbG8YASABKAsyDy5laXRyaS52MS5IZWxsb0gAEi0KBnJlcG9ydBgCIAEoCzIbLmVpdHJpLnYxLkFjdHVhbFN0YXRlUmVwb3J0SABCBQoDbXNnIkkKDFN5bmNSZXNwb25zZRIyCghzbmFwc2hvdBgBIAEoCzIeLmVpdHJpLnYxLkRlc2lyZWRTdGF0ZVNuYXBzaG90SABCBQoDbXNnIuUBCgVIZWxsbxIPCgdob3N0X2lkGAEgASgJEhUKDWFnZW50X3ZlcnNpb24YAiABKAkSEAoIaG9zdG5hbWUYAyABKAkSEwoLYWNjZWxlcmF0b3IYBCABKAkSDwoHYWRkcmVzcxgFIAEoCRIaChJhY2NlbGVyYXRvcl9yZWFzb24YBiABKAkSEwoLaW5zdGFuY2VfaWQYByABKAkSGAoQY29udHJvbF9wbGFuZV9pZBgIIAEoCRIVCg1hcHBsaWVkX2Vwb2NoGAkgASgEEhoKEmFwcGxpZWRfZ2VuZXJhdGlvbhgKIAEoBCKfAwoRQWN0dWFsU3RhdGVSZXBvcnQSHwoDdm1zGAEgAygLMhIuZWl0cmkudjEuQWN0dWFsVk0SEQoJZGVzdHJveWVkGAIgAygJEiwKC3F1YXJhbnRpbmVkGAMgAygLMhcuZWl0cmkudjEuUXVhcmFudGluZWRWTRIkCghjYXBhY2l0eRgEIAEoCzISLmVpdHJpLnYxLkNhcGFjaXR5EiIKB21ldHJpY3MYBSABKAsyES5laXRyaS52MS5NZXRyaWNzEisKCWV4cG9zdXJlcxgGIAMoCzIYLmVpdHJpLnYxLkV4cG9zdXJlQWN0dWFsEhoKEmFwcGxpZWRfZ2VuZXJhdGlvbhgHIAEoBBITCgthY2NlbGVyYXRvchgIIAEoCRIaChJhY2NlbGVyYXRvcl9yZWFzb24YCSABKAkSFQoNYXBwbGllZF9lcG9jaBgKIAEoBBIYChBjb250cm9sX3BsYW5lX2lkGAsgASgJEjMKEHNuYXBzaG90X3JlZnVzZWQYDCABKAsyGS5laXRyaS52MS5TbmFwc2hvdFJlZnVzYWwiXgoPU25hcHNob3RSZWZ1c2FsEhgKEGNvbnRyb2xfcGxhbmVfaWQYASABKAkSDQoFZXBvY2gYAiABKAQSEgoKZ2VuZXJhdGlvbhgDIAEoBBIOCgZyZWFzb24YBCABKAkihwEKCEFjdHVhbFZNEg0KBXZtX2lkGAEgASgJEg0KBXBvd2VyGAIgASgJEg0KBXBoYXNlGAMgASgJEgoKAmlwGAQgASgJEhIKCmxhc3RfZXJyb3IYBSABKAkSFwoPc3NoX2hvc3RfcHVia2V5GAYgASgJEhUKDXN0YXR1c19kZXRhaWwYByABKAkivwEKDVF1YXJhbnRpbmVkVk0SDQoFdm1faWQYASABKAkSDAoEbmFtZRgCIAEoCRITCgt2bXNwZWNfanNvbhgDIAEoDBIXCg9kZXN0cm95X2F0X3VuaXgYBCABKAMSIQoEaGVsZBgFIAEoCzITLmVpdHJpLnYxLlZNRGVzaXJlZBINCgVwb3dlchgGIAEoCRIOCgZyZWFzb24YByABKAkSDQoFc3RhbGUYCCABKAgSEgoKc2luY2VfdW5peBgJIAEoAyLSAQoURGVzaXJlZFN0YXRlU25hcHNob3QSEgoKZ2VuZXJhdGlvbhgBIAEoBBIgCgN2bXMYAiADKAsyEy5laXRyaS52MS5WTURlc2lyZWQSLQoNYWdlbnRfdXBncmFkZRgDIAEoCzIWLmVpdHJpLnYxLkFnZW50VXBncmFkZRIsCglleHBvc3VyZXMYBCADKAsyGS5laXRyaS52MS5FeHBvc3VyZURlc2lyZWQSGAoQY29udHJvbF9wbGFuZV9pZBgFIAEoCRINCgVlcG9jaBgGIAEoBCKNAgoJVk1EZXNpcmVkEg0KBXZtX2lkGAEgASgJEgwKBG5hbWUYAiABKAkSEQoJaW1hZ2VfdXJsGAMgASgJEhQKDGltYWdlX3NoYTI1NhgEIAEoCRINCgV2Y3B1cxgFIAEoBRIOCgZtZW1fbWIYBiABKAMSDwoHZGlza19nYhgHIAEoAxITCgtwb3dlcl9zdGF0ZRgIIAEoCRIPCgdkZWxldGVkGAkgASgIEhcKD2Rlc3Ryb3lfYXRfdW5peBgKIAEoAxIaChJzc2hfYXV0aG9yaXplZF9rZXkYCyABKAkSDQoFb3duZXIYDCABKAkSDwoHZGVzdHJveRgNIAEoCBIPCgd2ZXJzaW9uGA4gASgEIjwKDEFnZW50VXBncmFkZRIPCgd2ZXJzaW9uGAEgASgJEgsKA3VybBgCIAEoCRIOCgZzaGEyNTYYAyABKAkiigEKD0V4cG9zdXJlRGVzaXJlZBIKCgJpZBgBIAEoCRINCgV2bV9pZBgCIAEoCRISCgpndWVzdF9wb3J0GAMgASgNEhEKCWhvc3RfcG9ydBgEIAEoDRIQCghwcm90b2NvbBgFIAEoCRINCgVzY29wZRgGIAEoCRIUCgxtYXhfc2Vzc2lvbnMYByABKA0iaQoORXhwb3N1cmVBY3R1YWwSCgoCaWQYASABKAkSDQoFc3RhdGUYAiABKAkSDgoGcmVhc29uGAMgASgJEiwKCHNlc3Npb25zGAQgASgLMhouZWl0cmkudjEuRXhwb3N1cmVTZXNzaW9ucyJCCglKb2luVG9rZW4SCwoDdXJsGAEgASgJEhgKEGNlcnRfZmluZ2VycHJpbnQYAiABKAkSDgoGc2VjcmV0GAMgASgJMoYBCgxBZ2VudFNlcnZpY2USOwoGRW5yb2xsEhcuZWl0cmkudjEuRW5yb2xsUmVxdWVzdBoYLmVpdHJpLnYxLkVucm9sbFJlc3BvbnNlEjkKBFN5bmMSFS5laXRyaS52MS5TeW5jUmVxdWVzdBoWLmVpdHJpLnYxLlN5bmNSZXNwb25zZSgBMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_eitri_v1_resources]);
+  fileDesc("ChRlaXRyaS92MS9hZ2VudC5wcm90bxIIZWl0cmkudjEiTAoNRW5yb2xsUmVxdWVzdBISCgpqb2luX3Rva2VuGAEgASgJEhAKCGhvc3RuYW1lGAIgASgJEhUKDWFnZW50X3ZlcnNpb24YAyABKAkiOgoORW5yb2xsUmVzcG9uc2USDwoHaG9zdF9pZBgBIAEoCRIXCg9ob3N0X2NyZWRlbnRpYWwYAiABKAkiZQoLU3luY1JlcXVlc3QSIAoFaGVsbG8YASABKAsyDy5laXRyaS52MS5IZWxsb0gAEi0KBnJlcG9ydBgCIAEoCzIbLmVpdHJpLnYxLkFjdHVhbFN0YXRlUmVwb3J0SABCBQoDbXNnIkkKDFN5bmNSZXNwb25zZRIyCghzbmFwc2hvdBgBIAEoCzIeLmVpdHJpLnYxLkRlc2lyZWRTdGF0ZVNuYXBzaG90SABCBQoDbXNnIuUBCgVIZWxsbxIPCgdob3N0X2lkGAEgASgJEhUKDWFnZW50X3ZlcnNpb24YAiABKAkSEAoIaG9zdG5hbWUYAyABKAkSEwoLYWNjZWxlcmF0b3IYBCABKAkSDwoHYWRkcmVzcxgFIAEoCRIaChJhY2NlbGVyYXRvcl9yZWFzb24YBiABKAkSEwoLaW5zdGFuY2VfaWQYByABKAkSGAoQY29udHJvbF9wbGFuZV9pZBgIIAEoCRIVCg1hcHBsaWVkX2Vwb2NoGAkgASgEEhoKEmFwcGxpZWRfZ2VuZXJhdGlvbhgKIAEoBCKfAwoRQWN0dWFsU3RhdGVSZXBvcnQSHwoDdm1zGAEgAygLMhIuZWl0cmkudjEuQWN0dWFsVk0SEQoJZGVzdHJveWVkGAIgAygJEiwKC3F1YXJhbnRpbmVkGAMgAygLMhcuZWl0cmkudjEuUXVhcmFudGluZWRWTRIkCghjYXBhY2l0eRgEIAEoCzISLmVpdHJpLnYxLkNhcGFjaXR5EiIKB21ldHJpY3MYBSABKAsyES5laXRyaS52MS5NZXRyaWNzEisKCWV4cG9zdXJlcxgGIAMoCzIYLmVpdHJpLnYxLkV4cG9zdXJlQWN0dWFsEhoKEmFwcGxpZWRfZ2VuZXJhdGlvbhgHIAEoBBITCgthY2NlbGVyYXRvchgIIAEoCRIaChJhY2NlbGVyYXRvcl9yZWFzb24YCSABKAkSFQoNYXBwbGllZF9lcG9jaBgKIAEoBBIYChBjb250cm9sX3BsYW5lX2lkGAsgASgJEjMKEHNuYXBzaG90X3JlZnVzZWQYDCABKAsyGS5laXRyaS52MS5TbmFwc2hvdFJlZnVzYWwiXgoPU25hcHNob3RSZWZ1c2FsEhgKEGNvbnRyb2xfcGxhbmVfaWQYASABKAkSDQoFZXBvY2gYAiABKAQSEgoKZ2VuZXJhdGlvbhgDIAEoBBIOCgZyZWFzb24YBCABKAki2AEKCEFjdHVhbFZNEg0KBXZtX2lkGAEgASgJEg0KBXBvd2VyGAIgASgJEg0KBXBoYXNlGAMgASgJEgoKAmlwGAQgASgJEhIKCmxhc3RfZXJyb3IYBSABKAkSFwoPc3NoX2hvc3RfcHVia2V5GAYgASgJEhUKDXN0YXR1c19kZXRhaWwYByABKAkSGAoQdW5leHBlY3RlZF9leGl0cxgIIAEoDRImCglsYXN0X2V4aXQYCSABKAsyEy5laXRyaS52MS5HdWVzdEV4aXQSDQoFcmV0cnkYCiABKAQiQQoJR3Vlc3RFeGl0Eg4KBnJlYXNvbhgBIAEoCRITCgtzZXJpYWxfdGFpbBgCIAEoCRIPCgdhdF91bml4GAMgASgDIr8BCg1RdWFyYW50aW5lZFZNEg0KBXZtX2lkGAEgASgJEgwKBG5hbWUYAiABKAkSEwoLdm1zcGVjX2pzb24YAyABKAwSFwoPZGVzdHJveV9hdF91bml4GAQgASgDEiEKBGhlbGQYBSABKAsyEy5laXRyaS52MS5WTURlc2lyZWQSDQoFcG93ZXIYBiABKAkSDgoGcmVhc29uGAcgASgJEg0KBXN0YWxlGAggASgIEhIKCnNpbmNlX3VuaXgYCSABKAMi0gEKFERlc2lyZWRTdGF0ZVNuYXBzaG90EhIKCmdlbmVyYXRpb24YASABKAQSIAoDdm1zGAIgAygLMhMuZWl0cmkudjEuVk1EZXNpcmVkEi0KDWFnZW50X3VwZ3JhZGUYAyABKAsyFi5laXRyaS52MS5BZ2VudFVwZ3JhZGUSLAoJZXhwb3N1cmVzGAQgAygLMhkuZWl0cmkudjEuRXhwb3N1cmVEZXNpcmVkEhgKEGNvbnRyb2xfcGxhbmVfaWQYBSABKAkSDQoFZXBvY2gYBiABKAQinAIKCVZNRGVzaXJlZBINCgV2bV9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWltYWdlX3VybBgDIAEoCRIUCgxpbWFnZV9zaGEyNTYYBCABKAkSDQoFdmNwdXMYBSABKAUSDgoGbWVtX21iGAYgASgDEg8KB2Rpc2tfZ2IYByABKAMSEwoLcG93ZXJfc3RhdGUYCCABKAkSDwoHZGVsZXRlZBgJIAEoCBIXCg9kZXN0cm95X2F0X3VuaXgYCiABKAMSGgoSc3NoX2F1dGhvcml6ZWRfa2V5GAsgASgJEg0KBW93bmVyGAwgASgJEg8KB2Rlc3Ryb3kYDSABKAgSDwoHdmVyc2lvbhgOIAEoBBINCgVyZXRyeRgPIAEoBCI8CgxBZ2VudFVwZ3JhZGUSDwoHdmVyc2lvbhgBIAEoCRILCgN1cmwYAiABKAkSDgoGc2hhMjU2GAMgASgJIooBCg9FeHBvc3VyZURlc2lyZWQSCgoCaWQYASABKAkSDQoFdm1faWQYAiABKAkSEgoKZ3Vlc3RfcG9ydBgDIAEoDRIRCglob3N0X3BvcnQYBCABKA0SEAoIcHJvdG9jb2wYBSABKAkSDQoFc2NvcGUYBiABKAkSFAoMbWF4X3Nlc3Npb25zGAcgASgNImkKDkV4cG9zdXJlQWN0dWFsEgoKAmlkGAEgASgJEg0KBXN0YXRlGAIgASgJEg4KBnJlYXNvbhgDIAEoCRIsCghzZXNzaW9ucxgEIAEoCzIaLmVpdHJpLnYxLkV4cG9zdXJlU2Vzc2lvbnMiQgoJSm9pblRva2VuEgsKA3VybBgBIAEoCRIYChBjZXJ0X2ZpbmdlcnByaW50GAIgASgJEg4KBnNlY3JldBgDIAEoCTKGAQoMQWdlbnRTZXJ2aWNlEjsKBkVucm9sbBIXLmVpdHJpLnYxLkVucm9sbFJlcXVlc3QaGC5laXRyaS52MS5FbnJvbGxSZXNwb25zZRI5CgRTeW5jEhUuZWl0cmkudjEuU3luY1JlcXVlc3QaFi5laXRyaS52MS5TeW5jUmVzcG9uc2UoATABQi9aLWdpdGh1Yi5jb20vYTczeC9laXRyaS9nZW4vZ28vZWl0cmkvdjE7ZWl0cml2MWIGcHJvdG8z", [file_eitri_v1_resources]);
 
 /**
  * @generated from message eitri.v1.EnrollRequest
@@ -374,7 +374,9 @@ export type ActualVM = Message<"eitri.v1.ActualVM"> & {
 
   /**
    * The agent's reconcile phase: "creating", "ready", "stopped", "failed",
-   * "deleting".
+   * "deleting"; "starting" while it boots a created VM, "restarting" while
+   * it boots one again after its guest ended unasked (see last_exit), and
+   * "stopping" while it shuts one down.
    *
    * @generated from field: string phase = 3;
    */
@@ -411,6 +413,31 @@ export type ActualVM = Message<"eitri.v1.ActualVM"> & {
    * @generated from field: string status_detail = 7;
    */
   statusDetail: string;
+
+  /**
+   * How many times the VM's guest process ended on this host without being
+   * asked to (a crash, a kill, a host reboot), over the VM's life here; it
+   * never goes down. 0 from agents that do not count.
+   *
+   * @generated from field: uint32 unexpected_exits = 8;
+   */
+  unexpectedExits: number;
+
+  /**
+   * The latest of those exits; unset when there was none (or from agents
+   * that do not say).
+   *
+   * @generated from field: eitri.v1.GuestExit last_exit = 9;
+   */
+  lastExit?: GuestExit | undefined;
+
+  /**
+   * The retry (VMDesired.retry) this row answers to: the agent has reset the
+   * VM's budgets for it. 0 before any retry, or from agents without retries.
+   *
+   * @generated from field: uint64 retry = 10;
+   */
+  retry: bigint;
 };
 
 /**
@@ -419,6 +446,43 @@ export type ActualVM = Message<"eitri.v1.ActualVM"> & {
  */
 export const ActualVMSchema: GenMessage<ActualVM> = /*@__PURE__*/
   messageDesc(file_eitri_v1_agent, 7);
+
+/**
+ * GuestExit is a guest process that ended without being asked to.
+ *
+ * @generated from message eitri.v1.GuestExit
+ */
+export type GuestExit = Message<"eitri.v1.GuestExit"> & {
+  /**
+   * How it ended, for people: "qemu exited (signal 9)", "qemu exited
+   * (status 1)", or "qemu exited (exit status unknown)" when it ended while
+   * the agent could not see how.
+   *
+   * @generated from field: string reason = 1;
+   */
+  reason: string;
+
+  /**
+   * The last lines of the guest's serial console from the boot that ended.
+   *
+   * @generated from field: string serial_tail = 2;
+   */
+  serialTail: string;
+
+  /**
+   * When the agent noticed, in unix seconds by its clock.
+   *
+   * @generated from field: int64 at_unix = 3;
+   */
+  atUnix: bigint;
+};
+
+/**
+ * Describes the message eitri.v1.GuestExit.
+ * Use `create(GuestExitSchema)` to create a new message.
+ */
+export const GuestExitSchema: GenMessage<GuestExit> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_agent, 8);
 
 /**
  * QuarantinedVM is a VM the host holds but will not take the desired
@@ -496,7 +560,7 @@ export type QuarantinedVM = Message<"eitri.v1.QuarantinedVM"> & {
  * Use `create(QuarantinedVMSchema)` to create a new message.
  */
 export const QuarantinedVMSchema: GenMessage<QuarantinedVM> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 8);
+  messageDesc(file_eitri_v1_agent, 9);
 
 /**
  * DesiredStateSnapshot is everything one host should be running. Complete:
@@ -556,7 +620,7 @@ export type DesiredStateSnapshot = Message<"eitri.v1.DesiredStateSnapshot"> & {
  * Use `create(DesiredStateSnapshotSchema)` to create a new message.
  */
 export const DesiredStateSnapshotSchema: GenMessage<DesiredStateSnapshot> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 9);
+  messageDesc(file_eitri_v1_agent, 10);
 
 /**
  * @generated from message eitri.v1.VMDesired
@@ -656,6 +720,16 @@ export type VMDesired = Message<"eitri.v1.VMDesired"> & {
    * @generated from field: uint64 version = 14;
    */
   version: bigint;
+
+  /**
+   * Rises each time someone asks for the VM to be tried again (RetryVM). An
+   * agent that holds the VM failed, or counting failed attempts, under a
+   * lower retry resets its budgets and tries again at once. 0 from a control
+   * plane that predates it.
+   *
+   * @generated from field: uint64 retry = 15;
+   */
+  retry: bigint;
 };
 
 /**
@@ -663,7 +737,7 @@ export type VMDesired = Message<"eitri.v1.VMDesired"> & {
  * Use `create(VMDesiredSchema)` to create a new message.
  */
 export const VMDesiredSchema: GenMessage<VMDesired> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 10);
+  messageDesc(file_eitri_v1_agent, 11);
 
 /**
  * AgentUpgrade offers the agent a newer build. The agent reports it and
@@ -693,7 +767,7 @@ export type AgentUpgrade = Message<"eitri.v1.AgentUpgrade"> & {
  * Use `create(AgentUpgradeSchema)` to create a new message.
  */
 export const AgentUpgradeSchema: GenMessage<AgentUpgrade> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 11);
+  messageDesc(file_eitri_v1_agent, 12);
 
 /**
  * ExposureDesired is one published port: host_port on this host forwarded to
@@ -749,7 +823,7 @@ export type ExposureDesired = Message<"eitri.v1.ExposureDesired"> & {
  * Use `create(ExposureDesiredSchema)` to create a new message.
  */
 export const ExposureDesiredSchema: GenMessage<ExposureDesired> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 12);
+  messageDesc(file_eitri_v1_agent, 13);
 
 /**
  * ExposureActual is what the host made of one ExposureDesired.
@@ -789,7 +863,7 @@ export type ExposureActual = Message<"eitri.v1.ExposureActual"> & {
  * Use `create(ExposureActualSchema)` to create a new message.
  */
 export const ExposureActualSchema: GenMessage<ExposureActual> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 13);
+  messageDesc(file_eitri_v1_agent, 14);
 
 /**
  * JoinToken is what a join token string carries, encoded as
@@ -827,7 +901,7 @@ export type JoinToken = Message<"eitri.v1.JoinToken"> & {
  * Use `create(JoinTokenSchema)` to create a new message.
  */
 export const JoinTokenSchema: GenMessage<JoinToken> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 14);
+  messageDesc(file_eitri_v1_agent, 15);
 
 /**
  * AgentService is the only surface a host agent talks to. Enroll is

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file eitri/v1/vm.proto.
  */
 export const file_eitri_v1_vm: GenFile = /*@__PURE__*/
-  fileDesc("ChFlaXRyaS92MS92bS5wcm90bxIIZWl0cmkudjEikwQKAlZNEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSDwoHaG9zdF9pZBgDIAEoCRIRCglpbWFnZV91cmwYBCABKAkSFAoMaW1hZ2Vfc2hhMjU2GAUgASgJEg0KBXZjcHVzGAYgASgFEg4KBm1lbV9tYhgHIAEoAxIPCgdkaXNrX2diGAggASgDEhMKC3Bvd2VyX3N0YXRlGAkgASgJEg4KBnN0YXR1cxgKIAEoCRISCgpsYXN0X2Vycm9yGAsgASgJEhMKC2Fzc2lnbmVkX2lwGAwgASgJEi4KCmNyZWF0ZWRfYXQYDSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB2RlbGV0ZWQYDiABKAgSFAoMYWN0dWFsX3Bvd2VyGA8gASgJEg0KBXBoYXNlGBAgASgJEhUKDXN0YXR1c19kZXRhaWwYESABKAkSLgoKZGVzdHJveV9hdBgSIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJbGlmZWN5Y2xlGBMgASgJEhoKEnNzaF9hdXRob3JpemVkX2tleRgUIAEoCRIXCg9zc2hfaG9zdF9wdWJrZXkYFSABKAkSEAoIb3duZXJfaWQYFiABKAkSNAoQcmVzdG9yYWJsZV91bnRpbBgXIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiugEKD0NyZWF0ZVZNUmVxdWVzdBIMCgRuYW1lGAEgASgJEg8KB2hvc3RfaWQYAiABKAkSEQoJaW1hZ2VfdXJsGAMgASgJEhQKDGltYWdlX3NoYTI1NhgEIAEoCRINCgV2Y3B1cxgFIAEoBRIOCgZtZW1fbWIYBiABKAMSDwoHZGlza19nYhgHIAEoAxIaChJzc2hfYXV0aG9yaXplZF9rZXkYCCABKAkSEwoLcG93ZXJfc3RhdGUYCSABKAkiLAoQQ3JlYXRlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhoKDEdldFZNUmVxdWVzdBIKCgJpZBgBIAEoCSIpCg1HZXRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iEAoOTGlzdFZNc1JlcXVlc3QiLAoPTGlzdFZNc1Jlc3BvbnNlEhkKA3ZtcxgBIAMoCzIMLmVpdHJpLnYxLlZNIhwKDlN0YXJ0Vk1SZXF1ZXN0EgoKAmlkGAEgASgJIisKD1N0YXJ0Vk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhsKDVN0b3BWTVJlcXVlc3QSCgoCaWQYASABKAkiKgoOU3RvcFZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSIdCg9EZWxldGVWTVJlcXVlc3QSCgoCaWQYASABKAkiLAoQRGVsZXRlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIh4KEFJlc3RvcmVWTVJlcXVlc3QSCgoCaWQYASABKAkiLQoRUmVzdG9yZVZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSJQCgdWTUV2ZW50EiYKAmF0GAEgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIMCgRraW5kGAIgASgJEg8KB21lc3NhZ2UYAyABKAkiJAoTTGlzdFZNRXZlbnRzUmVxdWVzdBINCgV2bV9pZBgBIAEoCSI5ChRMaXN0Vk1FdmVudHNSZXNwb25zZRIhCgZldmVudHMYASADKAsyES5laXRyaS52MS5WTUV2ZW50IhEKD1dhdGNoVk1zUmVxdWVzdCIjCgZWTUxpc3QSGQoDdm1zGAEgAygLMgwuZWl0cmkudjEuVk0ieAoQV2F0Y2hWTXNSZXNwb25zZRIkCghzbmFwc2hvdBgBIAEoCzIQLmVpdHJpLnYxLlZNTGlzdEgAEh8KB2NoYW5nZWQYAiABKAsyDC5laXRyaS52MS5WTUgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudCLdAgoKT3JwaGFuZWRWTRIPCgdob3N0X2lkGAEgASgJEg0KBXZtX2lkGAIgASgJEgwKBG5hbWUYAyABKAkSEAoIb3duZXJfaWQYBCABKAkSEgoKb3duZXJfbmFtZRgFIAEoCRIRCglpbWFnZV91cmwYBiABKAkSFAoMaW1hZ2Vfc2hhMjU2GAcgASgJEg0KBXZjcHVzGAggASgFEg4KBm1lbV9tYhgJIAEoAxIPCgdkaXNrX2diGAogASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgLIAEoCRITCgtwb3dlcl9zdGF0ZRgMIAEoCRIUCgxhY3R1YWxfcG93ZXIYDSABKAkSDwoHZGVsZXRlZBgOIAEoCBIOCgZyZWFzb24YDyABKAkSDwoHaGFzX3JvdxgQIAEoCBIpCgVzaW5jZRgRIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiGAoWTGlzdE9ycGhhbmVkVk1zUmVxdWVzdCI8ChdMaXN0T3JwaGFuZWRWTXNSZXNwb25zZRIhCgN2bXMYASADKAsyFC5laXRyaS52MS5PcnBoYW5lZFZNIlgKFkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QSDwoHaG9zdF9pZBgBIAEoCRINCgV2bV9pZBgCIAEoCRIQCghvd25lcl9pZBgDIAEoCRIMCgRuYW1lGAQgASgJIjMKF0Fkb3B0T3JwaGFuZWRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iOgoYRGVzdHJveU9ycGhhbmVkVk1SZXF1ZXN0Eg8KB2hvc3RfaWQYASABKAkSDQoFdm1faWQYAiABKAkiGwoZRGVzdHJveU9ycGhhbmVkVk1SZXNwb25zZTLwBgoJVk1TZXJ2aWNlEkEKCENyZWF0ZVZNEhkuZWl0cmkudjEuQ3JlYXRlVk1SZXF1ZXN0GhouZWl0cmkudjEuQ3JlYXRlVk1SZXNwb25zZRI4CgVHZXRWTRIWLmVpdHJpLnYxLkdldFZNUmVxdWVzdBoXLmVpdHJpLnYxLkdldFZNUmVzcG9uc2USPgoHTGlzdFZNcxIYLmVpdHJpLnYxLkxpc3RWTXNSZXF1ZXN0GhkuZWl0cmkudjEuTGlzdFZNc1Jlc3BvbnNlEj4KB1N0YXJ0Vk0SGC5laXRyaS52MS5TdGFydFZNUmVxdWVzdBoZLmVpdHJpLnYxLlN0YXJ0Vk1SZXNwb25zZRI7CgZTdG9wVk0SFy5laXRyaS52MS5TdG9wVk1SZXF1ZXN0GhguZWl0cmkudjEuU3RvcFZNUmVzcG9uc2USQQoIRGVsZXRlVk0SGS5laXRyaS52MS5EZWxldGVWTVJlcXVlc3QaGi5laXRyaS52MS5EZWxldGVWTVJlc3BvbnNlEkQKCVJlc3RvcmVWTRIaLmVpdHJpLnYxLlJlc3RvcmVWTVJlcXVlc3QaGy5laXRyaS52MS5SZXN0b3JlVk1SZXNwb25zZRJNCgxMaXN0Vk1FdmVudHMSHS5laXRyaS52MS5MaXN0Vk1FdmVudHNSZXF1ZXN0Gh4uZWl0cmkudjEuTGlzdFZNRXZlbnRzUmVzcG9uc2USVgoPTGlzdE9ycGhhbmVkVk1zEiAuZWl0cmkudjEuTGlzdE9ycGhhbmVkVk1zUmVxdWVzdBohLmVpdHJpLnYxLkxpc3RPcnBoYW5lZFZNc1Jlc3BvbnNlElYKD0Fkb3B0T3JwaGFuZWRWTRIgLmVpdHJpLnYxLkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QaIS5laXRyaS52MS5BZG9wdE9ycGhhbmVkVk1SZXNwb25zZRJcChFEZXN0cm95T3JwaGFuZWRWTRIiLmVpdHJpLnYxLkRlc3Ryb3lPcnBoYW5lZFZNUmVxdWVzdBojLmVpdHJpLnYxLkRlc3Ryb3lPcnBoYW5lZFZNUmVzcG9uc2USQwoIV2F0Y2hWTXMSGS5laXRyaS52MS5XYXRjaFZNc1JlcXVlc3QaGi5laXRyaS52MS5XYXRjaFZNc1Jlc3BvbnNlMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_google_protobuf_timestamp]);
+  fileDesc("ChFlaXRyaS92MS92bS5wcm90bxIIZWl0cmkudjEikwQKAlZNEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSDwoHaG9zdF9pZBgDIAEoCRIRCglpbWFnZV91cmwYBCABKAkSFAoMaW1hZ2Vfc2hhMjU2GAUgASgJEg0KBXZjcHVzGAYgASgFEg4KBm1lbV9tYhgHIAEoAxIPCgdkaXNrX2diGAggASgDEhMKC3Bvd2VyX3N0YXRlGAkgASgJEg4KBnN0YXR1cxgKIAEoCRISCgpsYXN0X2Vycm9yGAsgASgJEhMKC2Fzc2lnbmVkX2lwGAwgASgJEi4KCmNyZWF0ZWRfYXQYDSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB2RlbGV0ZWQYDiABKAgSFAoMYWN0dWFsX3Bvd2VyGA8gASgJEg0KBXBoYXNlGBAgASgJEhUKDXN0YXR1c19kZXRhaWwYESABKAkSLgoKZGVzdHJveV9hdBgSIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJbGlmZWN5Y2xlGBMgASgJEhoKEnNzaF9hdXRob3JpemVkX2tleRgUIAEoCRIXCg9zc2hfaG9zdF9wdWJrZXkYFSABKAkSEAoIb3duZXJfaWQYFiABKAkSNAoQcmVzdG9yYWJsZV91bnRpbBgXIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiugEKD0NyZWF0ZVZNUmVxdWVzdBIMCgRuYW1lGAEgASgJEg8KB2hvc3RfaWQYAiABKAkSEQoJaW1hZ2VfdXJsGAMgASgJEhQKDGltYWdlX3NoYTI1NhgEIAEoCRINCgV2Y3B1cxgFIAEoBRIOCgZtZW1fbWIYBiABKAMSDwoHZGlza19nYhgHIAEoAxIaChJzc2hfYXV0aG9yaXplZF9rZXkYCCABKAkSEwoLcG93ZXJfc3RhdGUYCSABKAkiLAoQQ3JlYXRlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhoKDEdldFZNUmVxdWVzdBIKCgJpZBgBIAEoCSIpCg1HZXRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iEAoOTGlzdFZNc1JlcXVlc3QiLAoPTGlzdFZNc1Jlc3BvbnNlEhkKA3ZtcxgBIAMoCzIMLmVpdHJpLnYxLlZNIhwKDlN0YXJ0Vk1SZXF1ZXN0EgoKAmlkGAEgASgJIisKD1N0YXJ0Vk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhsKDVN0b3BWTVJlcXVlc3QSCgoCaWQYASABKAkiKgoOU3RvcFZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSIdCg9EZWxldGVWTVJlcXVlc3QSCgoCaWQYASABKAkiLAoQRGVsZXRlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIh4KEFJlc3RvcmVWTVJlcXVlc3QSCgoCaWQYASABKAkiLQoRUmVzdG9yZVZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSIcCg5SZXRyeVZNUmVxdWVzdBIKCgJpZBgBIAEoCSIrCg9SZXRyeVZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSJQCgdWTUV2ZW50EiYKAmF0GAEgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIMCgRraW5kGAIgASgJEg8KB21lc3NhZ2UYAyABKAkiJAoTTGlzdFZNRXZlbnRzUmVxdWVzdBINCgV2bV9pZBgBIAEoCSI5ChRMaXN0Vk1FdmVudHNSZXNwb25zZRIhCgZldmVudHMYASADKAsyES5laXRyaS52MS5WTUV2ZW50IhEKD1dhdGNoVk1zUmVxdWVzdCIjCgZWTUxpc3QSGQoDdm1zGAEgAygLMgwuZWl0cmkudjEuVk0ieAoQV2F0Y2hWTXNSZXNwb25zZRIkCghzbmFwc2hvdBgBIAEoCzIQLmVpdHJpLnYxLlZNTGlzdEgAEh8KB2NoYW5nZWQYAiABKAsyDC5laXRyaS52MS5WTUgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudCLdAgoKT3JwaGFuZWRWTRIPCgdob3N0X2lkGAEgASgJEg0KBXZtX2lkGAIgASgJEgwKBG5hbWUYAyABKAkSEAoIb3duZXJfaWQYBCABKAkSEgoKb3duZXJfbmFtZRgFIAEoCRIRCglpbWFnZV91cmwYBiABKAkSFAoMaW1hZ2Vfc2hhMjU2GAcgASgJEg0KBXZjcHVzGAggASgFEg4KBm1lbV9tYhgJIAEoAxIPCgdkaXNrX2diGAogASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgLIAEoCRITCgtwb3dlcl9zdGF0ZRgMIAEoCRIUCgxhY3R1YWxfcG93ZXIYDSABKAkSDwoHZGVsZXRlZBgOIAEoCBIOCgZyZWFzb24YDyABKAkSDwoHaGFzX3JvdxgQIAEoCBIpCgVzaW5jZRgRIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiGAoWTGlzdE9ycGhhbmVkVk1zUmVxdWVzdCI8ChdMaXN0T3JwaGFuZWRWTXNSZXNwb25zZRIhCgN2bXMYASADKAsyFC5laXRyaS52MS5PcnBoYW5lZFZNIlgKFkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QSDwoHaG9zdF9pZBgBIAEoCRINCgV2bV9pZBgCIAEoCRIQCghvd25lcl9pZBgDIAEoCRIMCgRuYW1lGAQgASgJIjMKF0Fkb3B0T3JwaGFuZWRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iOgoYRGVzdHJveU9ycGhhbmVkVk1SZXF1ZXN0Eg8KB2hvc3RfaWQYASABKAkSDQoFdm1faWQYAiABKAkiGwoZRGVzdHJveU9ycGhhbmVkVk1SZXNwb25zZTKwBwoJVk1TZXJ2aWNlEkEKCENyZWF0ZVZNEhkuZWl0cmkudjEuQ3JlYXRlVk1SZXF1ZXN0GhouZWl0cmkudjEuQ3JlYXRlVk1SZXNwb25zZRI4CgVHZXRWTRIWLmVpdHJpLnYxLkdldFZNUmVxdWVzdBoXLmVpdHJpLnYxLkdldFZNUmVzcG9uc2USPgoHTGlzdFZNcxIYLmVpdHJpLnYxLkxpc3RWTXNSZXF1ZXN0GhkuZWl0cmkudjEuTGlzdFZNc1Jlc3BvbnNlEj4KB1N0YXJ0Vk0SGC5laXRyaS52MS5TdGFydFZNUmVxdWVzdBoZLmVpdHJpLnYxLlN0YXJ0Vk1SZXNwb25zZRI7CgZTdG9wVk0SFy5laXRyaS52MS5TdG9wVk1SZXF1ZXN0GhguZWl0cmkudjEuU3RvcFZNUmVzcG9uc2USQQoIRGVsZXRlVk0SGS5laXRyaS52MS5EZWxldGVWTVJlcXVlc3QaGi5laXRyaS52MS5EZWxldGVWTVJlc3BvbnNlEkQKCVJlc3RvcmVWTRIaLmVpdHJpLnYxLlJlc3RvcmVWTVJlcXVlc3QaGy5laXRyaS52MS5SZXN0b3JlVk1SZXNwb25zZRI+CgdSZXRyeVZNEhguZWl0cmkudjEuUmV0cnlWTVJlcXVlc3QaGS5laXRyaS52MS5SZXRyeVZNUmVzcG9uc2USTQoMTGlzdFZNRXZlbnRzEh0uZWl0cmkudjEuTGlzdFZNRXZlbnRzUmVxdWVzdBoeLmVpdHJpLnYxLkxpc3RWTUV2ZW50c1Jlc3BvbnNlElYKD0xpc3RPcnBoYW5lZFZNcxIgLmVpdHJpLnYxLkxpc3RPcnBoYW5lZFZNc1JlcXVlc3QaIS5laXRyaS52MS5MaXN0T3JwaGFuZWRWTXNSZXNwb25zZRJWCg9BZG9wdE9ycGhhbmVkVk0SIC5laXRyaS52MS5BZG9wdE9ycGhhbmVkVk1SZXF1ZXN0GiEuZWl0cmkudjEuQWRvcHRPcnBoYW5lZFZNUmVzcG9uc2USXAoRRGVzdHJveU9ycGhhbmVkVk0SIi5laXRyaS52MS5EZXN0cm95T3JwaGFuZWRWTVJlcXVlc3QaIy5laXRyaS52MS5EZXN0cm95T3JwaGFuZWRWTVJlc3BvbnNlEkMKCFdhdGNoVk1zEhkuZWl0cmkudjEuV2F0Y2hWTXNSZXF1ZXN0GhouZWl0cmkudjEuV2F0Y2hWTXNSZXNwb25zZTABQi9aLWdpdGh1Yi5jb20vYTczeC9laXRyaS9nZW4vZ28vZWl0cmkvdjE7ZWl0cml2MWIGcHJvdG8z", [file_google_protobuf_timestamp]);
 
 /**
  * @generated from message eitri.v1.VM
@@ -131,8 +131,11 @@ export type VM = Message<"eitri.v1.VM"> & {
 
   /**
    * Derived from the durable row and the live report: "pending", "creating",
-   * "ready", "stopped", "failed", "deleting", or "unknown" while its host is
-   * not reporting on it; "lost" when its host was decommissioned by force
+   * "ready", "stopped", "failed", "deleting"; "starting", "stopping",
+   * "restoring" or "retrying" from the moment such a request is made until
+   * its host reports it done; "restarting" while its host boots it again
+   * after its guest ended unasked; or "unknown" while its host is not
+   * reporting on it; "lost" when its host was decommissioned by force
    * (host_id is then empty and last_error says what happened).
    *
    * @generated from field: string lifecycle = 19;
@@ -463,6 +466,40 @@ export const RestoreVMResponseSchema: GenMessage<RestoreVMResponse> = /*@__PURE_
   messageDesc(file_eitri_v1_vm, 14);
 
 /**
+ * @generated from message eitri.v1.RetryVMRequest
+ */
+export type RetryVMRequest = Message<"eitri.v1.RetryVMRequest"> & {
+  /**
+   * @generated from field: string id = 1;
+   */
+  id: string;
+};
+
+/**
+ * Describes the message eitri.v1.RetryVMRequest.
+ * Use `create(RetryVMRequestSchema)` to create a new message.
+ */
+export const RetryVMRequestSchema: GenMessage<RetryVMRequest> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 15);
+
+/**
+ * @generated from message eitri.v1.RetryVMResponse
+ */
+export type RetryVMResponse = Message<"eitri.v1.RetryVMResponse"> & {
+  /**
+   * @generated from field: eitri.v1.VM vm = 1;
+   */
+  vm?: VM | undefined;
+};
+
+/**
+ * Describes the message eitri.v1.RetryVMResponse.
+ * Use `create(RetryVMResponseSchema)` to create a new message.
+ */
+export const RetryVMResponseSchema: GenMessage<RetryVMResponse> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 16);
+
+/**
  * @generated from message eitri.v1.VMEvent
  */
 export type VMEvent = Message<"eitri.v1.VMEvent"> & {
@@ -472,7 +509,9 @@ export type VMEvent = Message<"eitri.v1.VMEvent"> & {
   at?: Timestamp | undefined;
 
   /**
-   * A short machine word: "created", "status", "power", "deleted", "restored", ...
+   * A short machine word: "created", "status", "power", "deleted",
+   * "restored", "exited" (the guest ended unasked; the message says how and
+   * carries its serial console's last lines), "retried", ...
    *
    * @generated from field: string kind = 2;
    */
@@ -491,7 +530,7 @@ export type VMEvent = Message<"eitri.v1.VMEvent"> & {
  * Use `create(VMEventSchema)` to create a new message.
  */
 export const VMEventSchema: GenMessage<VMEvent> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 15);
+  messageDesc(file_eitri_v1_vm, 17);
 
 /**
  * @generated from message eitri.v1.ListVMEventsRequest
@@ -508,7 +547,7 @@ export type ListVMEventsRequest = Message<"eitri.v1.ListVMEventsRequest"> & {
  * Use `create(ListVMEventsRequestSchema)` to create a new message.
  */
 export const ListVMEventsRequestSchema: GenMessage<ListVMEventsRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 16);
+  messageDesc(file_eitri_v1_vm, 18);
 
 /**
  * @generated from message eitri.v1.ListVMEventsResponse
@@ -525,7 +564,7 @@ export type ListVMEventsResponse = Message<"eitri.v1.ListVMEventsResponse"> & {
  * Use `create(ListVMEventsResponseSchema)` to create a new message.
  */
 export const ListVMEventsResponseSchema: GenMessage<ListVMEventsResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 17);
+  messageDesc(file_eitri_v1_vm, 19);
 
 /**
  * @generated from message eitri.v1.WatchVMsRequest
@@ -538,7 +577,7 @@ export type WatchVMsRequest = Message<"eitri.v1.WatchVMsRequest"> & {
  * Use `create(WatchVMsRequestSchema)` to create a new message.
  */
 export const WatchVMsRequestSchema: GenMessage<WatchVMsRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 18);
+  messageDesc(file_eitri_v1_vm, 20);
 
 /**
  * @generated from message eitri.v1.VMList
@@ -555,7 +594,7 @@ export type VMList = Message<"eitri.v1.VMList"> & {
  * Use `create(VMListSchema)` to create a new message.
  */
 export const VMListSchema: GenMessage<VMList> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 19);
+  messageDesc(file_eitri_v1_vm, 21);
 
 /**
  * @generated from message eitri.v1.WatchVMsResponse
@@ -596,7 +635,7 @@ export type WatchVMsResponse = Message<"eitri.v1.WatchVMsResponse"> & {
  * Use `create(WatchVMsResponseSchema)` to create a new message.
  */
 export const WatchVMsResponseSchema: GenMessage<WatchVMsResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 20);
+  messageDesc(file_eitri_v1_vm, 22);
 
 /**
  * OrphanedVM is a VM a host holds without this control plane's trust in
@@ -710,7 +749,7 @@ export type OrphanedVM = Message<"eitri.v1.OrphanedVM"> & {
  * Use `create(OrphanedVMSchema)` to create a new message.
  */
 export const OrphanedVMSchema: GenMessage<OrphanedVM> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 21);
+  messageDesc(file_eitri_v1_vm, 23);
 
 /**
  * @generated from message eitri.v1.ListOrphanedVMsRequest
@@ -723,7 +762,7 @@ export type ListOrphanedVMsRequest = Message<"eitri.v1.ListOrphanedVMsRequest"> 
  * Use `create(ListOrphanedVMsRequestSchema)` to create a new message.
  */
 export const ListOrphanedVMsRequestSchema: GenMessage<ListOrphanedVMsRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 22);
+  messageDesc(file_eitri_v1_vm, 24);
 
 /**
  * @generated from message eitri.v1.ListOrphanedVMsResponse
@@ -740,7 +779,7 @@ export type ListOrphanedVMsResponse = Message<"eitri.v1.ListOrphanedVMsResponse"
  * Use `create(ListOrphanedVMsResponseSchema)` to create a new message.
  */
 export const ListOrphanedVMsResponseSchema: GenMessage<ListOrphanedVMsResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 23);
+  messageDesc(file_eitri_v1_vm, 25);
 
 /**
  * @generated from message eitri.v1.AdoptOrphanedVMRequest
@@ -778,7 +817,7 @@ export type AdoptOrphanedVMRequest = Message<"eitri.v1.AdoptOrphanedVMRequest"> 
  * Use `create(AdoptOrphanedVMRequestSchema)` to create a new message.
  */
 export const AdoptOrphanedVMRequestSchema: GenMessage<AdoptOrphanedVMRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 24);
+  messageDesc(file_eitri_v1_vm, 26);
 
 /**
  * @generated from message eitri.v1.AdoptOrphanedVMResponse
@@ -795,7 +834,7 @@ export type AdoptOrphanedVMResponse = Message<"eitri.v1.AdoptOrphanedVMResponse"
  * Use `create(AdoptOrphanedVMResponseSchema)` to create a new message.
  */
 export const AdoptOrphanedVMResponseSchema: GenMessage<AdoptOrphanedVMResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 25);
+  messageDesc(file_eitri_v1_vm, 27);
 
 /**
  * @generated from message eitri.v1.DestroyOrphanedVMRequest
@@ -817,7 +856,7 @@ export type DestroyOrphanedVMRequest = Message<"eitri.v1.DestroyOrphanedVMReques
  * Use `create(DestroyOrphanedVMRequestSchema)` to create a new message.
  */
 export const DestroyOrphanedVMRequestSchema: GenMessage<DestroyOrphanedVMRequest> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 26);
+  messageDesc(file_eitri_v1_vm, 28);
 
 /**
  * @generated from message eitri.v1.DestroyOrphanedVMResponse
@@ -830,7 +869,7 @@ export type DestroyOrphanedVMResponse = Message<"eitri.v1.DestroyOrphanedVMRespo
  * Use `create(DestroyOrphanedVMResponseSchema)` to create a new message.
  */
 export const DestroyOrphanedVMResponseSchema: GenMessage<DestroyOrphanedVMResponse> = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 27);
+  messageDesc(file_eitri_v1_vm, 29);
 
 /**
  * VMService manages virtual machines. A caller sees and touches only its own
@@ -901,6 +940,18 @@ export const VMService: GenService<{
     methodKind: "unary";
     input: typeof RestoreVMRequestSchema;
     output: typeof RestoreVMResponseSchema;
+  },
+  /**
+   * RetryVM tries a failed VM again with a fresh budget: its host starts
+   * over the create (or the restarts) that failed, at once.
+   * FailedPrecondition unless the VM is failed.
+   *
+   * @generated from rpc eitri.v1.VMService.RetryVM
+   */
+  retryVM: {
+    methodKind: "unary";
+    input: typeof RetryVMRequestSchema;
+    output: typeof RetryVMResponseSchema;
   },
   /**
    * ListVMEvents is the VM's timeline, oldest first.
