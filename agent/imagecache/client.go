@@ -21,13 +21,17 @@ const maxRedirects = 5
 // get sends GET u and follows redirects itself, up to maxRedirects. Each hop
 // gets a transport of its own with keep-alives off, so every hop dials anew
 // through the address policy (a pooled connection would skip the check) and
-// the policy knows the path the connection is for. It returns the final
-// response and how many redirects led to it.
-func (c *Cache) get(ctx context.Context, u *neturl.URL) (*http.Response, int, error) {
+// the policy knows the path the connection is for. Every hop carries hdr (a
+// resume's Range and If-Range). It returns the final response and how many
+// redirects led to it.
+func (c *Cache) get(ctx context.Context, u *neturl.URL, hdr http.Header) (*http.Response, int, error) {
 	for hop := 0; ; hop++ {
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
 		if err != nil {
 			return nil, hop, permanent(err)
+		}
+		for k, v := range hdr {
+			req.Header[k] = v
 		}
 		tr := c.transport(u.Path)
 		resp, err := tr.RoundTrip(req)

@@ -2,22 +2,30 @@ package imagecache
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	neturl "net/url"
-	"os"
 	"sync"
 )
 
 var errStalled = errors.New("image download stalled")
 
-// download fetches url into a temp file in the cache dir, hashing the bytes
-// as they are written. It returns the temp path (the caller removes or
-// renames it) and the byte count. On error nothing is left on disk.
+// errStartOver ends a request whose answer cannot continue the partial
+// download, which has been emptied; the next request starts from byte 0.
+var errStartOver = errors.New("download starts over")
+
+// download fetches url into sha's partial download file, hashing the bytes
+// as they are written, and returns the file's path and length once the
+// whole image is there and its digest matches.
+//
+// A request cut short after it moved the download on by at least the stall
+// floor is followed at once by one for the rest (HTTP Range, with If-Range
+// so a changed image is sent whole instead). Any other failure returns, and
+// what came is kept for the next call to resume, unless the failure is
+// permanent, is this host's disk, or no caller wants the image any more
+// (the flight's context ends with errUnwanted); then nothing is left.
 func (c *Cache) download(ctx context.Context, url, sha string, progress func(done, total int64)) (string, int64, error) {
 	u, err := neturl.Parse(url)
 	if err != nil {
@@ -26,88 +34,188 @@ func (c *Cache) download(ctx context.Context, url, sha string, progress func(don
 	if u.Scheme != "http" && u.Scheme != "https" {
 		return "", 0, permanentf("image url %q: scheme must be http or https", url)
 	}
+	p, err := c.openPartial(sha, url)
+	if err != nil {
+		return "", 0, err
+	}
+	if p.n > 0 && progress != nil {
+		// Narration picks up where the last attempt left off.
+		progress(p.n, p.rec.Total)
+	}
+	floor := max(c.minProgress, 1)
+	redone := false // started over once because a resumed download did not match
+	for {
+		before := p.wrote
+		err := c.fetchOnce(ctx, u, url, p, progress)
+		if err == nil {
+			got := p.sum()
+			if got == sha {
+				// Recorded as complete, so decoding that is cut short
+				// (unattended, closed) can start again without a request.
+				if err := p.checkpoint(); err != nil {
+					p.discard()
+					return "", p.n, &localError{err}
+				}
+				p.f.Close()
+				return p.f.Name(), p.n, nil
+			}
+			if p.resumed && !redone {
+				// The bytes kept may be of an image the server has since
+				// changed without a validator saying so, or torn by a crash:
+				// only a whole download can blame the server.
+				redone = true
+				if err := p.reset("the resumed download's sha256 did not match"); err != nil {
+					p.discard()
+					return "", 0, &localError{err}
+				}
+				continue
+			}
+			n := p.n
+			p.discard()
+			return "", n, permanentf("%w: want %s, got %s (GET %s, %d bytes)", ErrChecksumMismatch, sha, got, url, n)
+		}
+		if errors.Is(err, errStartOver) {
+			continue
+		}
+		_, local := errors.AsType[*localError](err)
+		if !local && !IsPermanent(err) && ctx.Err() == nil && p.wrote-before >= floor {
+			c.log.Info("imagecache: download interrupted; asking for the rest", "sha256", sha, "url", u.Redacted(), "have", p.n, "err", err)
+			continue
+		}
+		n := p.n
+		if local || IsPermanent(err) || errors.Is(context.Cause(ctx), errUnwanted) {
+			p.discard()
+		} else {
+			p.keep()
+		}
+		return "", n, err
+	}
+}
 
+// fetchOnce makes one request for what p is missing (all of it, or the rest
+// with Range) and appends the body to p. It returns errStartOver, with p
+// emptied, when the answer cannot continue p.
+func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *partial, progress func(done, total int64)) error {
+	if p.rec.Total >= 0 && p.n == p.rec.Total {
+		return nil // all there already; a crash came before it was used
+	}
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	// The watchdog runs from before the first dial: connecting, redirects
-	// and headers must fit one stall window too.
+	// and headers must fit one stall window too. Each request gets its own.
 	wd := newWatchdog(c.stall, c.minProgress, cancel)
 	defer wd.stop()
-	resp, hops, err := c.get(ctx, u)
+	hdr := http.Header{}
+	if p.n > 0 {
+		hdr.Set("Range", fmt.Sprintf("bytes=%d-", p.n))
+		if v := p.rec.validator(); v != "" {
+			hdr.Set("If-Range", v)
+		}
+	}
+	resp, hops, err := c.get(ctx, u, hdr)
 	if err != nil {
 		if cause := context.Cause(ctx); errors.Is(cause, errStalled) {
-			return "", 0, fmt.Errorf("GET %s: %w", url, cause)
+			return fmt.Errorf("GET %s: %w", url, cause)
 		}
 		if _, ok := errors.AsType[*RefusedAddressError](err); ok {
-			return "", 0, err // says it all, starting with "image_url:"
+			return err // says it all, starting with "image_url:"
 		}
-		return "", 0, fmt.Errorf("GET %s: %w", url, err)
+		return fmt.Errorf("GET %s: %w", url, err)
 	}
 	defer resp.Body.Close()
 	wd.progress()
-	if resp.StatusCode != http.StatusOK {
+	startOver := func(why string) error {
+		if err := p.reset(why); err != nil {
+			return &localError{err}
+		}
+		return errStartOver
+	}
+	total := int64(-1)
+	switch code := resp.StatusCode; {
+	case code == http.StatusPartialContent && p.n > 0:
+		first, complete, err := contentRange(resp.Header.Get("Content-Range"))
+		switch {
+		case err != nil:
+			return startOver("the server's answer to a resume has " + err.Error())
+		case first != p.n:
+			return startOver(fmt.Sprintf("the server resumed at byte %d, not %d", first, p.n))
+		case complete >= 0 && p.rec.Total >= 0 && complete != p.rec.Total:
+			return startOver(fmt.Sprintf("the image is now %d bytes, not %d", complete, p.rec.Total))
+		}
+		if why := p.rec.changed(resp); why != "" {
+			return startOver("the image on the server changed: " + why)
+		}
+		total = p.rec.Total
+		if complete >= 0 {
+			total = complete
+		}
+		p.resumed = true
+		c.log.Info("imagecache: resuming download", "sha256", p.sha, "url", u.Redacted(), "from", p.n, "total", total)
+	case code == http.StatusOK:
+		if p.n > 0 {
+			why := "the server does not resume downloads (it sent the whole image)"
+			if hdr.Get("If-Range") != "" {
+				why = "the server sent the whole image again (it changed, or it does not resume downloads)"
+			}
+			if err := p.reset(why); err != nil {
+				return &localError{err}
+			}
+		}
+		total = resp.ContentLength // -1 when the server did not say
+		p.rec.ETag, p.rec.LastModified, p.rec.Total = resp.Header.Get("ETag"), resp.Header.Get("Last-Modified"), total
+	case code == http.StatusRequestedRangeNotSatisfiable && p.n > 0:
+		return startOver(fmt.Sprintf("the server cannot send the image from byte %d", p.n))
+	default:
 		// The code and our own words for it only: the reason phrase is the
 		// server's text, and this error reaches whoever named the URL.
-		err := fmt.Errorf("GET %s: %s%s", url, statusText(resp.StatusCode), afterRedirects(hops))
+		err := fmt.Errorf("GET %s: %s%s", url, statusText(code), afterRedirects(hops))
 		// A 4xx names a request that will keep failing, except these two,
 		// which say "not now".
-		if resp.StatusCode >= 400 && resp.StatusCode < 500 &&
-			resp.StatusCode != http.StatusRequestTimeout && resp.StatusCode != http.StatusTooManyRequests {
-			return "", 0, permanent(err)
+		if code >= 400 && code < 500 && code != http.StatusRequestTimeout && code != http.StatusTooManyRequests {
+			return permanent(err)
 		}
-		return "", 0, err
+		return err
 	}
-	total := resp.ContentLength // -1 when the server did not say
 	if c.maxBytes > 0 && total > c.maxBytes {
-		return "", 0, permanentf("%w: GET %s declares %d bytes, cap is %d", ErrTooLarge, url, total, c.maxBytes)
+		return permanentf("%w: GET %s declares %d bytes, cap is %d", ErrTooLarge, url, total, c.maxBytes)
 	}
-
-	tmp, err := os.CreateTemp(c.dir, sha+".*.download.part")
-	if err != nil {
-		return "", 0, fmt.Errorf("image cache: %w", err)
+	if p.restarted && progress != nil {
+		// Progress goes back only here, and at once: a count that resumed
+		// from where the discarded bytes left it would be a lie.
+		progress(p.n, total)
 	}
-	ok := false
-	defer func() {
-		if !ok {
-			tmp.Close()
-			os.Remove(tmp.Name())
-		}
-	}()
+	p.restarted = false
 
-	h := sha256.New()
-	sinks := []io.Writer{tmp, h}
+	var sink io.Writer = p
 	if progress != nil {
-		sinks = append(sinks, &progressWriter{total: total, step: c.progressStep, report: progress})
+		sink = io.MultiWriter(p, &progressWriter{done: p.n, marked: p.n, total: total, step: c.progressStep, report: progress})
 	}
 	var body io.Reader = wd.reader(resp.Body)
 	if c.maxBytes > 0 {
 		// One byte over the cap is enough to know.
-		body = io.LimitReader(body, c.maxBytes+1)
+		body = io.LimitReader(body, c.maxBytes+1-p.n)
 	}
-	n, err := pipeCopy(io.MultiWriter(sinks...), body, func() { cancel(nil) })
+	_, err = pipeCopy(sink, body, func() { cancel(nil) })
+	n := p.n
 	if err != nil {
+		if _, ok := errors.AsType[*localError](err); ok {
+			return err
+		}
 		if cause := context.Cause(ctx); errors.Is(cause, errStalled) {
-			return "", n, fmt.Errorf("GET %s: %w (after %d bytes)", url, cause, n)
+			return fmt.Errorf("GET %s: %w (after %d bytes)", url, cause, n)
 		}
 		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
-			return "", n, fmt.Errorf("GET %s: %w", url, err)
+			return fmt.Errorf("GET %s: %w", url, err)
 		}
-		return "", n, fmt.Errorf("GET %s: body after %d bytes: %w", url, n, err)
+		return fmt.Errorf("GET %s: body after %d bytes: %w", url, n, err)
 	}
 	if c.maxBytes > 0 && n > c.maxBytes {
-		return "", n, permanentf("%w: GET %s is over %d bytes", ErrTooLarge, url, c.maxBytes)
+		return permanentf("%w: GET %s is over %d bytes", ErrTooLarge, url, c.maxBytes)
 	}
 	if total >= 0 && n != total {
-		return "", n, fmt.Errorf("GET %s: body is %d bytes, Content-Length said %d", url, n, total)
+		return fmt.Errorf("GET %s: body ends at %d bytes, Content-Length said %d", url, n, total)
 	}
-	if got := hex.EncodeToString(h.Sum(nil)); got != sha {
-		return "", n, permanentf("%w: want %s, got %s (GET %s, %d bytes)", ErrChecksumMismatch, sha, got, url, n)
-	}
-	if err := tmp.Close(); err != nil {
-		return "", n, fmt.Errorf("image cache: %w", err)
-	}
-	ok = true
-	return tmp.Name(), n, nil
+	return nil
 }
 
 // progressWriter counts the bytes that pass it and reports at most once per

@@ -139,7 +139,7 @@ func TestEnsureFormats(t *testing.T) {
 			if tc.sparse {
 				assert.Less(t, allocatedBytes(t, p), int64(len(tc.want))*9/10, "zero regions must be holes")
 			}
-			assert.Equal(t, []string{sum + ".raw"}, dirNames(t, dir), "nothing but the image is left")
+			assert.Equal(t, []string{sum + ".raw", sum + ".verified"}, dirNames(t, dir), "nothing but the image and its record is left")
 		})
 	}
 }
@@ -189,7 +189,7 @@ func TestEnsureQemuImgFixtures(t *testing.T) {
 			require.Equal(t, len(raw), len(got))
 			require.True(t, bytes.Equal(raw, got), "decoded bytes differ from what qemu-img was given")
 			assert.Less(t, allocatedBytes(t, p), int64(len(raw))*9/10, "the zero third must be a hole")
-			assert.Len(t, dirNames(t, dir), 1)
+			assert.Len(t, dirNames(t, dir), 2, "the image and its record")
 		})
 	}
 }
@@ -329,6 +329,12 @@ func TestEnsureHTTPErrors(t *testing.T) {
 			require.Error(t, err)
 			assert.Equal(t, tc.permanent, IsPermanent(err), "permanent? %v", err)
 			assert.Contains(t, err.Error(), "GET "+url+tc.want)
+			if tc.name == "truncated body" {
+				sum := digest(body)
+				assert.Equal(t, []string{sum + ".download.part", sum + ".download.resume"}, dirNames(t, dir),
+					"the half that came is kept for a resume")
+				return
+			}
 			assert.Empty(t, dirNames(t, dir))
 		})
 	}
@@ -362,7 +368,9 @@ func TestEnsureStalledDownloadIsNotPermanent(t *testing.T) {
 	require.Error(t, err)
 	assert.ErrorIs(t, err, errStalled)
 	assert.False(t, IsPermanent(err))
-	assert.Empty(t, dirNames(t, dir))
+	sum := digest(body)
+	assert.Equal(t, []string{sum + ".download.part", sum + ".download.resume"}, dirNames(t, dir),
+		"what came is kept for the retry to resume from")
 }
 
 func TestEnsureCacheHitDownloadsAndReportsNothing(t *testing.T) {
@@ -447,7 +455,7 @@ func waiters(c *Cache, sha string) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if f := c.flights[sha]; f != nil {
-		return f.waiters
+		return len(f.waiters)
 	}
 	return 0
 }
@@ -573,7 +581,7 @@ func TestEnsureReplacesLeftoverPartial(t *testing.T) {
 	got, err := os.ReadFile(p)
 	require.NoError(t, err)
 	assert.True(t, bytes.Equal(raw, got))
-	assert.Equal(t, []string{sum + ".raw"}, dirNames(t, dir))
+	assert.Equal(t, []string{sum + ".raw", sum + ".verified"}, dirNames(t, dir))
 }
 
 func TestEnsureEvictsLeastRecentlyUsed(t *testing.T) {

@@ -24,10 +24,10 @@ const (
 	FormatQcow2 Format = "qcow2"
 )
 
-// materialize turns the verified download at src into the raw image at
-// final. The result is written to a temp file beside final and renamed into
-// place, so final either does not exist or is complete.
-func (c *Cache) materialize(ctx context.Context, src, final, sha string) (Format, error) {
+// materialize turns the verified download at src into sha's raw image in
+// the cache. The result is placed durably (see place), so the image either
+// does not exist or is complete and recorded.
+func (c *Cache) materialize(ctx context.Context, src, sha string) (Format, error) {
 	f, err := os.Open(src)
 	if err != nil {
 		return "", fmt.Errorf("image cache: %w", err)
@@ -39,7 +39,7 @@ func (c *Cache) materialize(ctx context.Context, src, final, sha string) (Format
 
 	switch {
 	case bytes.HasPrefix(head, []byte(qcow2Magic)):
-		return FormatQcow2, c.writeAtomically(final, sha, func(out *os.File) error {
+		return FormatQcow2, c.writeAtomically(sha, FormatQcow2, func(out *os.File) error {
 			fi, err := f.Stat()
 			if err != nil {
 				return fmt.Errorf("image cache: %w", err)
@@ -50,7 +50,7 @@ func (c *Cache) materialize(ctx context.Context, src, final, sha string) (Format
 		if _, err := f.Seek(0, io.SeekStart); err != nil {
 			return "", err
 		}
-		return FormatGzip, c.writeAtomically(final, sha, func(out *os.File) error {
+		return FormatGzip, c.writeAtomically(sha, FormatGzip, func(out *os.File) error {
 			return gunzipSparse(ctx, f, out)
 		})
 	default:
@@ -58,16 +58,13 @@ func (c *Cache) materialize(ctx context.Context, src, final, sha string) (Format
 		if err := c.checkCap(src); err != nil {
 			return "", err
 		}
-		if err := os.Rename(src, final); err != nil {
-			return "", fmt.Errorf("image cache: %w", err)
-		}
-		return FormatRaw, nil
+		return FormatRaw, c.place(src, sha, FormatRaw)
 	}
 }
 
-// writeAtomically runs fill on a fresh temp file and renames it to final,
-// removing it on any failure.
-func (c *Cache) writeAtomically(final, sha string, fill func(*os.File) error) (err error) {
+// writeAtomically runs fill on a fresh temp file and places it as sha's
+// image (durably, see place), removing it on any failure.
+func (c *Cache) writeAtomically(sha string, format Format, fill func(*os.File) error) (err error) {
 	out, err := os.CreateTemp(c.dir, sha+".*.raw.part")
 	if err != nil {
 		return fmt.Errorf("image cache: %w", err)
@@ -87,10 +84,7 @@ func (c *Cache) writeAtomically(final, sha string, fill func(*os.File) error) (e
 	if err := c.checkCap(out.Name()); err != nil {
 		return err
 	}
-	if err := os.Rename(out.Name(), final); err != nil {
-		return fmt.Errorf("image cache: %w", err)
-	}
-	return nil
+	return c.place(out.Name(), sha, format)
 }
 
 // checkCap refuses an image that could never fit, however much is evicted.

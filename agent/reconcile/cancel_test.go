@@ -410,7 +410,7 @@ func TestDeletingVMsCancelsTheirSharedDownloadOnlyWhenNoneWantsIt(t *testing.T) 
 	for _, e := range ents {
 		names = append(names, e.Name())
 	}
-	assert.Equal(t, []string{digestOf(fast) + ".raw"}, names, "only vm3's image; no partial download")
+	assert.Equal(t, []string{digestOf(fast) + ".raw", digestOf(fast) + ".verified"}, names, "only vm3's image and its record; no partial download")
 	assert.Empty(t, f.eng.slots)
 }
 

@@ -1,0 +1,253 @@
+package imagecache
+
+import (
+	"crypto/sha256"
+	"encoding"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// checkpointEvery is how many downloaded bytes may pass between syncs of a
+// partial download and its record: what a power loss can cost a resume.
+const checkpointEvery = 64 << 20
+
+// resumeRecord is <sha>.download.resume: how to ask for the rest of
+// <sha>.download.part. Its first Synced bytes are on disk and Hash is the
+// sha256 state over exactly them, so a resume needs neither a re-read of the
+// file nor trust in anything past Synced (a power loss may leave garbage
+// there).
+type resumeRecord struct {
+	// URL is the sha256 of the URL the bytes came from: enough to tell it
+	// is the same, without keeping any credentials it carries on disk.
+	URL          string `json:"url_sha256"`
+	ETag         string `json:"etag,omitempty"`
+	LastModified string `json:"last_modified,omitempty"`
+	Total        int64  `json:"total"` // the whole image's length; -1 unknown
+	Synced       int64  `json:"synced"`
+	Hash         []byte `json:"sha256_state,omitempty"`
+}
+
+// validator is what If-Range carries: a strong ETag, else the date.
+func (r *resumeRecord) validator() string {
+	if r.ETag != "" && !strings.HasPrefix(r.ETag, "W/") {
+		return r.ETag
+	}
+	return r.LastModified
+}
+
+// changed says why resp does not describe the bytes r describes, or "".
+func (r *resumeRecord) changed(resp *http.Response) string {
+	if e := resp.Header.Get("ETag"); e != "" && r.ETag != "" && e != r.ETag {
+		return "its ETag changed"
+	}
+	if m := resp.Header.Get("Last-Modified"); m != "" && r.LastModified != "" && m != r.LastModified {
+		return "its Last-Modified changed"
+	}
+	return ""
+}
+
+func urlKey(url string) string {
+	s := sha256.Sum256([]byte(url))
+	return hex.EncodeToString(s[:])
+}
+
+func (c *Cache) partPath(sha string) string   { return filepath.Join(c.dir, sha+".download.part") }
+func (c *Cache) resumePath(sha string) string { return filepath.Join(c.dir, sha+".download.resume") }
+
+// partial is the served bytes of one image fetched so far, with the running
+// sha256 of exactly those bytes. Writes go to the file and the hash
+// together, so the two never disagree, whatever fails.
+type partial struct {
+	c        *Cache
+	sha, url string
+	f        *os.File
+	h        hash.Hash
+	n        int64 // bytes in f, all hashed
+	wrote    int64 // bytes written ever, across restarts: how far requests moved it
+	rec      resumeRecord
+	resumed  bool // bytes from an earlier request are kept: a resume happened
+	unsynced int64
+	// restarted: the download started over since progress was last told;
+	// the next answer tells it so, from 0.
+	restarted bool
+}
+
+// openPartial opens sha's partial download, picking up what an earlier
+// attempt (in this process or before a restart) left, if its record says it
+// came from url; otherwise it starts empty.
+func (c *Cache) openPartial(sha, url string) (*partial, error) {
+	f, err := os.OpenFile(c.partPath(sha), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("image cache: %w", err)
+	}
+	p := &partial{c: c, sha: sha, url: url, f: f, h: sha256.New()}
+	why := p.pickUp()
+	if p.n == 0 {
+		if why != "" {
+			c.log.Info("imagecache: not resuming the partial download", "sha256", sha, "why", why)
+		}
+		if err := p.reset(""); err != nil {
+			f.Close()
+			return nil, err
+		}
+		return p, nil
+	}
+	if _, err := f.Seek(p.n, io.SeekStart); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("image cache: %w", err)
+	}
+	c.log.Info("imagecache: resuming a partial download", "sha256", sha, "have", p.n, "total", p.rec.Total)
+	return p, nil
+}
+
+// pickUp adopts the partial file's record if it can; why it could not, if
+// there was something to pick up.
+func (p *partial) pickUp() string {
+	data, err := os.ReadFile(p.c.resumePath(p.sha))
+	if err != nil {
+		return ""
+	}
+	var rec resumeRecord
+	switch {
+	case json.Unmarshal(data, &rec) != nil:
+		return "its record is unreadable"
+	case rec.URL != urlKey(p.url):
+		return "it came from another URL"
+	case rec.Synced <= 0:
+		return ""
+	}
+	fi, err := p.f.Stat()
+	if err != nil || fi.Size() < rec.Synced {
+		return "it is shorter than its record says"
+	}
+	if err := p.h.(encoding.BinaryUnmarshaler).UnmarshalBinary(rec.Hash); err != nil {
+		return "its hash state is unreadable"
+	}
+	// Anything past Synced may be what a power loss left; it is fetched again.
+	if err := p.f.Truncate(rec.Synced); err != nil {
+		p.h.Reset()
+		return err.Error()
+	}
+	p.n, p.rec, p.resumed = rec.Synced, rec, true
+	return ""
+}
+
+// reset empties the partial download to start over; why, when not "", is
+// logged and kept for the error that might follow.
+func (p *partial) reset(why string) error {
+	if why != "" {
+		p.restarted = true
+		p.c.log.Warn("imagecache: download starts over", "sha256", p.sha, "had", p.n, "why", why)
+	}
+	p.h.Reset()
+	p.n, p.unsynced, p.resumed = 0, 0, false
+	p.rec = resumeRecord{URL: urlKey(p.url), Total: -1}
+	if err := p.f.Truncate(0); err != nil {
+		return fmt.Errorf("image cache: %w", err)
+	}
+	if _, err := p.f.Seek(0, io.SeekStart); err != nil {
+		return fmt.Errorf("image cache: %w", err)
+	}
+	return nil
+}
+
+// localError is a failure of this host's disk, not of the download.
+type localError struct{ err error }
+
+func (e *localError) Error() string { return "image cache: " + e.err.Error() }
+func (e *localError) Unwrap() error { return e.err }
+
+func (p *partial) Write(b []byte) (int, error) {
+	m, err := p.f.Write(b)
+	p.h.Write(b[:m])
+	p.n += int64(m)
+	p.wrote += int64(m)
+	p.unsynced += int64(m)
+	if err != nil {
+		return m, &localError{err}
+	}
+	if p.unsynced >= checkpointEvery {
+		if err := p.checkpoint(); err != nil {
+			return m, &localError{err}
+		}
+	}
+	return m, nil
+}
+
+// checkpoint makes everything written so far durable and records it, so a
+// resume after a crash starts from here.
+func (p *partial) checkpoint() error {
+	if err := fsync(p.f); err != nil {
+		return err
+	}
+	state, err := p.h.(encoding.BinaryMarshaler).MarshalBinary()
+	if err != nil {
+		return err
+	}
+	p.rec.Synced, p.rec.Hash = p.n, state
+	data, _ := json.Marshal(p.rec)
+	if err := writeFileSynced(p.c.resumePath(p.sha), data); err != nil {
+		return err
+	}
+	p.unsynced = 0
+	return nil
+}
+
+// sum is the hex sha256 of the bytes so far.
+func (p *partial) sum() string { return hex.EncodeToString(p.h.Sum(nil)) }
+
+// keep closes the partial download, leaving it to be resumed. Nothing
+// worth resuming (no bytes) is removed instead.
+func (p *partial) keep() {
+	if p.n == 0 {
+		p.discard()
+		return
+	}
+	if err := p.checkpoint(); err != nil {
+		p.c.log.Warn("imagecache: cannot keep a partial download to resume", "sha256", p.sha, "err", err)
+		p.discard()
+		return
+	}
+	p.f.Close()
+}
+
+// discard closes and removes the partial download and its record.
+func (p *partial) discard() {
+	p.f.Close()
+	p.c.removePartial(p.sha)
+}
+
+func (c *Cache) removePartial(sha string) {
+	os.Remove(c.partPath(sha))
+	os.Remove(c.resumePath(sha))
+}
+
+// contentRange parses a 206's "bytes first-last/complete"; complete is -1
+// for "*".
+func contentRange(s string) (first, complete int64, err error) {
+	spec, ok := strings.CutPrefix(s, "bytes ")
+	rng, all, ok2 := strings.Cut(spec, "/")
+	firstS, _, ok3 := strings.Cut(rng, "-")
+	if !ok || !ok2 || !ok3 {
+		return 0, 0, errors.New("malformed Content-Range")
+	}
+	if first, err = strconv.ParseInt(firstS, 10, 64); err != nil || first < 0 {
+		return 0, 0, errors.New("malformed Content-Range")
+	}
+	if all == "*" {
+		return first, -1, nil
+	}
+	if complete, err = strconv.ParseInt(all, 10, 64); err != nil || complete < 0 {
+		return 0, 0, errors.New("malformed Content-Range")
+	}
+	return first, complete, nil
+}
