@@ -147,13 +147,21 @@ func cmdDev(ctx context.Context, args []string) error {
 	}
 	go func() { errc <- runAgent(ctx, ac, log.With("part", "agent")) }()
 	log.Info("eitri dev is up", "url", url, "console", url+"/")
+	// Both halves must have stopped before this returns: the agent holds its
+	// data dir's lock and the control plane its database until they do, and
+	// a dev restarted in the same process would find both still taken.
+	var first error
+	pending := 2
 	select {
 	case <-ctx.Done():
-		return nil
-	case err := <-errc:
-		cancel()
-		return err
+	case first = <-errc:
+		pending--
 	}
+	cancel()
+	for ; pending > 0; pending-- {
+		<-errc
+	}
+	return first
 }
 
 // loopbackAddr resolves a --listen value for eitri dev and refuses anything
