@@ -509,6 +509,10 @@ func (c *Cache) populate(ctx context.Context, url, sha string, progress func(don
 			return "", err
 		}
 		if why == "" {
+			now := time.Now() // a hit: recency for eviction, as on any hit
+			if err := os.Chtimes(final, now, now); err != nil {
+				c.log.Warn("imagecache: touch", "path", final, "err", err)
+			}
 			c.markVerified(sha)
 			return final, nil
 		}
