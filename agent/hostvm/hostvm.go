@@ -219,6 +219,7 @@ func (h *Hypervisor) Boot(ctx context.Context, spec state.VMSpec, seedPath strin
 	if err != nil {
 		return err // a QEMU that died at once already says why, serial included
 	}
+	reconcile.Narrate(ctx, "waiting for an address")
 	return h.waitAddress(ctx, id)
 }
 
@@ -270,9 +271,38 @@ func (h *Hypervisor) SerialTail(id string) string {
 	return h.qemu.SerialTail(id, h.serialLines)
 }
 
-// Shutdown powers the guest off (ACPI, then quit, then kill).
+// Shutdown powers the guest off (ACPI, then quit, then kill), and says so
+// when it has to force it.
 func (h *Hypervisor) Shutdown(ctx context.Context, id string) error {
-	return h.qemu.Shutdown(ctx, id)
+	return h.qemu.ShutdownWith(ctx, id, func(grace time.Duration) {
+		reconcile.Narrate(ctx, "forcing off after "+durationWords(grace))
+	})
+}
+
+// durationWords says a grace period as people read it: "30 s", "2 min".
+func durationWords(d time.Duration) string {
+	if d >= time.Minute && d%time.Minute == 0 {
+		return fmt.Sprintf("%d min", d/time.Minute)
+	}
+	return fmt.Sprintf("%d s", (d+time.Second-1)/time.Second)
+}
+
+// Exited reports, once, that the VM's QEMU ended without being asked to,
+// with how it ended and its serial console's last lines (the log of that
+// boot is kept beside the next one's as serial.log.1).
+func (h *Hypervisor) Exited(ctx context.Context, id string) (reconcile.GuestExit, bool) {
+	if !h.isKnown(id) {
+		// A QEMU an earlier agent left is adopted first: a running one is
+		// no exit.
+		if err := h.adopt(ctx, id); err != nil {
+			return reconcile.GuestExit{}, false
+		}
+	}
+	x, ok := h.qemu.Exited(id)
+	if !ok {
+		return reconcile.GuestExit{}, false
+	}
+	return reconcile.GuestExit{Reason: x.Reason(), SerialTail: x.SerialTail}, true
 }
 
 // Power says whether the guest runs. The first question about a VM this

@@ -384,6 +384,9 @@ func (b *Backend) recoverKVMFault(ctx context.Context, id string, used Accel, ca
 	if err := b.Kill(ctx, id); err != nil {
 		return err
 	}
+	// The host's fault, dealt with here: not an exit of the guest's own
+	// for Exited to report (and count against the VM).
+	b.cleanRuntime(id)
 	b.forgetLaunched(id)
 	now, err := b.accelFailed(ctx, used, cause, id)
 	if err != nil {

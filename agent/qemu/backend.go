@@ -84,6 +84,9 @@ type Backend struct {
 
 	mu    sync.Mutex
 	locks map[string]*vmLocks
+	// watched holds the pid of each QEMU this Backend started or adopted
+	// and has not been asked to end (see Exited).
+	watched map[string]int
 
 	// probeMu serializes probes: a second caller waits for the first's
 	// verdict instead of booting another probe guest.
@@ -146,8 +149,11 @@ func New(cfg Config) (*Backend, error) {
 	}
 	cfg.Accel = mode
 	removeStaleProbes(cfg.Dir)
+	if err := becomeSubreaper(); err != nil {
+		cfg.Log.Warn("qemu: cannot become a child subreaper; a guest's exit status will read unknown", "err", err)
+	}
 	return &Backend{
-		cfg: cfg, log: cfg.Log.With("component", "qemu"), locks: map[string]*vmLocks{},
+		cfg: cfg, log: cfg.Log.With("component", "qemu"), locks: map[string]*vmLocks{}, watched: map[string]int{},
 		launched:        map[string]Accel{},
 		kvmProbeTimeout: defaultKVMProbeTimeout, tcgProbeTimeout: defaultTCGProbeTimeout,
 		kvmDevice: kvmDevice,
@@ -421,6 +427,9 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 	_ = os.Remove(b.pidPath(vm.ID))
 	_ = os.Remove(b.sockPath(vm.ID))
 	_ = os.Remove(b.logPath(vm.ID))
+	if err := b.rotateSerial(vm.ID); err != nil {
+		b.log.Warn("cannot keep the previous serial log; the new boot overwrites it", "id", vm.ID, "err", err)
+	}
 	kvm := accel.Name == accelKVM
 	kvmFault := func(out string, err error) error {
 		if kvm && isKVMFailure(out) {
@@ -436,6 +445,7 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 	// against a child that keeps our pipe open anyway.
 	cmd.WaitDelay = 5 * time.Second
 	out, err := cmd.CombinedOutput()
+	reapDaemonizeParents()
 	if err != nil {
 		text := strings.TrimSpace(string(out) + "\n" + b.qemuLog(vm.ID))
 		return kvmFault(text, fmt.Errorf("qemu: start vm %s: %w: %s", vm.ID, err, text))
@@ -459,6 +469,7 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 		}
 		return &kvmStartFault{cause: cause, err: fmt.Errorf("qemu: vm %s stopped at start: %s", vm.ID, cause)}
 	}
+	b.watch(vm.ID, pid)
 	b.log.Info("vm started", "id", vm.ID, "pid", pid, "accel", accel.Name, "cpu", accel.CPU, "vcpus", vm.VCPUs, "mem_mb", vm.MemMB, "tap", vm.Tap)
 	return nil
 }
@@ -611,6 +622,7 @@ func (b *Backend) Adopt(ctx context.Context, id string) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("qemu: adopt vm %s (pid %d): %w", id, pid, err)
 	}
+	b.watch(id, pid)
 	b.log.Info("adopted running vm", "id", id, "pid", pid, "status", st.Status)
 	return true, nil
 }
@@ -662,6 +674,13 @@ func ignoreAccelError(err error) error {
 // Shutdown presses the ACPI power button, waits up to ShutdownGrace for the
 // guest to power off, then tells QEMU to quit and finally kills it.
 func (b *Backend) Shutdown(ctx context.Context, id string) error {
+	return b.ShutdownWith(ctx, id, nil)
+}
+
+// ShutdownWith is Shutdown that calls forcing (when set) once the guest has
+// had ShutdownGrace to power off and has not, just before QEMU is made to
+// quit, so the caller can say so.
+func (b *Backend) ShutdownWith(ctx context.Context, id string, forcing func(grace time.Duration)) error {
 	if err := checkID(id); err != nil {
 		return err
 	}
@@ -684,6 +703,9 @@ func (b *Backend) Shutdown(ctx context.Context, id string) error {
 	}
 
 	b.log.Warn("guest did not power off in time; quitting qemu", "id", id, "grace", b.cfg.ShutdownGrace)
+	if forcing != nil {
+		forcing(b.cfg.ShutdownGrace)
+	}
 	// quit flushes disks, unlike SIGKILL. QEMU may close the socket before
 	// answering, so the reply is not awaited strictly.
 	if err := b.qmp(ctx, id, func(q *qmpConn) error { return q.execute("quit", nil, nil) }); err != nil {
@@ -729,8 +751,10 @@ func (b *Backend) killLocked(ctx context.Context, id string, pid int) error {
 	return nil
 }
 
-// cleanRuntime removes what only a running QEMU needs; logs and disks stay.
+// cleanRuntime removes what only a running QEMU needs, once it ended on
+// request (or was reported by Exited); logs and disks stay.
 func (b *Backend) cleanRuntime(id string) {
+	b.unwatch(id)
 	_ = os.Remove(b.pidPath(id))
 	_ = os.Remove(b.sockPath(id))
 }
@@ -768,6 +792,7 @@ func (b *Backend) Destroy(ctx context.Context, id string) error {
 	l := b.lock(id)
 	l.life.Lock()
 	defer l.life.Unlock()
+	b.unwatch(id) // a QEMU that died unasked is reaped too
 	if err := os.RemoveAll(b.VMDir(id)); err != nil {
 		return fmt.Errorf("qemu: destroy vm %s: %w", id, err)
 	}

@@ -55,6 +55,18 @@ type Hypervisor interface {
 	// Destroy removes everything the VM holds on this host: process, disk,
 	// tap, lease.
 	Destroy(ctx context.Context, id string) error
+	// Exited reports, once, that the VM's guest process ended without
+	// Shutdown or Destroy asking it to (a crash, a kill, a host reboot), and
+	// how: so a restart is told from a start, and counted.
+	Exited(ctx context.Context, id string) (GuestExit, bool)
+}
+
+// GuestExit is how a guest process ended when nobody asked it to.
+type GuestExit struct {
+	// Reason for people: "qemu exited (signal 9)".
+	Reason string
+	// SerialTail is the last lines of its serial console.
+	SerialTail string
 }
 
 // Images resolves an image to a local raw base image, fetching it if needed.
@@ -82,8 +94,21 @@ type Config struct {
 	VMTimeout time.Duration
 	// MaxConcurrentCreates caps creates in flight on this host (default 2).
 	MaxConcurrentCreates int
-	// MaxCreateAttempts is the retry budget of a create (default 3).
+	// MaxCreateAttempts is the retry budget of a create (default 5).
 	MaxCreateAttempts int
+	// MaxRestarts is how many failed runs in a row (the guest ending
+	// unasked, or a start that failed) are restarted before the VM is
+	// failed (default 5). StableAfter is how long a guest must stay up for
+	// its failed runs to be forgotten (default 10m).
+	MaxRestarts int
+	StableAfter time.Duration
+	// RetryBackoff is the wait after the first failed create attempt (and
+	// before the second restart in a row); each further failure doubles
+	// it, up to MaxRetryBackoff (defaults 20s and 5m). Jitter picks the
+	// wait actually used for a backoff of d (default: uniformly from
+	// [d/2, d]), so VMs failed by one outage do not retry in step.
+	RetryBackoff, MaxRetryBackoff time.Duration
+	Jitter                        func(d time.Duration) time.Duration
 	// ResyncInterval is how often a worker re-runs a pass without being asked,
 	// so power and address changes are noticed (default 5s).
 	ResyncInterval time.Duration
@@ -94,7 +119,11 @@ type Config struct {
 
 const (
 	defaultMaxConcurrentCreates = 2
-	defaultMaxCreateAttempts    = 3
+	defaultMaxCreateAttempts    = 5
+	defaultMaxRestarts          = 5
+	defaultStableAfter          = 10 * time.Minute
+	defaultRetryBackoff         = 20 * time.Second
+	defaultMaxRetryBackoff      = 5 * time.Minute
 	defaultResyncInterval       = 5 * time.Second
 )
 
@@ -144,6 +173,22 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if cfg.MaxCreateAttempts <= 0 {
 		cfg.MaxCreateAttempts = defaultMaxCreateAttempts
+	}
+	if cfg.MaxRestarts <= 0 {
+		cfg.MaxRestarts = defaultMaxRestarts
+	}
+	if cfg.StableAfter <= 0 {
+		cfg.StableAfter = defaultStableAfter
+	}
+	if cfg.RetryBackoff <= 0 {
+		cfg.RetryBackoff = defaultRetryBackoff
+	}
+	if cfg.MaxRetryBackoff <= 0 {
+		cfg.MaxRetryBackoff = max(defaultMaxRetryBackoff, cfg.RetryBackoff)
+	}
+	cfg.MaxRetryBackoff = max(cfg.MaxRetryBackoff, cfg.RetryBackoff)
+	if cfg.Jitter == nil {
+		cfg.Jitter = equalJitter
 	}
 	if cfg.ResyncInterval <= 0 {
 		cfg.ResyncInterval = defaultResyncInterval
@@ -375,7 +420,7 @@ func (e *Engine) Fill(rep *eitriv1.ActualStateReport) {
 			destroyed = append(destroyed, id)
 			continue
 		}
-		vms = append(vms, &eitriv1.ActualVM{VmId: id, Power: powerStopped, Phase: phaseFailed, LastError: destroyedWords(at)})
+		vms = append(vms, &eitriv1.ActualVM{VmId: id, Power: powerStopped, Phase: phaseFailed, LastError: destroyedWords(at), Retry: d.GetRetry()})
 	}
 	slices.Sort(destroyed)
 	slices.SortFunc(vms, func(a, b *eitriv1.ActualVM) int { return cmpString(a.GetVmId(), b.GetVmId()) })

@@ -208,7 +208,7 @@ func TestCreateFailures(t *testing.T) {
 	}{
 		{"permanent error fails in one attempt", permErr{"unsupported image format"}, 1},
 		{"wrapped permanent error too", errors.Join(errors.New("fetch"), permErr{"bad digest"}), 1},
-		{"transient error spends the whole budget", errors.New("connection reset"), 3},
+		{"transient error spends the whole budget", errors.New("connection reset"), 5},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			f := setup(t, func(cfg *Config) { cfg.ResyncInterval = 5 * time.Millisecond })
@@ -243,7 +243,7 @@ func TestTransientFailureSaysItWillRetry(t *testing.T) {
 	r := findVM(f.apply(snap(1, vm("vm1"))), "vm1")
 	assert.Equal(t, "creating", r.GetPhase())
 	assert.Equal(t, "connection reset", r.GetLastError())
-	assert.Equal(t, "attempt 1 of 3 failed, will retry", r.GetStatusDetail())
+	assert.Equal(t, "attempt 1 of 5 failed: connection reset; retrying now", r.GetStatusDetail())
 }
 
 // hostFaultErr is a failure the host owns and has dealt with (KVM broke and

@@ -21,6 +21,7 @@ import (
 type fakeHyper struct {
 	mu           sync.Mutex
 	running      map[string]bool
+	exits        map[string]GuestExit // guests that ended unasked, until Exited
 	addr         map[string]netip.Addr
 	disks        map[string]bool
 	owners       map[string]string // as booted, then as set
@@ -35,11 +36,14 @@ type fakeHyper struct {
 	// waits for the guest to take its address; an error it returns leaves
 	// the guest running, as a real boot cut short does.
 	bootWait func(ctx context.Context, id string) error
+	// shutdownWait, when set, runs before a guest stops, as a real
+	// shutdown waits for the guest to power off.
+	shutdownWait func(ctx context.Context, id string) error
 }
 
 func newFakeHyper() *fakeHyper {
 	return &fakeHyper{
-		running: map[string]bool{}, addr: map[string]netip.Addr{},
+		running: map[string]bool{}, exits: map[string]GuestExit{}, addr: map[string]netip.Addr{},
 		disks: map[string]bool{}, owners: map[string]string{}, calls: map[string]int{}, nextHost: 10,
 	}
 }
@@ -118,10 +122,18 @@ func (h *fakeHyper) Boot(ctx context.Context, spec state.VMSpec, seedPath string
 	return nil
 }
 
-func (h *fakeHyper) Shutdown(_ context.Context, id string) error {
+func (h *fakeHyper) Shutdown(ctx context.Context, id string) error {
+	h.mu.Lock()
+	h.calls["shutdown"]++
+	wait := h.shutdownWait
+	h.mu.Unlock()
+	if wait != nil {
+		if err := wait(ctx, id); err != nil {
+			return err
+		}
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.calls["shutdown"]++
 	h.running[id] = false
 	return nil
 }
@@ -170,6 +182,25 @@ func (h *fakeHyper) Destroy(_ context.Context, id string) error {
 	delete(h.disks, id)
 	delete(h.addr, id)
 	return nil
+}
+
+// Exited reports, once, a guest that crashed behind the engine's back
+// (crash, exit).
+func (h *fakeHyper) Exited(_ context.Context, id string) (GuestExit, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	x, ok := h.exits[id]
+	delete(h.exits, id)
+	return x, ok
+}
+
+// exit ends a guest behind the engine's back the way a QEMU that died
+// does: it is not running, and Exited says how it ended.
+func (h *fakeHyper) exit(id string, x GuestExit) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.running[id] = false
+	h.exits[id] = x
 }
 
 // fakeClock is a settable Now.
@@ -238,8 +269,11 @@ func setupOn(t testing.TB, st *state.Store, hv *fakeHyper, opts ...func(*Config)
 		},
 		St:             st,
 		ResyncInterval: time.Hour,
-		Log:            slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Now:            clock.Now,
+		// No backoff unless a test asks for one: the fake clock stands
+		// still, and most tests are about what a retry does, not when.
+		Jitter: func(time.Duration) time.Duration { return 0 },
+		Log:    slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Now:    clock.Now,
 	}
 	for _, o := range opts {
 		o(&cfg)

@@ -1,6 +1,7 @@
 package reconcile
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -21,6 +22,11 @@ const (
 	phaseStopped  = "stopped"
 	phaseFailed   = "failed"
 	phaseDeleting = "deleting"
+	// A created VM being booted (phaseRestarting: after its guest ended
+	// unasked, or a start failed) or shut down.
+	phaseStarting   = "starting"
+	phaseRestarting = "restarting"
+	phaseStopping   = "stopping"
 
 	powerRunning = "running"
 	powerStopped = "stopped"
@@ -34,6 +40,12 @@ const (
 	sayBuildingSeed   = "building the cloud-init seed"
 	sayBooting        = "booting"
 	sayWaitingForIP   = "waiting for an address"
+)
+
+// Narration of a created VM's power, in the order a start or a stop says it.
+const (
+	sayStarting     = "starting"
+	sayShuttingDown = "shutting down (ACPI)"
 )
 
 // publisher lands a row mid-pass. Nil means nobody is collecting; narration
@@ -53,6 +65,9 @@ type outcome struct {
 	// holdCreate: a stop cancelled the create; keep the VM unbuilt until it
 	// is wanted running (the worker remembers).
 	holdCreate bool
+	// wakeAt: the VM waits out a backoff until then; the worker runs a pass
+	// at that time without being asked.
+	wakeAt time.Time
 }
 
 // permanentError is how building blocks mark an error that retrying cannot
@@ -123,6 +138,12 @@ func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, p
 			}
 		}
 	}
+	if applyRetry(d, &rec) && ok {
+		e.log.Info("retry asked for; the VM's budgets start over", "vm", id, "retry", rec.Retry)
+		if err := e.cfg.St.SaveVM(id, rec); err != nil {
+			e.log.Error("saving the retried VM record", "vm", id, "err", err)
+		}
+	}
 	if d.GetDeleted() {
 		return e.deleting(ctx, d, rec, ok)
 	}
@@ -132,7 +153,7 @@ func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, p
 		}
 		return e.create(ctx, d, rec, ok, pub)
 	}
-	out := e.converge(ctx, d, rec, prev)
+	out := e.converge(ctx, d, rec, prev, pub)
 	if abandoned(ctx) != nil {
 		// A boot cut short by a stop or a delete would report the
 		// cancellation as an error; the pass that follows at once says
@@ -153,6 +174,10 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 	if ctx.Err() != nil {
 		// Never start an attempt on a dead context.
 		return outcome{skip: true}
+	}
+	if wait := rec.NextAttemptAt.Sub(e.cfg.Now()); ok && wait > 0 {
+		// The last attempt failed: the next waits out its backoff.
+		return outcome{row: newRow(id, rec, powerStopped, phaseCreating, rec.LastError, e.attemptFailedWords(rec, wait)), wakeAt: rec.NextAttemptAt}
 	}
 	rec.Spec = specFrom(d) // an unfinished create follows the newest spec
 	if rec.HostPubKey == "" {
@@ -229,21 +254,26 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 
 	if wantRunning(d) {
 		say(sayBooting)
-		if err := e.cfg.Hyper.Boot(ctx, rec.Spec, seedPath); err != nil {
+		if err := e.cfg.Hyper.Boot(withNarrator(ctx, sayer(ctx, pub, id, &rec, powerRunning, phaseCreating)), rec.Spec, seedPath); err != nil {
+			// A guest that died booting is an exit like any other: counted
+			// and described, besides failing the attempt.
+			rec = e.noteExit(ctx, rec)
 			return fail(err)
 		}
+		rec.BootedAt = e.cfg.Now()
 	}
 
 	// Disk and seed are complete: from here on this VM is converged, never
 	// rebuilt.
 	rec.BootID = newBootID()
 	rec.CreateAttempts = 0
+	rec.NextAttemptAt = time.Time{}
 	rec.LastError = ""
 	if err := e.cfg.St.SaveVM(id, rec); err != nil {
 		e.log.Error("saving created VM record", "vm", id, "err", err)
 	}
 	e.log.Info("VM created", "vm", id)
-	return e.observe(ctx, d, rec, "")
+	return e.observe(ctx, d, rec, "", phaseCreating)
 }
 
 // failCreate settles a failed create attempt. A create the desired state
@@ -274,8 +304,10 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 			rec.Failed = true
 			e.log.Error("create failed", "vm", id, "attempts", rec.CreateAttempts, "err", err)
 		} else {
-			detail = fmt.Sprintf("attempt %d of %d failed, will retry", rec.CreateAttempts, e.cfg.MaxCreateAttempts)
-			e.log.Warn("create attempt failed", "vm", id, "attempts", rec.CreateAttempts, "err", err)
+			wait := e.backoff(rec.CreateAttempts)
+			rec.NextAttemptAt = e.cfg.Now().Add(wait)
+			detail = e.attemptFailedWords(rec, wait)
+			e.log.Warn("create attempt failed; backing off", "vm", id, "attempts", rec.CreateAttempts, "retry_in", wait, "err", err)
 		}
 	}
 	if serr := e.cfg.St.SaveVM(id, rec); serr != nil {
@@ -284,7 +316,7 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 	if rec.Failed {
 		return outcome{row: newRow(id, rec, powerStopped, phaseFailed, rec.LastError, "")}
 	}
-	return outcome{row: newRow(id, rec, powerStopped, phaseCreating, rec.LastError, detail)}
+	return outcome{row: newRow(id, rec, powerStopped, phaseCreating, rec.LastError, detail), wakeAt: rec.NextAttemptAt}
 }
 
 // abandonCreate ends a create that newer desired state no longer wants,
@@ -336,37 +368,35 @@ func (e *Engine) acquireCreateSlot(ctx context.Context) (release func(), err err
 	}
 }
 
-// converge drives an existing VM's power toward desired and refreshes its
-// address.
-func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, prev *eitriv1.ActualVM) outcome {
+// converge drives an existing VM's power toward desired (see start and
+// shutDown) and refreshes its address.
+func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, prev *eitriv1.ActualVM, pub publisher) outcome {
 	id := d.GetVmId()
 	if rec.Spec.Owner != d.GetOwner() {
 		rec = e.setOwner(ctx, id, rec, d.GetOwner())
+	}
+	if rec.Failed {
+		// Its restarts ran out: stopped until someone retries it.
+		running, lastErr := e.stop(ctx, id)
+		return outcome{row: newRow(id, rec, powerWord(running), phaseFailed, cmp.Or(rec.LastError, lastErr), "")}
 	}
 	running, err := e.cfg.Hyper.Power(ctx, id)
 	if err != nil {
 		return outcome{row: unknownPowerRow(id, rec, prev, err)}
 	}
-	var lastErr string
 	switch {
 	case wantRunning(d) && !running:
-		if err := e.cfg.Hyper.Boot(ctx, rec.Spec, e.cfg.St.SeedPath(id)); err != nil {
-			lastErr = err.Error()
-			e.log.Warn("boot failed", "vm", id, "err", err)
-		} else {
-			e.log.Info("VM booted", "vm", id)
-		}
+		return e.start(ctx, d, rec, pub)
 	case !wantRunning(d) && running:
-		if err := e.cfg.Hyper.Shutdown(ctx, id); err != nil {
-			lastErr = err.Error()
-			e.log.Warn("shutdown failed", "vm", id, "err", err)
-		} else {
-			e.log.Info("VM shut down", "vm", id)
-		}
-	default:
-		return e.observeKnown(ctx, d, rec, running, "")
+		return e.shutDown(ctx, d, rec, pub)
+	case !running:
+		// Stopped as wanted. A guest that ended unasked just before a stop
+		// still ended unasked: counted, but not restarted.
+		rec = e.noteExit(ctx, rec)
+		return e.observeKnown(ctx, d, rec, false, "", phaseStopped)
 	}
-	return e.observe(ctx, d, rec, lastErr)
+	rec = e.forgetStableFailures(rec)
+	return e.observeKnown(ctx, d, rec, true, "", e.bootPhase(rec))
 }
 
 // setOwner moves a created VM to the owner the desired state names. The
@@ -388,37 +418,46 @@ func (e *Engine) setOwner(ctx context.Context, id string, rec state.Record, owne
 }
 
 // observe reads power and address and builds the VM's settled row.
-func (e *Engine) observe(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, lastErr string) outcome {
+// waitPhase is its phase while it runs without an address (creating, or
+// starting).
+func (e *Engine) observe(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, lastErr, waitPhase string) outcome {
 	running, err := e.cfg.Hyper.Power(ctx, d.GetVmId())
 	if err != nil {
 		return outcome{row: unknownPowerRow(d.GetVmId(), rec, nil, err)}
 	}
-	return e.observeKnown(ctx, d, rec, running, lastErr)
+	return e.observeKnown(ctx, d, rec, running, lastErr, waitPhase)
 }
 
-func (e *Engine) observeKnown(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, running bool, lastErr string) outcome {
+// observeKnown builds the row for a guest whose power is known. Ready needs
+// an address the guest took in its current boot: an address remembered
+// from an earlier boot says nothing about whether this one came up.
+func (e *Engine) observeKnown(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, running bool, lastErr, waitPhase string) outcome {
 	id := d.GetVmId()
-	rec = e.refreshAddress(ctx, id, rec)
+	rec, leased := e.refreshAddress(ctx, id, rec)
 	if !running {
 		return outcome{row: newRow(id, rec, powerStopped, phaseStopped, lastErr, "")}
 	}
-	if rec.IP == "" {
-		return outcome{row: newRow(id, rec, powerRunning, phaseCreating, lastErr, sayWaitingForIP)}
+	if !leased {
+		return outcome{row: newRow(id, rec, powerRunning, waitPhase, lastErr, sayWaitingForIP)}
 	}
 	return outcome{row: newRow(id, rec, powerRunning, phaseReady, lastErr, "")}
 }
 
-// refreshAddress records a newly learned guest address.
-func (e *Engine) refreshAddress(ctx context.Context, id string, rec state.Record) state.Record {
+// refreshAddress records a newly learned guest address; leased says the
+// guest holds one now.
+func (e *Engine) refreshAddress(ctx context.Context, id string, rec state.Record) (state.Record, bool) {
 	addr, ok := e.cfg.Hyper.Address(ctx, id)
-	if !ok || !addr.IsValid() || addr.String() == rec.IP {
-		return rec
+	if !ok || !addr.IsValid() {
+		return rec, false
+	}
+	if addr.String() == rec.IP {
+		return rec, true
 	}
 	rec.IP = addr.String()
 	if err := e.cfg.St.SaveVM(id, rec); err != nil {
 		e.log.Error("saving VM address", "vm", id, "err", err)
 	}
-	return rec
+	return rec, true
 }
 
 // deleting handles a soft-deleted VM: stopped at once, disk kept until its
@@ -575,15 +614,21 @@ func (e *Engine) markDestroyed(id string) {
 // newRow builds a report row. Every row carries the guest's public host key
 // for as long as the VM exists.
 func newRow(id string, rec state.Record, power, phase, lastErr, detail string) *eitriv1.ActualVM {
-	return &eitriv1.ActualVM{
-		VmId:          id,
-		Power:         power,
-		Phase:         phase,
-		Ip:            rec.IP,
-		LastError:     lastErr,
-		SshHostPubkey: rec.HostPubKey,
-		StatusDetail:  detail,
+	row := &eitriv1.ActualVM{
+		VmId:            id,
+		Power:           power,
+		Phase:           phase,
+		Ip:              rec.IP,
+		LastError:       lastErr,
+		SshHostPubkey:   rec.HostPubKey,
+		StatusDetail:    detail,
+		Retry:           rec.Retry,
+		UnexpectedExits: uint32(rec.Exits),
 	}
+	if x := rec.LastExit; x != nil {
+		row.LastExit = &eitriv1.GuestExit{Reason: x.Reason, SerialTail: x.SerialTail, AtUnix: x.At.Unix()}
+	}
+	return row
 }
 
 // unknownPowerRow is the row for a VM whose power could not be read: the last

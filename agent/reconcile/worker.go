@@ -79,12 +79,18 @@ func (w *worker) run() {
 	defer w.eng.wg.Done()
 	tick := time.NewTicker(w.eng.cfg.ResyncInterval)
 	defer tick.Stop()
+	// wake ends a backoff a pass asked for (outcome.wakeAt), so a retry
+	// happens when it was said to, not at the next resync.
+	wake := time.NewTimer(time.Hour)
+	wake.Stop()
+	defer wake.Stop()
 	for {
 		select {
 		case <-w.eng.ctx.Done():
 			return
 		case <-w.kick:
 		case <-tick.C:
+		case <-wake.C:
 		}
 
 		ctx, cancel := context.WithCancelCause(w.eng.ctx)
@@ -114,6 +120,10 @@ func (w *worker) run() {
 		}
 		if out.holdCreate {
 			w.holdCreate = true
+		}
+		wake.Stop()
+		if d := out.wakeAt.Sub(w.eng.cfg.Now()); !out.wakeAt.IsZero() && d > 0 {
+			wake.Reset(d) // no wait left: the next resync is soon enough
 		}
 		// Clearing busy in the same critical section that lands the result
 		// closes this pass to late publishes.

@@ -76,6 +76,25 @@ type Record struct {
 	CreateAttempts int    `json:",omitempty"`
 	LastError      string `json:",omitempty"`
 	Failed         bool   `json:",omitempty"`
+	// NextAttemptAt is when a create whose last attempt failed may try
+	// again (backoff); zero when it need not wait.
+	NextAttemptAt time.Time `json:",omitzero"`
+	// Retry is the newest retry (RetryVM) applied: a higher one in the
+	// desired state clears Failed and both budgets.
+	Retry uint64 `json:",omitempty"`
+
+	// Exits counts the guest process ending unasked, over the VM's life on
+	// this host; LastExit is the latest. Restarts counts the failed runs (an
+	// exit, a boot that failed) since the guest last stayed up: the restart
+	// budget. RestartAt is when the next restart may start (backoff), and
+	// RestartReason what the last failed run ended with. BootedAt is when
+	// the running guest was booted.
+	Exits         int        `json:",omitempty"`
+	LastExit      *GuestExit `json:",omitempty"`
+	Restarts      int        `json:",omitempty"`
+	RestartAt     time.Time  `json:",omitzero"`
+	RestartReason string     `json:",omitempty"`
+	BootedAt      time.Time  `json:",omitzero"`
 
 	// QuarantinedAt is when the agent started holding this VM (no snapshot
 	// names it, or names it with an older version than Version); zero while
@@ -92,6 +111,13 @@ type Record struct {
 	Version uint64 `json:",omitempty"`
 	Power   string `json:",omitempty"`
 	Deleted bool   `json:",omitempty"`
+}
+
+// GuestExit is how a VM's guest process ended when nobody asked it to.
+type GuestExit struct {
+	Reason     string // "qemu exited (signal 9)"
+	SerialTail string `json:",omitempty"`
+	At         time.Time
 }
 
 // Open prepares dir (creating it if needed) and removes temp files a crash

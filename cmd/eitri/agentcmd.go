@@ -35,8 +35,12 @@ type agentFlags struct {
 	subnet     string
 	vmTimeout  time.Duration
 	maxCreates int
-	cacheGB    int64
-	accel      string
+	// createAttempts and retryBackoff: a create's budget, and the wait
+	// after its first failed attempt (doubling after each).
+	createAttempts int
+	retryBackoff   time.Duration
+	cacheGB        int64
+	accel          string
 	// imageAllow admits these prefixes to image downloads beyond the public
 	// internet: an operator's own mirrors.
 	imageAllow prefixList
@@ -55,6 +59,8 @@ func (a *agentFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&a.subnet, "subnet", "10.77.0.1/24", "bridge address and guest subnet (NAT to the outside)")
 	fs.DurationVar(&a.vmTimeout, "vm-timeout", 15*time.Minute, "bound on one create or converge pass (image download included)")
 	fs.IntVar(&a.maxCreates, "max-creates", 2, "creates running at once on this host")
+	fs.IntVar(&a.createAttempts, "create-attempts", 5, "attempts a create gets before its VM is failed (a permanent error fails it at once)")
+	fs.DurationVar(&a.retryBackoff, "retry-backoff", 20*time.Second, "wait after a VM's first failed create attempt or second failed run in a row; doubles with each further failure, up to 5m, with jitter")
 	fs.Int64Var(&a.cacheGB, "image-cache-gb", 50, "image cache size cap in GiB")
 	fs.StringVar(&a.accel, "accel", "auto", "guest accelerator: auto (prove KVM with a probe guest, else TCG), kvm or tcg")
 	fs.Var(&a.imageAllow, "image-allow", "CIDR,... image downloads may also reach (your own mirrors); by default only public addresses, never loopback, private, link-local or the like")
@@ -182,6 +188,7 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	eng, err := reconcile.New(reconcile.Config{
 		Hyper: hv, Images: images.Resolve, Seed: hostvm.WriteSeed, St: st,
 		VMTimeout: a.vmTimeout, MaxConcurrentCreates: a.maxCreates, Log: log,
+		MaxCreateAttempts: a.createAttempts, RetryBackoff: a.retryBackoff,
 	})
 	if err != nil {
 		return err

@@ -65,6 +65,9 @@ func (g *guests) Address(context.Context, string) (netip.Addr, bool) {
 	return netip.MustParseAddr("10.77.0.9"), true
 }
 func (g *guests) SetOwner(context.Context, string, string) error { return nil }
+func (g *guests) Exited(context.Context, string) (reconcile.GuestExit, bool) {
+	return reconcile.GuestExit{}, false
+}
 func (g *guests) Destroy(_ context.Context, id string) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
