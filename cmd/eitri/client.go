@@ -190,6 +190,19 @@ func cmdClient(ctx context.Context, noun string, args []string, out io.Writer) e
 		if callErr == nil {
 			return c.print(m, func(w io.Writer) { vmTable(w, vm) })
 		}
+	case "vm retry":
+		if err := need(1, "a VM name or id"); err != nil {
+			return err
+		}
+		id, err := c.vmID(ctx, pos[0])
+		if err != nil {
+			return err
+		}
+		r, err := c.vm.RetryVM(ctx, connect.NewRequest(&eitriv1.RetryVMRequest{Id: id}))
+		if err == nil {
+			return c.print(r.Msg, func(w io.Writer) { vmTable(w, r.Msg.Vm) })
+		}
+		callErr = err
 	case "vm events":
 		if err := need(1, "a VM id"); err != nil {
 			return err
@@ -198,7 +211,13 @@ func cmdClient(ctx context.Context, noun string, args []string, out io.Writer) e
 		if err == nil {
 			return c.print(r.Msg, func(w io.Writer) {
 				for _, e := range r.Msg.Events {
-					fmt.Fprintf(w, "%s\t%s\t%s\n", e.At.AsTime().Local().Format(time.DateTime), e.Kind, e.Message)
+					// An exit's message carries console lines: they go
+					// under it, indented, not into the table.
+					first, rest, _ := strings.Cut(e.Message, "\n")
+					fmt.Fprintf(w, "%s\t%s\t%s\n", e.At.AsTime().Local().Format(time.DateTime), e.Kind, first)
+					if rest != "" {
+						fmt.Fprintf(w, "\t\t  %s\n", strings.ReplaceAll(rest, "\n", "\n\t\t  "))
+					}
 				}
 			})
 		}
@@ -436,7 +455,7 @@ func (c *client) watchVMs(ctx context.Context) error {
 // sentence while creating, the error when failed, nothing when settled.
 func statusLine(v *eitriv1.VM) string {
 	switch {
-	case v.Lifecycle == "creating" && v.StatusDetail != "":
+	case inFlight(v.Lifecycle) && v.StatusDetail != "":
 		return v.StatusDetail
 	case v.Lifecycle == "failed", v.Lifecycle == "lost":
 		return v.LastError
@@ -447,6 +466,46 @@ func statusLine(v *eitriv1.VM) string {
 		return "destroyed at " + when(v.DestroyAt.AsTime())
 	}
 	return ""
+}
+
+// inFlight says whether a lifecycle is work under way, whose host's
+// narration is worth showing; a settled VM shows none.
+func inFlight(lifecycle string) bool {
+	switch lifecycle {
+	case "creating", "starting", "stopping", "restarting", "restoring", "retrying":
+		return true
+	}
+	return false
+}
+
+// vmID resolves what a person typed, a VM's id or its name, to its id. A
+// name several visible VMs share (an admin sees every owner's) is refused
+// with their ids.
+func (c *client) vmID(ctx context.Context, arg string) (string, error) {
+	_, err := c.vm.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: arg}))
+	if err == nil {
+		return arg, nil
+	}
+	if connect.CodeOf(err) != connect.CodeNotFound {
+		return "", err
+	}
+	list, err := c.vm.ListVMs(ctx, connect.NewRequest(&eitriv1.ListVMsRequest{}))
+	if err != nil {
+		return "", err
+	}
+	var ids []string
+	for _, v := range list.Msg.Vms {
+		if v.Name == arg {
+			ids = append(ids, v.Id)
+		}
+	}
+	switch len(ids) {
+	case 0:
+		return "", fmt.Errorf("no VM has the id or name %q", arg)
+	case 1:
+		return ids[0], nil
+	}
+	return "", fmt.Errorf("%d VMs are named %q (%s); give the id", len(ids), arg, strings.Join(ids, ", "))
 }
 
 // orphanTable lists VMs hosts hold without this control plane's trust in

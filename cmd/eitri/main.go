@@ -27,7 +27,8 @@ Usage:
   eitri version
 
   eitri vm create NAME --image URL --sha256 HEX [--vcpus N --mem-mb N --disk-gb N --host ID --ssh-key FILE|KEY --stopped]
-  eitri vm ls | get ID | start ID | stop ID | rm ID | restore ID | events ID | watch
+  eitri vm ls | get ID | start ID | stop ID | rm ID | restore ID | retry NAME|ID | events ID | watch
+                  (retry: a failed VM is tried again, with a fresh budget)
   eitri vm orphans | adopt HOST_ID VM_ID [--owner USER_ID --name NAME] | destroy-orphan HOST_ID VM_ID
                   (admins: VMs hosts hold but this control plane lost or has older records of)
   eitri host ls | get ID | join-token [--ttl 1h] | decommission ID [--force]

@@ -1,0 +1,134 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/fleet"
+)
+
+// failingHost fails every create until a retry reaches it, then narrates
+// the create again; it reports whatever it last applied.
+type failingHost struct {
+	mu  sync.Mutex
+	vms []*eitriv1.VMDesired
+}
+
+func (h *failingHost) Apply(s *eitriv1.DesiredStateSnapshot) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.vms = s.GetVms()
+	return true
+}
+
+func (h *failingHost) Fill(rep *eitriv1.ActualStateReport) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	rep.Capacity = &eitriv1.Capacity{Vcpus: 4, MemMb: 8192, DiskGb: 100}
+	for _, d := range h.vms {
+		row := &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "stopped", Phase: "failed", LastError: "no space left on device", Retry: d.GetRetry()}
+		if d.GetRetry() > 0 {
+			row.Phase, row.LastError, row.StatusDetail = "creating", "", "downloading image"
+			row.UnexpectedExits = 1
+			row.LastExit = &eitriv1.GuestExit{Reason: "qemu exited (signal 9)", SerialTail: "Run /init as init process\nudhcpc: started"}
+		}
+		rep.Vms = append(rep.Vms, row)
+	}
+}
+
+func TestAFailedVMIsRetriedByNameFromTheCLI(t *testing.T) {
+	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), Plaintext: true})
+	require.NoError(t, err)
+	ts := httptest.NewUnstartedServer(srv.Handler())
+	ts.Config.Protocols = new(http.Protocols)
+	ts.Config.Protocols.SetHTTP1(true)
+	ts.Config.Protocols.SetUnencryptedHTTP2(true)
+	ts.Start()
+	t.Cleanup(func() { ts.Close(); srv.Close() })
+	t.Setenv("EITRI_URL", ts.URL)
+	t.Setenv("EITRI_TOKEN", srv.AdminToken)
+	eitri := func(args ...string) (string, error) {
+		var out bytes.Buffer
+		err := run(args, &out)
+		return out.String(), err
+	}
+
+	p, err := srv.Fleet.Resolve(context.Background(), srv.AdminToken)
+	require.NoError(t, err)
+	jt, err := srv.Fleet.CreateJoinToken(auth.WithPrincipal(context.Background(), p), time.Minute)
+	require.NoError(t, err)
+	tok, err := fleet.DecodeJoinToken(jt.Token)
+	require.NoError(t, err)
+	tok.Url = ts.URL
+	id, err := syncclient.Enroll(context.Background(), fleet.EncodeJoinToken(tok), "h1", "test")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: &failingHost{}, ReportEvery: 20 * time.Millisecond,
+			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test"} }})
+	}()
+	require.Eventually(t, func() bool {
+		out, err := eitri("host", "ls")
+		return err == nil && strings.Contains(out, "true")
+	}, 10*time.Second, 20*time.Millisecond, "the host is connected")
+
+	_, err = eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32))
+	require.NoError(t, err)
+	var out string
+	require.Eventually(t, func() bool {
+		out, err = eitri("vm", "ls")
+		return err == nil && strings.Contains(out, "failed")
+	}, 10*time.Second, 20*time.Millisecond)
+	assert.Contains(t, out, "no space left on device")
+
+	out, err = eitri("vm", "retry", "web-1")
+	require.NoError(t, err, "a VM is named by its name")
+	assert.Contains(t, out, "retrying")
+	require.Eventually(t, func() bool {
+		out, err = eitri("vm", "ls")
+		return err == nil && strings.Contains(out, "creating")
+	}, 10*time.Second, 20*time.Millisecond, "the host answers the retry")
+	assert.Contains(t, out, "downloading image", "work under way shows its narration")
+
+	vmID := strings.Fields(strings.Split(strings.TrimSpace(out), "\n")[1])[0]
+	require.Eventually(t, func() bool {
+		out, err = eitri("vm", "events", vmID)
+		return err == nil && strings.Contains(out, "exited")
+	}, 10*time.Second, 20*time.Millisecond)
+	var exited []string
+	lines := strings.Split(out, "\n")
+	for i, l := range lines {
+		if strings.Contains(l, "exited") {
+			exited = lines[i : i+3]
+		}
+	}
+	require.Len(t, exited, 3, out)
+	assert.Contains(t, exited[0], "qemu exited (signal 9); serial console:")
+	assert.Equal(t, "Run /init as init process", strings.TrimSpace(exited[1]), "console lines go under the event")
+	assert.Equal(t, "udhcpc: started", strings.TrimSpace(exited[2]))
+	assert.True(t, strings.HasPrefix(exited[1], " "), "indented, not a row of their own")
+
+	_, err = eitri("vm", "retry", "web-1")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "failed precondition", "only a failed VM is retried")
+	_, err = eitri("vm", "retry", "nope")
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), `no VM has the id or name "nope"`)
+	_, err = eitri("vm", "retry")
+	var ue usageError
+	assert.ErrorAs(t, err, &ue)
+}
