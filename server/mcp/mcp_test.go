@@ -101,7 +101,7 @@ func TestListTools(t *testing.T) {
 		names = append(names, tl.Name)
 		assert.NotEmpty(t, tl.Description, tl.Name)
 	}
-	assert.ElementsMatch(t, []string{"vm_list", "vm_get", "vm_create", "vm_start", "vm_stop", "vm_delete"}, names)
+	assert.ElementsMatch(t, []string{"vm_list", "vm_get", "vm_create", "vm_start", "vm_stop", "vm_delete", "vm_retry"}, names)
 }
 
 func TestVMListEmpty(t *testing.T) {
@@ -142,6 +142,7 @@ func TestToolErrors(t *testing.T) {
 		{"start unknown", "vm_start", map[string]any{"id": "vm_nope"}, "not found"},
 		{"stop unknown", "vm_stop", map[string]any{"id": "vm_nope"}, "not found"},
 		{"delete unknown", "vm_delete", map[string]any{"id": "vm_nope"}, "not found"},
+		{"retry unknown", "vm_retry", map[string]any{"id": "vm_nope"}, "not found"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -356,4 +357,27 @@ func TestVMCreateTimeoutIsNotFailure(t *testing.T) {
 	assert.Contains(t, string(raw), "still being created")
 	assert.Contains(t, string(raw), "not a failure")
 	assert.Contains(t, string(raw), `"id":"`+id+`"`)
+}
+
+func TestVMRetryTriesAFailedVMAgain(t *testing.T) {
+	e := start(t)
+	h := connectHost(t, e)
+	progress := make(chan *mcp.ProgressNotificationParams, 16)
+	cs := connect(t, e, progress)
+	msgs, done := createInBackground(t, cs, progress, 60)
+	next(t, msgs)
+	id := onlyVMID(t, e)
+	h.report(&eitriv1.ActualVM{VmId: id, Phase: "failed", Power: "stopped", LastError: "no space left on device"})
+	require.True(t, (<-done).IsError)
+
+	res := call(t, cs, "vm_retry", map[string]any{"id": id})
+	require.False(t, res.IsError, text(res))
+	raw, err := json.Marshal(res.StructuredContent)
+	require.NoError(t, err)
+	assert.Contains(t, string(raw), `"lifecycle":"retrying"`)
+
+	h.report(&eitriv1.ActualVM{VmId: id, Phase: "creating", Power: "stopped", StatusDetail: "downloading image", Retry: 1})
+	res = call(t, cs, "vm_retry", map[string]any{"id": id})
+	assert.True(t, res.IsError)
+	assert.Contains(t, text(res), "only a failed VM can be retried")
 }

@@ -117,6 +117,11 @@ func (t *tools) register(s *mcp.Server) {
 		Name:        "vm_delete",
 		Description: "Delete a VM. It stays restorable until destroy_at.",
 	}, authed(t, t.vmDelete))
+	mcp.AddTool(s, &mcp.Tool{
+		Name: "vm_retry",
+		Description: "Try a failed VM again with a fresh budget: its host starts over the create or the " +
+			"restarts that failed. Only a failed VM can be retried; its last_error says why it failed.",
+	}, authed(t, t.vmRetry))
 }
 
 // authed runs h as the request's principal and turns fleet errors into tool
@@ -189,6 +194,14 @@ func (t *tools) setPower(ctx context.Context, id, power string) (VM, error) {
 
 func (t *tools) vmDelete(ctx context.Context, _ *mcp.CallToolRequest, in VMIDIn) (VM, error) {
 	v, err := t.f.DeleteVM(ctx, in.ID)
+	if err != nil {
+		return VM{}, err
+	}
+	return vmOut(v), nil
+}
+
+func (t *tools) vmRetry(ctx context.Context, _ *mcp.CallToolRequest, in VMIDIn) (VM, error) {
+	v, err := t.f.RetryVM(ctx, in.ID)
 	if err != nil {
 		return VM{}, err
 	}
