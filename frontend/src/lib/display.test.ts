@@ -5,6 +5,8 @@ import { ExposureSessionsSchema } from '@eitri/sdk/resources_pb';
 import { timestampFromDate } from '@bufbuild/protobuf/wkt';
 import {
 	canRestore,
+	canRetry,
+	eventParts,
 	formatBytes,
 	formatGB,
 	formatMB,
@@ -37,6 +39,16 @@ describe('vmDetail', () => {
 			expect(vmDetail(vm({ lifecycle, statusDetail: 'booting' }))).toBe('');
 		}
 	);
+
+	test.each([
+		['starting', 'waiting for an address'],
+		['stopping', 'forcing off after 30 s'],
+		['restarting', 'qemu exited (signal 9); restarting, attempt 1'],
+		['restoring', 'starting'],
+		['retrying', 'downloading image']
+	])('a %s VM shows what its host is doing', (lifecycle, said) => {
+		expect(vmDetail(vm({ lifecycle, statusDetail: said }))).toBe(said);
+	});
 
 	test('a creating VM whose host has nothing to add gets no line', () => {
 		expect(vmDetail(vm({ lifecycle: 'creating', statusDetail: '' }))).toBe('');
@@ -71,6 +83,11 @@ describe('lifecycle words', () => {
 		['deleting', 'deleting'],
 		['unknown', 'unknown — host not reporting'],
 		['lost', 'lost — host decommissioned'],
+		['starting', 'starting'],
+		['stopping', 'stopping'],
+		['restarting', 'restarting'],
+		['restoring', 'restoring'],
+		['retrying', 'retrying'],
 		['', 'unknown — host not reporting'],
 		['migrating', 'migrating']
 	])('%j reads %j', (lifecycle, word) => {
@@ -89,6 +106,33 @@ describe('lifecycle words', () => {
 		expect(canRestore(d, until)).toBe(false);
 		expect(vmStatusWord(d, until)).toBe('deleting — being destroyed');
 		expect(canRestore(vm({ deleted: false, lifecycle: 'ready' }), until)).toBe(false);
+	});
+});
+
+describe('requests in flight', () => {
+	test.each(['starting', 'stopping', 'restoring', 'retrying'])('a VM %s is busy, not settled', (lifecycle) => {
+		expect(vmStatusTone(vm({ lifecycle }))).toBe('busy');
+	});
+
+	test('a guest restarted after it ended unasked reads as trouble', () => {
+		expect(vmStatusTone(vm({ lifecycle: 'restarting' }))).toBe('bad');
+	});
+
+	test('only a failed VM offers a retry', () => {
+		expect(canRetry(vm({ lifecycle: 'failed' }))).toBe(true);
+		for (const lifecycle of ['ready', 'creating', 'retrying', 'restarting', 'stopped', 'lost', 'pending']) {
+			expect(canRetry(vm({ lifecycle })), lifecycle).toBe(false);
+		}
+		expect(canRetry(vm({ lifecycle: 'failed', deleted: true }))).toBe(false);
+	});
+
+	test("an exit's console goes under its line", () => {
+		const msg = 'qemu exited (signal 9); serial console:\n[    1.2] Run /init as init process\nudhcpc: started\n';
+		expect(eventParts(msg)).toEqual({
+			line: 'qemu exited (signal 9); serial console:',
+			more: '[    1.2] Run /init as init process\nudhcpc: started'
+		});
+		expect(eventParts('ready → stopped')).toEqual({ line: 'ready → stopped', more: '' });
 	});
 });
 

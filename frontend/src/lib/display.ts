@@ -4,7 +4,20 @@ import type { Timestamp } from '@bufbuild/protobuf/wkt';
 import type { VM } from '@eitri/sdk/vm_pb';
 import type { ExposureSessions } from '@eitri/sdk/resources_pb';
 
-export type Lifecycle = 'pending' | 'creating' | 'ready' | 'stopped' | 'failed' | 'deleting' | 'unknown' | 'lost';
+export type Lifecycle =
+	| 'pending'
+	| 'creating'
+	| 'ready'
+	| 'stopped'
+	| 'failed'
+	| 'deleting'
+	| 'unknown'
+	| 'lost'
+	| 'starting'
+	| 'stopping'
+	| 'restarting'
+	| 'restoring'
+	| 'retrying';
 
 /** Tone drives the colour of a status dot; the word always says the same thing. */
 export type Tone = 'ok' | 'busy' | 'bad' | 'idle' | 'muted';
@@ -18,8 +31,20 @@ const lifecycles: Record<Lifecycle, { word: string; tone: Tone }> = {
 	deleting: { word: 'deleting', tone: 'muted' },
 	unknown: { word: 'unknown — host not reporting', tone: 'muted' },
 	// Its host was decommissioned by force: nothing runs it anywhere.
-	lost: { word: 'lost — host decommissioned', tone: 'bad' }
+	lost: { word: 'lost — host decommissioned', tone: 'bad' },
+	// A request on its way: shown from the moment it is made until the
+	// host's report confirms it.
+	starting: { word: 'starting', tone: 'busy' },
+	stopping: { word: 'stopping', tone: 'busy' },
+	restoring: { word: 'restoring', tone: 'busy' },
+	retrying: { word: 'retrying', tone: 'busy' },
+	// Its guest ended unasked and the host boots it again: something went
+	// wrong, and the host's sentence says what.
+	restarting: { word: 'restarting', tone: 'bad' }
 };
+
+/** Lifecycles that are work under way, which the host narrates. */
+const inFlight: ReadonlySet<string> = new Set(['creating', 'starting', 'stopping', 'restarting', 'restoring', 'retrying']);
 
 function isLifecycle(s: string): s is Lifecycle {
 	return Object.hasOwn(lifecycles, s);
@@ -61,11 +86,25 @@ export function vmStatusTone(vm: VMStatusFields): Tone {
 }
 
 /** The host's narration under a VM's status. Narration describes work in
- *  flight, so only a VM that is being created gets it; a settled VM shows
- *  nothing even when a stale sentence arrives with it. '' means no line. */
+ *  flight (a create, a start or stop, a restart after a crash), so only such
+ *  a VM gets it; a settled VM shows nothing even when a stale sentence
+ *  arrives with it. '' means no line. */
 export function vmDetail(vm: VMStatusFields): string {
-	if (vm.deleted || vm.lifecycle !== 'creating') return '';
+	if (vm.deleted || !inFlight.has(vm.lifecycle)) return '';
 	return vm.statusDetail.trim();
+}
+
+/** Whether RetryVM can work: only a failed VM is tried again. */
+export function canRetry(vm: Pick<VM, 'lifecycle' | 'deleted'>): boolean {
+	return !vm.deleted && vm.lifecycle === 'failed';
+}
+
+/** A timeline event's message as a line and, when it carries some (a
+ *  guest that ended unasked: its serial console), the lines under it. */
+export function eventParts(message: string): { line: string; more: string } {
+	const i = message.indexOf('\n');
+	if (i < 0) return { line: message, more: '' };
+	return { line: message.slice(0, i), more: message.slice(i + 1).replace(/\s+$/, '') };
 }
 
 /** Why a failed VM failed, in its host's words, or how a lost VM was lost;
