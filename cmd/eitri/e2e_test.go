@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -313,11 +314,34 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	// pushed to the watcher without asking.
 	require.Eventually(t, func() bool { return sessionsOf(httpExp.Msg.Exposure.Id).GetActive() == 0 }, 10*time.Second, 50*time.Millisecond,
 		"the HTTP checks above left nothing open")
-	refusedBefore := sessionsOf(httpExp.Msg.Exposure.Id).GetRefused()
-	held, err := net.Dial("tcp", hostAddr(httpExp.Msg.Exposure))
-	require.NoError(t, err)
+	// The watcher can say 0 before the proxy has let go of the last check's
+	// session (reports trail by up to a report interval), so a first caller
+	// may still be turned away: one that is closed at once was refused, one
+	// left open holds the slot.
+	var held net.Conn
+	require.Eventually(t, func() bool {
+		c, err := net.Dial("tcp", hostAddr(httpExp.Msg.Exposure))
+		if err != nil {
+			return false
+		}
+		_ = c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		if _, err := c.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+			c.Close()
+			return false
+		}
+		_ = c.SetReadDeadline(time.Time{})
+		held = c
+		return true
+	}, 10*time.Second, 200*time.Millisecond, "a caller holds the port's one slot")
 	defer held.Close()
-	require.Eventually(t, func() bool { return sessionsOf(httpExp.Msg.Exposure.Id).GetActive() == 1 }, 10*time.Second, 50*time.Millisecond)
+	// Refusals before the slot was held land in the same report as active 1
+	// or an earlier one, so the count read with active 1 is the baseline.
+	var refusedBefore int64
+	require.Eventually(t, func() bool {
+		s := sessionsOf(httpExp.Msg.Exposure.Id)
+		refusedBefore = s.GetRefused()
+		return s.GetActive() == 1
+	}, 10*time.Second, 50*time.Millisecond)
 	extra, err := net.Dial("tcp", hostAddr(httpExp.Msg.Exposure))
 	require.NoError(t, err)
 	_, _ = extra.Read(make([]byte, 1))
