@@ -80,6 +80,9 @@ func TestAPublishedPortCarriesTrafficAndItsCountersReachTheReport(t *testing.T) 
 	require.NoError(t, err)
 	assert.Equal(t, "hello\n", line)
 
+	// The dropped caller's session may end just after it was counted as
+	// dropped, so wait for the gauge to settle on this one open session.
+	require.Eventually(t, func() bool { return report(n).Exposures[0].GetSessions().GetActive() == 1 }, 5*time.Second, 10*time.Millisecond)
 	rep := report(n)
 	require.Len(t, rep.Exposures, 1)
 	assert.Equal(t, "active", rep.Exposures[0].State)
