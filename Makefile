@@ -10,11 +10,11 @@ BIN     := $(CURDIR)/bin/eitri
 BUF     := node_modules/.bin/buf
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 
-# Debian packages the tests and dev mode use: QEMU and the tools that build
+# Debian packages the tests and dev mode use (jq for the README's quickstart): QEMU and the tools that build
 # the test guest, socat for the proxy benchmark, chromium for the console's
 # end-to-end test.
 APT_PKGS := qemu-system-x86 qemu-utils busybox-static syslinux syslinux-common \
-	mtools dosfstools fdisk cpio kmod genisoimage iproute2 socat chromium curl
+	mtools dosfstools fdisk cpio kmod genisoimage iproute2 socat chromium curl jq
 
 .PHONY: help
 help:
