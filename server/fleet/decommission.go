@@ -24,15 +24,9 @@ func (f *Fleet) ForceDecommissionHost(ctx context.Context, id string) (*eitriv1.
 	if _, err := requireAdmin(ctx); err != nil {
 		return nil, err
 	}
-	if id == "" {
-		return nil, invalid("id", "required")
-	}
-	if err := checkLen("id", id, maxIDLen); err != nil {
-		return nil, err
-	}
-	h, err := f.st.HostByID(ctx, id)
+	h, err := f.hostByID(ctx, id)
 	if err != nil {
-		return nil, storeErr(err, "host "+id)
+		return nil, err
 	}
 	if _, connected := f.reg.Host(id); connected {
 		return nil, errorf(Precondition, "host %s is connected; force is only for a host that is gone for good (delete its VMs, then decommission it without force)", h.Name)

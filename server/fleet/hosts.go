@@ -138,17 +138,27 @@ func (f *Fleet) GetHost(ctx context.Context, id string) (*eitriv1.Host, error) {
 	if _, err := principal(ctx); err != nil {
 		return nil, err
 	}
+	h, err := f.hostByID(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	return f.hostView(ctx, h)
+}
+
+// hostByID reads the host a request names, refusing an empty or oversized
+// id before the store is asked.
+func (f *Fleet) hostByID(ctx context.Context, id string) (store.Host, error) {
 	if id == "" {
-		return nil, invalid("id", "required")
+		return store.Host{}, invalid("id", "required")
 	}
 	if err := checkLen("id", id, maxIDLen); err != nil {
-		return nil, err
+		return store.Host{}, err
 	}
 	h, err := f.st.HostByID(ctx, id)
 	if err != nil {
-		return nil, storeErr(err, "host "+id)
+		return store.Host{}, storeErr(err, "host "+id)
 	}
-	return f.hostView(ctx, h)
+	return h, nil
 }
 
 // DecommissionHost removes an empty host from the fleet and closes its
@@ -157,11 +167,8 @@ func (f *Fleet) DecommissionHost(ctx context.Context, id string) error {
 	if _, err := requireAdmin(ctx); err != nil {
 		return err
 	}
-	if id == "" {
-		return invalid("id", "required")
-	}
-	if _, err := f.st.HostByID(ctx, id); err != nil {
-		return storeErr(err, "host "+id)
+	if _, err := f.hostByID(ctx, id); err != nil {
+		return err
 	}
 	vms, err := f.st.ListVMsByHost(ctx, id)
 	if err != nil {
