@@ -112,6 +112,10 @@ type Config struct {
 	// ResyncInterval is how often a worker re-runs a pass without being asked,
 	// so power and address changes are noticed (default 5s).
 	ResyncInterval time.Duration
+	// Capacity measures what this host can give guests (nil: no admission
+	// check). A create that does not fit it, beside what the host's VMs
+	// hold, fails before any work (see admit).
+	Capacity func() (Resources, error)
 
 	Log *slog.Logger
 	Now func() time.Time
@@ -138,6 +142,11 @@ type Engine struct {
 	wg     sync.WaitGroup
 
 	changed chan struct{}
+
+	// admitMu serialises admission checks; admitted holds the VMs whose
+	// create passed one in this engine's life (see holding).
+	admitMu  sync.Mutex
+	admitted map[string]bool
 
 	// mu guards the fields below. Lock order: Engine.mu before worker.mu,
 	// never the other way.
@@ -218,6 +227,7 @@ func New(cfg Config) (*Engine, error) {
 		ctx:       ctx,
 		cancel:    cancel,
 		changed:   make(chan struct{}, 1),
+		admitted:  make(map[string]bool),
 		lineage:   lineage,
 		workers:   make(map[string]*worker),
 		named:     make(map[string]*eitriv1.VMDesired),

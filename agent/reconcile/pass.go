@@ -212,6 +212,11 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 	if err := e.cfg.Hyper.Preflight(ctx, rec.Spec); err != nil {
 		return e.failCreate(ctx, rec, err)
 	}
+	// So is the admission check, and for the same reason: a VM this host
+	// has no room for fails now, with the numbers, not after its download.
+	if err := e.admitCreate(ctx, rec.Spec); err != nil {
+		return e.failCreate(ctx, rec, err)
+	}
 
 	say(sayWaitingForSlot)
 	release, err := e.acquireCreateSlot(ctx)
@@ -302,6 +307,7 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 		rec.CreateAttempts++
 		if isPermanent(err) || rec.CreateAttempts >= e.cfg.MaxCreateAttempts {
 			rec.Failed = true
+			e.forgetAdmitted(id)
 			e.log.Error("create failed", "vm", id, "attempts", rec.CreateAttempts, "err", err)
 		} else {
 			wait := e.backoff(rec.CreateAttempts)

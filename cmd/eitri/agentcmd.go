@@ -189,6 +189,11 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 		Hyper: hv, Images: images.Resolve, Seed: hostvm.WriteSeed, St: st,
 		VMTimeout: a.vmTimeout, MaxConcurrentCreates: a.maxCreates, Log: log,
 		MaxCreateAttempts: a.createAttempts, RetryBackoff: a.retryBackoff,
+		// The admission check measures what the host reports as capacity.
+		Capacity: func() (reconcile.Resources, error) {
+			vcpus, mem, disk, err := hostvm.Capacity(a.dataDir)
+			return reconcile.Resources{VCPUs: int64(vcpus), MemMB: mem, DiskGB: disk}, err
+		},
 	})
 	if err != nil {
 		return err
