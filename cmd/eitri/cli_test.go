@@ -8,33 +8,79 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/fleet"
 )
 
 // cli runs eitri's client commands against a real control plane over h2c,
 // as a person with EITRI_URL and EITRI_TOKEN set would.
 func cli(t *testing.T) func(args ...string) (string, error) {
 	t.Helper()
-	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), Plaintext: true})
+	return newCLIEnv(t, server.Config{}).eitri
+}
+
+// cliEnv is a real control plane the CLI talks to, for tests that also
+// need to reach behind the CLI (the fleet, the store, an enrolled host).
+type cliEnv struct {
+	t     *testing.T
+	srv   *server.Server
+	url   string
+	admin auth.Principal
+}
+
+// newCLIEnv serves cfg (its data dir and plaintext are set here) over h2c
+// on loopback and points EITRI_URL and EITRI_TOKEN at it.
+func newCLIEnv(t *testing.T, cfg server.Config) *cliEnv {
+	t.Helper()
+	cfg.DataDir, cfg.Plaintext = t.TempDir(), true
+	srv, err := server.New(context.Background(), cfg)
 	require.NoError(t, err)
 	ts := httptest.NewUnstartedServer(srv.Handler())
 	ts.Config.Protocols = new(http.Protocols)
 	ts.Config.Protocols.SetHTTP1(true)
-	ts.Config.Protocols.SetUnencryptedHTTP2(true)
+	ts.Config.Protocols.SetUnencryptedHTTP2(true) // the CLI speaks h2c to http:// URLs
 	ts.Start()
 	t.Cleanup(func() { ts.Close(); srv.Close() })
 	t.Setenv("EITRI_URL", ts.URL)
 	t.Setenv("EITRI_TOKEN", srv.AdminToken)
-	return func(args ...string) (string, error) {
-		var out bytes.Buffer
-		err := run(args, &out)
-		return out.String(), err
-	}
+	p, err := srv.Fleet.Resolve(context.Background(), srv.AdminToken)
+	require.NoError(t, err)
+	return &cliEnv{t: t, srv: srv, url: ts.URL, admin: p}
+}
+
+// eitri runs one CLI command and returns what it printed.
+func (e *cliEnv) eitri(args ...string) (string, error) {
+	var out bytes.Buffer
+	err := run(args, &out)
+	return out.String(), err
+}
+
+// adminCtx is a request context acting as the first admin.
+func (e *cliEnv) adminCtx() context.Context {
+	return auth.WithPrincipal(context.Background(), e.admin)
+}
+
+// enroll enrolls a host named name. The join token names the public URL,
+// which the test server does not know, so it is pointed at where the
+// server really listens.
+func (e *cliEnv) enroll(name string) syncclient.Identity {
+	e.t.Helper()
+	jt, err := e.srv.Fleet.CreateJoinToken(e.adminCtx(), time.Minute)
+	require.NoError(e.t, err)
+	tok, err := fleet.DecodeJoinToken(jt.Token)
+	require.NoError(e.t, err)
+	tok.Url = e.url
+	id, err := syncclient.Enroll(context.Background(), fleet.EncodeJoinToken(tok), name, "test")
+	require.NoError(e.t, err)
+	return id
 }
 
 func TestTheCLISpeaksTheAPI(t *testing.T) {

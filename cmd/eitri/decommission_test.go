@@ -1,10 +1,7 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"net/http"
-	"net/http/httptest"
 	"sync"
 	"testing"
 	"time"
@@ -20,21 +17,8 @@ func TestHostDecommissionForceMarksADeadHostsVMsLost(t *testing.T) {
 	var mu sync.Mutex
 	now := time.Now().UTC()
 	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
-	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), Plaintext: true, Now: clock})
-	require.NoError(t, err)
-	ts := httptest.NewUnstartedServer(srv.Handler())
-	ts.Config.Protocols = new(http.Protocols)
-	ts.Config.Protocols.SetHTTP1(true)
-	ts.Config.Protocols.SetUnencryptedHTTP2(true) // the CLI speaks h2c to http:// URLs
-	ts.Start()
-	t.Cleanup(func() { ts.Close(); srv.Close() })
-	t.Setenv("EITRI_URL", ts.URL)
-	t.Setenv("EITRI_TOKEN", srv.AdminToken)
-	eitri := func(args ...string) (string, error) {
-		var out bytes.Buffer
-		err := run(args, &out)
-		return out.String(), err
-	}
+	e := newCLIEnv(t, server.Config{Now: clock})
+	eitri, srv := e.eitri, e.srv
 
 	// A host that ran a VM and then went silent for good.
 	ctx := context.Background()

@@ -1,10 +1,7 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -16,8 +13,6 @@ import (
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
-	"github.com/a73x/eitri/server/auth"
-	"github.com/a73x/eitri/server/fleet"
 )
 
 // holder is an agent's node that holds one VM the control plane does not
@@ -31,34 +26,9 @@ func (h *holder) Fill(rep *eitriv1.ActualStateReport) {
 }
 
 func TestAnAdminSeesAndAdoptsAnOrphanedVMFromTheCLI(t *testing.T) {
-	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), Plaintext: true})
-	require.NoError(t, err)
-	ts := httptest.NewUnstartedServer(srv.Handler())
-	ts.Config.Protocols = new(http.Protocols)
-	ts.Config.Protocols.SetHTTP1(true)
-	ts.Config.Protocols.SetUnencryptedHTTP2(true)
-	ts.Start()
-	t.Cleanup(func() { ts.Close(); srv.Close() })
-	t.Setenv("EITRI_URL", ts.URL)
-	t.Setenv("EITRI_TOKEN", srv.AdminToken)
-	eitri := func(args ...string) (string, error) {
-		var out bytes.Buffer
-		err := run(args, &out)
-		return out.String(), err
-	}
-
-	p, err := srv.Fleet.Resolve(context.Background(), srv.AdminToken)
-	require.NoError(t, err)
-	admin := auth.WithPrincipal(context.Background(), p)
-	jt, err := srv.Fleet.CreateJoinToken(admin, time.Minute)
-	require.NoError(t, err)
-	// The join token names the public URL, which the test server does not
-	// know; enroll against where it really listens.
-	tok, err := fleet.DecodeJoinToken(jt.Token)
-	require.NoError(t, err)
-	tok.Url = ts.URL
-	id, err := syncclient.Enroll(context.Background(), fleet.EncodeJoinToken(tok), "h1", "test")
-	require.NoError(t, err)
+	e := newCLIEnv(t, server.Config{})
+	eitri, p := e.eitri, e.admin
+	id := e.enroll("h1")
 	held := &eitriv1.QuarantinedVM{VmId: "vm-lost", Name: "db", Power: "running", Reason: "no snapshot names it",
 		SinceUnix: time.Now().Unix(), Held: &eitriv1.VMDesired{VmId: "vm-lost", Name: "db", ImageUrl: "http://images.test/g.raw",
 			ImageSha256: strings.Repeat("ab", 32), Vcpus: 2, MemMb: 1024, DiskGb: 8, PowerState: "running", Owner: p.UserID, Version: 9}}
@@ -70,6 +40,7 @@ func TestAnAdminSeesAndAdoptsAnOrphanedVMFromTheCLI(t *testing.T) {
 	}()
 
 	var out string
+	var err error
 	require.Eventually(t, func() bool {
 		out, err = eitri("vm", "orphans")
 		return err == nil && strings.Contains(out, "vm-lost")

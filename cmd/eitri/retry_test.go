@@ -1,10 +1,7 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -16,8 +13,6 @@ import (
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
-	"github.com/a73x/eitri/server/auth"
-	"github.com/a73x/eitri/server/fleet"
 )
 
 // failingHost fails every create until a retry reaches it, then narrates
@@ -50,31 +45,9 @@ func (h *failingHost) Fill(rep *eitriv1.ActualStateReport) {
 }
 
 func TestAFailedVMIsRetriedByNameFromTheCLI(t *testing.T) {
-	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), Plaintext: true})
-	require.NoError(t, err)
-	ts := httptest.NewUnstartedServer(srv.Handler())
-	ts.Config.Protocols = new(http.Protocols)
-	ts.Config.Protocols.SetHTTP1(true)
-	ts.Config.Protocols.SetUnencryptedHTTP2(true)
-	ts.Start()
-	t.Cleanup(func() { ts.Close(); srv.Close() })
-	t.Setenv("EITRI_URL", ts.URL)
-	t.Setenv("EITRI_TOKEN", srv.AdminToken)
-	eitri := func(args ...string) (string, error) {
-		var out bytes.Buffer
-		err := run(args, &out)
-		return out.String(), err
-	}
-
-	p, err := srv.Fleet.Resolve(context.Background(), srv.AdminToken)
-	require.NoError(t, err)
-	jt, err := srv.Fleet.CreateJoinToken(auth.WithPrincipal(context.Background(), p), time.Minute)
-	require.NoError(t, err)
-	tok, err := fleet.DecodeJoinToken(jt.Token)
-	require.NoError(t, err)
-	tok.Url = ts.URL
-	id, err := syncclient.Enroll(context.Background(), fleet.EncodeJoinToken(tok), "h1", "test")
-	require.NoError(t, err)
+	e := newCLIEnv(t, server.Config{})
+	eitri := e.eitri
+	id := e.enroll("h1")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() {
@@ -86,7 +59,7 @@ func TestAFailedVMIsRetriedByNameFromTheCLI(t *testing.T) {
 		return err == nil && strings.Contains(out, "true")
 	}, 10*time.Second, 20*time.Millisecond, "the host is connected")
 
-	_, err = eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32))
+	_, err := eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32))
 	require.NoError(t, err)
 	var out string
 	require.Eventually(t, func() bool {
