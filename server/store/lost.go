@@ -43,7 +43,7 @@ func (s *Store) ForgetUnreachableHost(ctx context.Context, id string, seenBefore
 		if seen.After(seenBefore) {
 			return fmt.Errorf("%w: host %s was seen at %s", ErrConflict, id, seen.Format(time.RFC3339))
 		}
-		vms, err := txVMsByHost(ctx, tx, id)
+		vms, err := queryVMs(ctx, tx, `WHERE host_id = $1`, id)
 		if err != nil {
 			return err
 		}
@@ -85,23 +85,6 @@ func (s *Store) ForgetUnreachableHost(ctx context.Context, id string, seenBefore
 		return HostLoss{}, err
 	}
 	return loss, nil
-}
-
-func txVMsByHost(ctx context.Context, tx *sql.Tx, hostID string) ([]VM, error) {
-	rows, err := tx.QueryContext(ctx, `SELECT `+vmCols+` FROM vms WHERE host_id = $1 ORDER BY created_at, id`, hostID)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []VM
-	for rows.Next() {
-		vm, err := scanVM(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, vm)
-	}
-	return out, rows.Err()
 }
 
 func txExposuresByHost(ctx context.Context, tx *sql.Tx, hostID string) ([]Exposure, error) {

@@ -154,7 +154,12 @@ func (s *Store) GetVM(ctx context.Context, id string) (VM, error) {
 
 // listVMs runs a VM query; where is a constant of this package, never input.
 func (s *Store) listVMs(ctx context.Context, where string, args ...any) ([]VM, error) {
-	rows, err := s.db.QueryContext(ctx, `SELECT `+vmCols+` FROM vms `+where+` ORDER BY created_at, id`, args...)
+	return queryVMs(ctx, s.db, where, args...)
+}
+
+// queryVMs runs a VM query on q (the database or a transaction).
+func queryVMs(ctx context.Context, q queryer, where string, args ...any) ([]VM, error) {
+	rows, err := q.QueryContext(ctx, `SELECT `+vmCols+` FROM vms `+where+` ORDER BY created_at, id`, args...)
 	if err != nil {
 		return nil, err
 	}
