@@ -119,7 +119,12 @@ func (s *Store) GetExposure(ctx context.Context, id string) (Exposure, error) {
 // listExposures runs an exposure query; where is a constant of this
 // package, never input.
 func (s *Store) listExposures(ctx context.Context, where string, args ...any) ([]Exposure, error) {
-	rows, err := s.db.QueryContext(ctx, `SELECT `+exposureCols+` FROM exposures `+where+` ORDER BY created_at, id`, args...)
+	return queryExposures(ctx, s.db, where, args...)
+}
+
+// queryExposures runs an exposure query on q (the database or a transaction).
+func queryExposures(ctx context.Context, q queryer, where string, args ...any) ([]Exposure, error) {
+	rows, err := q.QueryContext(ctx, `SELECT `+exposureCols+` FROM exposures `+where+` ORDER BY created_at, id`, args...)
 	if err != nil {
 		return nil, err
 	}

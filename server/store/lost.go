@@ -47,7 +47,7 @@ func (s *Store) ForgetUnreachableHost(ctx context.Context, id string, seenBefore
 		if err != nil {
 			return err
 		}
-		if loss.Exposures, err = txExposuresByHost(ctx, tx, id); err != nil {
+		if loss.Exposures, err = queryExposures(ctx, tx, `WHERE host_id = $1`, id); err != nil {
 			return err
 		}
 		if _, err := tx.ExecContext(ctx, `DELETE FROM exposures WHERE host_id = $1`, id); err != nil {
@@ -85,21 +85,4 @@ func (s *Store) ForgetUnreachableHost(ctx context.Context, id string, seenBefore
 		return HostLoss{}, err
 	}
 	return loss, nil
-}
-
-func txExposuresByHost(ctx context.Context, tx *sql.Tx, hostID string) ([]Exposure, error) {
-	rows, err := tx.QueryContext(ctx, `SELECT `+exposureCols+` FROM exposures WHERE host_id = $1 ORDER BY created_at, id`, hostID)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var out []Exposure
-	for rows.Next() {
-		e, err := scanExposure(rows)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, e)
-	}
-	return out, rows.Err()
 }
