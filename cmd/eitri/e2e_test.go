@@ -137,6 +137,54 @@ func (d *devInstance) stop(t *testing.T) {
 
 type sighting struct{ lifecycle, detail, ip, power string }
 
+// sightings is every distinct state of a VM a WatchVMs stream pushed, in
+// the order pushed.
+type sightings struct {
+	mu  sync.Mutex
+	all []sighting
+}
+
+// watchSightings records what WatchVMs pushes until ctx ends.
+func watchSightings(ctx context.Context, t *testing.T, vms eitriv1connect.VMServiceClient) *sightings {
+	t.Helper()
+	stream, err := vms.WatchVMs(ctx, connect.NewRequest(&eitriv1.WatchVMsRequest{}))
+	require.NoError(t, err)
+	w := &sightings{}
+	go func() {
+		for stream.Receive() {
+			if v := stream.Msg().GetChanged(); v != nil {
+				w.add(sighting{v.Lifecycle, v.StatusDetail, v.AssignedIp, v.ActualPower})
+			}
+		}
+	}()
+	return w
+}
+
+func (w *sightings) add(s sighting) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.all) == 0 || w.all[len(w.all)-1] != s {
+		w.all = append(w.all, s)
+	}
+}
+
+// last is the newest sighting, zero before any.
+func (w *sightings) last() sighting {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.all) == 0 {
+		return sighting{}
+	}
+	return w.all[len(w.all)-1]
+}
+
+// list is a copy of every sighting so far.
+func (w *sightings) list() []sighting {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append([]sighting(nil), w.all...)
+}
+
 func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	if !inNetns(t) {
 		return
@@ -160,32 +208,10 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	}, 90*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity (after proving its accelerator)")
 
 	// Watch first, so every step of the create is seen as it is pushed.
-	var mu sync.Mutex
-	var seen []sighting
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	defer stopWatch()
-	stream, err := vms.WatchVMs(watchCtx, connect.NewRequest(&eitriv1.WatchVMsRequest{}))
-	require.NoError(t, err)
-	go func() {
-		for stream.Receive() {
-			if v := stream.Msg().GetChanged(); v != nil {
-				mu.Lock()
-				s := sighting{v.Lifecycle, v.StatusDetail, v.AssignedIp, v.ActualPower}
-				if len(seen) == 0 || seen[len(seen)-1] != s {
-					seen = append(seen, s)
-				}
-				mu.Unlock()
-			}
-		}
-	}()
-	last := func() sighting {
-		mu.Lock()
-		defer mu.Unlock()
-		if len(seen) == 0 {
-			return sighting{}
-		}
-		return seen[len(seen)-1]
-	}
+	watched := watchSightings(watchCtx, t, vms)
+	last := watched.last
 
 	// Create through the Connect JSON API, as curl would.
 	body, _ := json.Marshal(map[string]any{"name": "web-1", "image_url": imgURL, "image_sha256": imgSum, "vcpus": 1, "mem_mb": 256, "disk_gb": 1})
@@ -245,14 +271,12 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	ready := last()
 	assert.Empty(t, ready.detail, "a settled VM says nothing more")
 
-	mu.Lock()
 	var details []string
-	for _, s := range seen {
+	for _, s := range watched.list() {
 		if s.lifecycle == "creating" && s.detail != "" && (len(details) == 0 || details[len(details)-1] != s.detail) {
 			details = append(details, s.detail)
 		}
 	}
-	mu.Unlock()
 	t.Logf("narration seen: %q", details)
 	order := []func(string) bool{
 		func(d string) bool {

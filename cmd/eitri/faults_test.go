@@ -542,22 +542,7 @@ func TestFaultImageServerStallingPastThePassTimeoutStillFinishes(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 
-	var mu sync.Mutex
-	var seen []sighting
-	stream, err := vms.WatchVMs(ctx, connect.NewRequest(&eitriv1.WatchVMsRequest{}))
-	require.NoError(t, err)
-	go func() {
-		for stream.Receive() {
-			if v := stream.Msg().GetChanged(); v != nil {
-				mu.Lock()
-				s := sighting{v.Lifecycle, v.StatusDetail, v.AssignedIp, v.ActualPower}
-				if len(seen) == 0 || seen[len(seen)-1] != s {
-					seen = append(seen, s)
-				}
-				mu.Unlock()
-			}
-		}
-	}()
+	watched := watchSightings(ctx, t, vms)
 	start := time.Now()
 	id := createFaultVM(t, vms, "stall-1", img.url, img.sum)
 	var v *eitriv1.VM
@@ -574,10 +559,8 @@ func TestFaultImageServerStallingPastThePassTimeoutStillFinishes(t *testing.T) {
 			"the download outlives the pass, never starting over: %q", img.ranges())
 	}
 	time.Sleep(200 * time.Millisecond)
-	mu.Lock()
-	defer mu.Unlock()
 	failedAt, timedOut := -1, false
-	for i, s := range seen {
+	for i, s := range watched.list() {
 		t.Logf("seen: %s %q %s", s.lifecycle, s.detail, s.ip)
 		if strings.Contains(s.detail, "timed out") {
 			timedOut = true
