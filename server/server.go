@@ -160,40 +160,52 @@ func (s *Server) route(r *http.Request) httpguard.Rule {
 	}
 }
 
-// checkUser accepts what the API's interceptor will: a personal access token
-// as a bearer token, or without an Authorization header the console's
-// session cookie (auth.SessionSecret says when a cookie counts).
-func (s *Server) checkUser(r *http.Request) error {
+// checkUser accepts what the API's interceptor would: a personal access
+// token as a bearer token, or without an Authorization header the console's
+// session cookie (auth.SessionSecret says when a cookie counts). The
+// principal rides on the context, so the interceptor does not resolve the
+// credential again.
+func (s *Server) checkUser(r *http.Request) (context.Context, error) {
 	if r.Header.Get("Authorization") == "" {
 		if secret := auth.SessionSecret(r); secret != "" {
-			_, err := s.Fleet.ResolveSession(r.Context(), secret)
-			return credentialError(err)
+			p, err := s.Fleet.ResolveSession(r.Context(), secret)
+			return authenticated(r, p, err)
 		}
 	}
 	return s.checkBearer(r)
 }
 
 // checkBearer accepts a personal access token only (MCP takes no cookie).
-func (s *Server) checkBearer(r *http.Request) error {
+func (s *Server) checkBearer(r *http.Request) (context.Context, error) {
 	secret := auth.Secret(r.Header)
 	if secret == "" {
-		return connect.NewError(connect.CodeUnauthenticated, errors.New("missing credentials: send Authorization: Bearer <token>"))
+		return nil, connect.NewError(connect.CodeUnauthenticated, errors.New("missing credentials: send Authorization: Bearer <token>"))
 	}
-	_, err := s.Fleet.Resolve(r.Context(), secret)
-	return credentialError(err)
+	p, err := s.Fleet.Resolve(r.Context(), secret)
+	return authenticated(r, p, err)
+}
+
+func authenticated(r *http.Request, p auth.Principal, err error) (context.Context, error) {
+	if err != nil {
+		return nil, credentialError(err)
+	}
+	return auth.WithPrincipal(r.Context(), p), nil
 }
 
 // checkHost accepts a host credential (the agent's Sync stream).
-func (s *Server) checkHost(r *http.Request) error {
+func (s *Server) checkHost(r *http.Request) (context.Context, error) {
 	cred := auth.Secret(r.Header)
 	if cred == "" {
-		return connect.NewError(connect.CodeUnauthenticated, errors.New("missing host credential"))
+		return nil, connect.NewError(connect.CodeUnauthenticated, errors.New("missing host credential"))
 	}
 	_, err := s.Fleet.HostByCredential(r.Context(), cred)
 	if err != nil && fleet.KindOf(err) == fleet.Unauthenticated {
-		return connect.NewError(connect.CodeUnauthenticated, err)
+		return nil, connect.NewError(connect.CodeUnauthenticated, err)
 	}
-	return credentialError(err)
+	if err != nil {
+		return nil, credentialError(err)
+	}
+	return r.Context(), nil
 }
 
 func credentialError(err error) error {

@@ -161,6 +161,11 @@ func (i Interceptor) authenticate(ctx context.Context, procedure string, h http.
 	if i.Skip != nil && i.Skip(procedure) {
 		return ctx, nil
 	}
+	if _, ok := FromContext(ctx); ok {
+		// The HTTP guard in front already resolved this request's
+		// credential; a context value is never set from the wire.
+		return ctx, nil
+	}
 	resolve, secret := i.Resolve, Secret(h)
 	switch {
 	case h.Get("Authorization") == "":

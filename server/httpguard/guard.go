@@ -7,6 +7,7 @@
 package httpguard
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -23,10 +24,12 @@ import (
 type Rule struct {
 	// Check authenticates the request from its headers. A *connect.Error
 	// says how to refuse (its code); any other error refuses as
-	// Unauthenticated. Nil means the route is open: it needs no credential,
+	// Unauthenticated. The context it returns (carrying who was
+	// authenticated) is the one the handler gets, so the credential is not
+	// looked up twice. Nil means the route is open: it needs no credential,
 	// or its body is the credential (a join token, a login), so MaxBody
 	// should be small.
-	Check func(*http.Request) error
+	Check func(*http.Request) (context.Context, error)
 	// MaxBody bounds the body as sent, before any decompression. 0 leaves it
 	// unbounded here: a stream, whose handler bounds each message instead.
 	MaxBody int64
@@ -60,7 +63,8 @@ func (g *Guard) Wrap(next http.Handler) http.Handler {
 		setBaseHeaders(w.Header())
 		rule := g.Route(r)
 		if rule.Check != nil {
-			if err := rule.Check(r); err != nil {
+			ctx, err := rule.Check(r)
+			if err != nil {
 				ce := asConnectError(err)
 				if ce.Code() == connect.CodeInternal {
 					log.Error("checking credentials", "path", r.URL.Path, "err", err)
@@ -69,6 +73,7 @@ func (g *Guard) Wrap(next http.Handler) http.Handler {
 				refuse(w, r, rule, errw, ce)
 				return
 			}
+			r = r.WithContext(ctx)
 		}
 		if rule.MaxBody > 0 && r.ContentLength > rule.MaxBody {
 			refuse(w, r, rule, errw, connect.NewError(connect.CodeResourceExhausted,
