@@ -679,7 +679,10 @@ type ActualVM struct {
 	LastExit *GuestExit `protobuf:"bytes,9,opt,name=last_exit,json=lastExit,proto3" json:"last_exit,omitempty"`
 	// The retry (VMDesired.retry) this row answers to: the agent has reset the
 	// VM's budgets for it. 0 before any retry, or from agents without retries.
-	Retry         uint64 `protobuf:"varint,10,opt,name=retry,proto3" json:"retry,omitempty"`
+	Retry uint64 `protobuf:"varint,10,opt,name=retry,proto3" json:"retry,omitempty"`
+	// The structured measure of status_detail's step ("download", bytes done
+	// and total); unset when the step has none.
+	Progress      *Progress `protobuf:"bytes,11,opt,name=progress,proto3" json:"progress,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -782,6 +785,13 @@ func (x *ActualVM) GetRetry() uint64 {
 		return x.Retry
 	}
 	return 0
+}
+
+func (x *ActualVM) GetProgress() *Progress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
 }
 
 // GuestExit is a guest process that ended without being asked to.
@@ -1595,7 +1605,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\n" +
 	"generation\x18\x03 \x01(\x04R\n" +
 	"generation\x12\x16\n" +
-	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xba\x02\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xea\x02\n" +
 	"\bActualVM\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x14\n" +
 	"\x05power\x18\x02 \x01(\tR\x05power\x12\x14\n" +
@@ -1608,7 +1618,8 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x10unexpected_exits\x18\b \x01(\rR\x0funexpectedExits\x120\n" +
 	"\tlast_exit\x18\t \x01(\v2\x13.eitri.v1.GuestExitR\blastExit\x12\x14\n" +
 	"\x05retry\x18\n" +
-	" \x01(\x04R\x05retry\"]\n" +
+	" \x01(\x04R\x05retry\x12.\n" +
+	"\bprogress\x18\v \x01(\v2\x12.eitri.v1.ProgressR\bprogress\"]\n" +
 	"\tGuestExit\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x1f\n" +
 	"\vserial_tail\x18\x02 \x01(\tR\n" +
@@ -1711,7 +1722,8 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*JoinToken)(nil),            // 15: eitri.v1.JoinToken
 	(*Capacity)(nil),             // 16: eitri.v1.Capacity
 	(*Metrics)(nil),              // 17: eitri.v1.Metrics
-	(*ExposureSessions)(nil),     // 18: eitri.v1.ExposureSessions
+	(*Progress)(nil),             // 18: eitri.v1.Progress
+	(*ExposureSessions)(nil),     // 19: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
@@ -1724,20 +1736,21 @@ var file_eitri_v1_agent_proto_depIdxs = []int32{
 	14, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
 	6,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
 	8,  // 9: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
-	11, // 10: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
-	11, // 11: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
-	12, // 12: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
-	13, // 13: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	18, // 14: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	0,  // 15: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 16: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	1,  // 17: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 18: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	17, // [17:19] is the sub-list for method output_type
-	15, // [15:17] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	18, // 10: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
+	11, // 11: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
+	11, // 12: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
+	12, // 13: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
+	13, // 14: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
+	19, // 15: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	0,  // 16: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 17: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	1,  // 18: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 19: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	18, // [18:20] is the sub-list for method output_type
+	16, // [16:18] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }

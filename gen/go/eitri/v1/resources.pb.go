@@ -323,6 +323,77 @@ func (x *ExposureSessions) GetDropped() int64 {
 	return 0
 }
 
+// Progress is the structured form of a step that moves toward an end, beside
+// the sentence a host says about it: clients draw bars from these numbers and
+// never parse the sentence. Unset (JSON null) when the current step has no
+// measure — a settled VM, a boot — so "nothing to measure" cannot be read as
+// "0 of 0".
+type Progress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// What is being measured, as a stable word: "download" while the VM's image
+	// is fetched. New words may be added; a client that does not know one shows
+	// the counters without a label.
+	Step string `protobuf:"bytes,1,opt,name=step,proto3" json:"step,omitempty"`
+	// Bytes done so far. Never goes back within one step.
+	DoneBytes uint64 `protobuf:"varint,2,opt,name=done_bytes,json=doneBytes,proto3" json:"done_bytes,omitempty"`
+	// Bytes the step will take in all; unset when the size is not known yet
+	// (a server that sends no length).
+	TotalBytes    *uint64 `protobuf:"varint,3,opt,name=total_bytes,json=totalBytes,proto3,oneof" json:"total_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Progress) Reset() {
+	*x = Progress{}
+	mi := &file_eitri_v1_resources_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Progress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Progress) ProtoMessage() {}
+
+func (x *Progress) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_resources_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Progress.ProtoReflect.Descriptor instead.
+func (*Progress) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_resources_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *Progress) GetStep() string {
+	if x != nil {
+		return x.Step
+	}
+	return ""
+}
+
+func (x *Progress) GetDoneBytes() uint64 {
+	if x != nil {
+		return x.DoneBytes
+	}
+	return 0
+}
+
+func (x *Progress) GetTotalBytes() uint64 {
+	if x != nil && x.TotalBytes != nil {
+		return *x.TotalBytes
+	}
+	return 0
+}
+
 var File_eitri_v1_resources_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_resources_proto_rawDesc = "" +
@@ -351,7 +422,14 @@ const file_eitri_v1_resources_proto_rawDesc = "" +
 	"\x10ExposureSessions\x12\x16\n" +
 	"\x06active\x18\x01 \x01(\x03R\x06active\x12\x18\n" +
 	"\arefused\x18\x02 \x01(\x03R\arefused\x12\x18\n" +
-	"\adropped\x18\x03 \x01(\x03R\adroppedB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\adropped\x18\x03 \x01(\x03R\adropped\"s\n" +
+	"\bProgress\x12\x12\n" +
+	"\x04step\x18\x01 \x01(\tR\x04step\x12\x1d\n" +
+	"\n" +
+	"done_bytes\x18\x02 \x01(\x04R\tdoneBytes\x12$\n" +
+	"\vtotal_bytes\x18\x03 \x01(\x04H\x00R\n" +
+	"totalBytes\x88\x01\x01B\x0e\n" +
+	"\f_total_bytesB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_resources_proto_rawDescOnce sync.Once
@@ -365,12 +443,13 @@ func file_eitri_v1_resources_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_resources_proto_rawDescData
 }
 
-var file_eitri_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_eitri_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_eitri_v1_resources_proto_goTypes = []any{
 	(*Capacity)(nil),         // 0: eitri.v1.Capacity
 	(*Allocated)(nil),        // 1: eitri.v1.Allocated
 	(*Metrics)(nil),          // 2: eitri.v1.Metrics
 	(*ExposureSessions)(nil), // 3: eitri.v1.ExposureSessions
+	(*Progress)(nil),         // 4: eitri.v1.Progress
 }
 var file_eitri_v1_resources_proto_depIdxs = []int32{
 	0, // [0:0] is the sub-list for method output_type
@@ -385,13 +464,14 @@ func file_eitri_v1_resources_proto_init() {
 	if File_eitri_v1_resources_proto != nil {
 		return
 	}
+	file_eitri_v1_resources_proto_msgTypes[4].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_resources_proto_rawDesc), len(file_eitri_v1_resources_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   4,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -71,8 +71,12 @@ type VM struct {
 	// Until when RestoreVM can still bring a deleted VM back (a safety margin
 	// before destroy_at); null unless deleted.
 	RestorableUntil *timestamppb.Timestamp `protobuf:"bytes,23,opt,name=restorable_until,json=restorableUntil,proto3" json:"restorable_until,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The structured measure of status_detail's step, live from the host's
+	// report (e.g. step "download", bytes done and total); null when the
+	// current step has none. Draw progress bars from this, never from the text.
+	Progress      *Progress `protobuf:"bytes,24,opt,name=progress,proto3" json:"progress,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *VM) Reset() {
@@ -262,6 +266,13 @@ func (x *VM) GetOwnerId() string {
 func (x *VM) GetRestorableUntil() *timestamppb.Timestamp {
 	if x != nil {
 		return x.RestorableUntil
+	}
+	return nil
+}
+
+func (x *VM) GetProgress() *Progress {
+	if x != nil {
+		return x.Progress
 	}
 	return nil
 }
@@ -1837,7 +1848,7 @@ var File_eitri_v1_vm_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\n" +
-	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x84\x06\n" +
+	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb4\x06\n" +
 	"\x02VM\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x17\n" +
@@ -1867,7 +1878,8 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x12ssh_authorized_key\x18\x14 \x01(\tR\x10sshAuthorizedKey\x12&\n" +
 	"\x0fssh_host_pubkey\x18\x15 \x01(\tR\rsshHostPubkey\x12\x19\n" +
 	"\bowner_id\x18\x16 \x01(\tR\aownerId\x12E\n" +
-	"\x10restorable_until\x18\x17 \x01(\v2\x1a.google.protobuf.TimestampR\x0frestorableUntil\"\x93\x02\n" +
+	"\x10restorable_until\x18\x17 \x01(\v2\x1a.google.protobuf.TimestampR\x0frestorableUntil\x12.\n" +
+	"\bprogress\x18\x18 \x01(\v2\x12.eitri.v1.ProgressR\bprogress\"\x93\x02\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
 	"\ahost_id\x18\x02 \x01(\tR\x06hostId\x12\x1b\n" +
@@ -2021,58 +2033,60 @@ var file_eitri_v1_vm_proto_goTypes = []any{
 	(*DestroyOrphanedVMRequest)(nil),  // 28: eitri.v1.DestroyOrphanedVMRequest
 	(*DestroyOrphanedVMResponse)(nil), // 29: eitri.v1.DestroyOrphanedVMResponse
 	(*timestamppb.Timestamp)(nil),     // 30: google.protobuf.Timestamp
+	(*Progress)(nil),                  // 31: eitri.v1.Progress
 }
 var file_eitri_v1_vm_proto_depIdxs = []int32{
 	30, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
 	30, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
 	30, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
-	0,  // 3: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 4: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 5: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
-	0,  // 6: eitri.v1.StartVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 7: eitri.v1.StopVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 8: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 9: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 10: eitri.v1.RetryVMResponse.vm:type_name -> eitri.v1.VM
-	30, // 11: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
-	17, // 12: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
-	0,  // 13: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
-	21, // 14: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
-	0,  // 15: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
-	30, // 16: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
-	23, // 17: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
-	0,  // 18: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
-	1,  // 19: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
-	3,  // 20: eitri.v1.VMService.GetVM:input_type -> eitri.v1.GetVMRequest
-	5,  // 21: eitri.v1.VMService.ListVMs:input_type -> eitri.v1.ListVMsRequest
-	7,  // 22: eitri.v1.VMService.StartVM:input_type -> eitri.v1.StartVMRequest
-	9,  // 23: eitri.v1.VMService.StopVM:input_type -> eitri.v1.StopVMRequest
-	11, // 24: eitri.v1.VMService.DeleteVM:input_type -> eitri.v1.DeleteVMRequest
-	13, // 25: eitri.v1.VMService.RestoreVM:input_type -> eitri.v1.RestoreVMRequest
-	15, // 26: eitri.v1.VMService.RetryVM:input_type -> eitri.v1.RetryVMRequest
-	18, // 27: eitri.v1.VMService.ListVMEvents:input_type -> eitri.v1.ListVMEventsRequest
-	24, // 28: eitri.v1.VMService.ListOrphanedVMs:input_type -> eitri.v1.ListOrphanedVMsRequest
-	26, // 29: eitri.v1.VMService.AdoptOrphanedVM:input_type -> eitri.v1.AdoptOrphanedVMRequest
-	28, // 30: eitri.v1.VMService.DestroyOrphanedVM:input_type -> eitri.v1.DestroyOrphanedVMRequest
-	20, // 31: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
-	2,  // 32: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
-	4,  // 33: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
-	6,  // 34: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
-	8,  // 35: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
-	10, // 36: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
-	12, // 37: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
-	14, // 38: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
-	16, // 39: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
-	19, // 40: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
-	25, // 41: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
-	27, // 42: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
-	29, // 43: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
-	22, // 44: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
-	32, // [32:45] is the sub-list for method output_type
-	19, // [19:32] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	31, // 3: eitri.v1.VM.progress:type_name -> eitri.v1.Progress
+	0,  // 4: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 5: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 6: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
+	0,  // 7: eitri.v1.StartVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 8: eitri.v1.StopVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 9: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 10: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 11: eitri.v1.RetryVMResponse.vm:type_name -> eitri.v1.VM
+	30, // 12: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
+	17, // 13: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
+	0,  // 14: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
+	21, // 15: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
+	0,  // 16: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
+	30, // 17: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
+	23, // 18: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
+	0,  // 19: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
+	1,  // 20: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
+	3,  // 21: eitri.v1.VMService.GetVM:input_type -> eitri.v1.GetVMRequest
+	5,  // 22: eitri.v1.VMService.ListVMs:input_type -> eitri.v1.ListVMsRequest
+	7,  // 23: eitri.v1.VMService.StartVM:input_type -> eitri.v1.StartVMRequest
+	9,  // 24: eitri.v1.VMService.StopVM:input_type -> eitri.v1.StopVMRequest
+	11, // 25: eitri.v1.VMService.DeleteVM:input_type -> eitri.v1.DeleteVMRequest
+	13, // 26: eitri.v1.VMService.RestoreVM:input_type -> eitri.v1.RestoreVMRequest
+	15, // 27: eitri.v1.VMService.RetryVM:input_type -> eitri.v1.RetryVMRequest
+	18, // 28: eitri.v1.VMService.ListVMEvents:input_type -> eitri.v1.ListVMEventsRequest
+	24, // 29: eitri.v1.VMService.ListOrphanedVMs:input_type -> eitri.v1.ListOrphanedVMsRequest
+	26, // 30: eitri.v1.VMService.AdoptOrphanedVM:input_type -> eitri.v1.AdoptOrphanedVMRequest
+	28, // 31: eitri.v1.VMService.DestroyOrphanedVM:input_type -> eitri.v1.DestroyOrphanedVMRequest
+	20, // 32: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
+	2,  // 33: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
+	4,  // 34: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
+	6,  // 35: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
+	8,  // 36: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
+	10, // 37: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
+	12, // 38: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
+	14, // 39: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
+	16, // 40: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
+	19, // 41: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
+	25, // 42: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
+	27, // 43: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
+	29, // 44: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
+	22, // 45: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
+	33, // [33:46] is the sub-list for method output_type
+	20, // [20:33] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_vm_proto_init() }
@@ -2080,6 +2094,7 @@ func file_eitri_v1_vm_proto_init() {
 	if File_eitri_v1_vm_proto != nil {
 		return
 	}
+	file_eitri_v1_resources_proto_init()
 	file_eitri_v1_vm_proto_msgTypes[22].OneofWrappers = []any{
 		(*WatchVMsResponse_Snapshot)(nil),
 		(*WatchVMsResponse_Changed)(nil),

@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file eitri/v1/resources.proto.
  */
 export const file_eitri_v1_resources: GenFile = /*@__PURE__*/
-  fileDesc("ChhlaXRyaS92MS9yZXNvdXJjZXMucHJvdG8SCGVpdHJpLnYxIjoKCENhcGFjaXR5Eg0KBXZjcHVzGAEgASgFEg4KBm1lbV9tYhgCIAEoAxIPCgdkaXNrX2diGAMgASgDIjsKCUFsbG9jYXRlZBINCgV2Y3B1cxgBIAEoBRIOCgZtZW1fbWIYAiABKAMSDwoHZGlza19nYhgDIAEoAyKqAQoHTWV0cmljcxINCgVsb2FkMRgBIAEoARINCgVsb2FkNRgCIAEoARIOCgZsb2FkMTUYAyABKAESFAoMbWVtX3RvdGFsX21iGAQgASgDEhgKEG1lbV9hdmFpbGFibGVfbWIYBSABKAMSFQoNZGlza190b3RhbF9nYhgGIAEoAxIUCgxkaXNrX3VzZWRfZ2IYByABKAMSFAoMZGlza19mcmVlX2diGAggASgDIkQKEEV4cG9zdXJlU2Vzc2lvbnMSDgoGYWN0aXZlGAEgASgDEg8KB3JlZnVzZWQYAiABKAMSDwoHZHJvcHBlZBgDIAEoA0IvWi1naXRodWIuY29tL2E3M3gvZWl0cmkvZ2VuL2dvL2VpdHJpL3YxO2VpdHJpdjFiBnByb3RvMw");
+  fileDesc("ChhlaXRyaS92MS9yZXNvdXJjZXMucHJvdG8SCGVpdHJpLnYxIjoKCENhcGFjaXR5Eg0KBXZjcHVzGAEgASgFEg4KBm1lbV9tYhgCIAEoAxIPCgdkaXNrX2diGAMgASgDIjsKCUFsbG9jYXRlZBINCgV2Y3B1cxgBIAEoBRIOCgZtZW1fbWIYAiABKAMSDwoHZGlza19nYhgDIAEoAyKqAQoHTWV0cmljcxINCgVsb2FkMRgBIAEoARINCgVsb2FkNRgCIAEoARIOCgZsb2FkMTUYAyABKAESFAoMbWVtX3RvdGFsX21iGAQgASgDEhgKEG1lbV9hdmFpbGFibGVfbWIYBSABKAMSFQoNZGlza190b3RhbF9nYhgGIAEoAxIUCgxkaXNrX3VzZWRfZ2IYByABKAMSFAoMZGlza19mcmVlX2diGAggASgDIkQKEEV4cG9zdXJlU2Vzc2lvbnMSDgoGYWN0aXZlGAEgASgDEg8KB3JlZnVzZWQYAiABKAMSDwoHZHJvcHBlZBgDIAEoAyJWCghQcm9ncmVzcxIMCgRzdGVwGAEgASgJEhIKCmRvbmVfYnl0ZXMYAiABKAQSGAoLdG90YWxfYnl0ZXMYAyABKARIAIgBAUIOCgxfdG90YWxfYnl0ZXNCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM");
 
 /**
  * Capacity is what a host offers to guests, as its agent measured it. It is a
@@ -173,4 +173,46 @@ export type ExposureSessions = Message<"eitri.v1.ExposureSessions"> & {
  */
 export const ExposureSessionsSchema: GenMessage<ExposureSessions> = /*@__PURE__*/
   messageDesc(file_eitri_v1_resources, 3);
+
+/**
+ * Progress is the structured form of a step that moves toward an end, beside
+ * the sentence a host says about it: clients draw bars from these numbers and
+ * never parse the sentence. Unset (JSON null) when the current step has no
+ * measure — a settled VM, a boot — so "nothing to measure" cannot be read as
+ * "0 of 0".
+ *
+ * @generated from message eitri.v1.Progress
+ */
+export type Progress = Message<"eitri.v1.Progress"> & {
+  /**
+   * What is being measured, as a stable word: "download" while the VM's image
+   * is fetched. New words may be added; a client that does not know one shows
+   * the counters without a label.
+   *
+   * @generated from field: string step = 1;
+   */
+  step: string;
+
+  /**
+   * Bytes done so far. Never goes back within one step.
+   *
+   * @generated from field: uint64 done_bytes = 2;
+   */
+  doneBytes: bigint;
+
+  /**
+   * Bytes the step will take in all; unset when the size is not known yet
+   * (a server that sends no length).
+   *
+   * @generated from field: optional uint64 total_bytes = 3;
+   */
+  totalBytes?: bigint | undefined;
+};
+
+/**
+ * Describes the message eitri.v1.Progress.
+ * Use `create(ProgressSchema)` to create a new message.
+ */
+export const ProgressSchema: GenMessage<Progress> = /*@__PURE__*/
+  messageDesc(file_eitri_v1_resources, 4);
 
