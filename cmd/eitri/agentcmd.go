@@ -129,7 +129,7 @@ func cmdAgent(ctx context.Context, args []string) error {
 
 // runAgent wires the host's building blocks and keeps the stream up.
 func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
-	if missing := qemu.Requirements(); len(missing) > 0 {
+	if missing := append(qemu.Requirements(), netsetup.Requirements()...); len(missing) > 0 {
 		return fmt.Errorf("this host cannot run VMs yet:\n  %s", strings.Join(missing, "\n  "))
 	}
 	prefix, err := netip.ParsePrefix(a.subnet)
