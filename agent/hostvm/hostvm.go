@@ -317,18 +317,10 @@ func (h *Hypervisor) Power(ctx context.Context, id string) (bool, error) {
 	return h.qemu.Running(ctx, id)
 }
 
-// Adopt takes over the QEMUs of these VMs that an earlier agent left
-// running and puts their network back in place (tap on the bridge, address
-// reserved). A VM with no QEMU is fine; a QEMU that does not answer is an
-// error, and that VM is tried again on its next Power.
-func (h *Hypervisor) Adopt(ctx context.Context, ids []string) error {
-	var errs []error
-	for _, id := range ids {
-		errs = append(errs, h.adopt(ctx, id))
-	}
-	return errors.Join(errs...)
-}
-
+// adopt takes over the QEMU an earlier agent left running for this VM, on
+// first sight of it (Power, Exited), and puts its network back in place (tap
+// on the bridge, address reserved). A VM with no QEMU is fine; a QEMU that
+// does not answer is an error, and that VM is tried again next time.
 func (h *Hypervisor) adopt(ctx context.Context, id string) error {
 	running, err := h.qemu.Adopt(ctx, id)
 	if err != nil {
