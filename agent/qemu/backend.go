@@ -222,9 +222,13 @@ func (b *Backend) lock(id string) *vmLocks {
 
 var validID = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`)
 
-// checkID keeps ids usable as a single path component and a QEMU option value.
+// ValidID reports whether QEMU can run a VM of this id: it must be usable as
+// a single path component and a QEMU option value. state.ValidID is the same
+// rule.
+func ValidID(id string) bool { return validID.MatchString(id) }
+
 func checkID(id string) error {
-	if !validID.MatchString(id) {
+	if !ValidID(id) {
 		return permanent("qemu: invalid vm id %q", id)
 	}
 	return nil

@@ -189,7 +189,7 @@ func TestDeleteVMRemovesRecordAndData(t *testing.T) {
 
 func TestInvalidIDsNeverReachTheFilesystem(t *testing.T) {
 	s := open(t)
-	for _, id := range []string{"", ".", "..", "../escape", "a/b", ".tmp-x", strings.Repeat("x", 129)} {
+	for _, id := range []string{"", ".", "..", "../escape", "a/b", ".tmp-x", "-x", strings.Repeat("x", 65)} {
 		assert.False(t, ValidID(id), id)
 		require.Error(t, s.SaveVM(id, Record{}), id)
 		_, _, err := s.LoadVM(id)
@@ -198,6 +198,7 @@ func TestInvalidIDsNeverReachTheFilesystem(t *testing.T) {
 		assert.Equal(t, filepath.Join(s.Dir(), vmDataDir), filepath.Dir(s.VMDir(id)), "VMDir stays inside the store for %q", id)
 	}
 	assert.True(t, ValidID("0b2c9e1a-7d4f-4a1e-9a55-3f6d2b8c1e00"))
+	assert.True(t, ValidID(strings.Repeat("x", 64)))
 }
 
 func TestNewHostKey(t *testing.T) {
