@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -72,22 +74,6 @@ func imageUnderTest(tb testing.TB) (path, format string) {
 	return path, format
 }
 
-func freePort(tb testing.TB, network string) int {
-	tb.Helper()
-	switch network {
-	case "tcp":
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(tb, err)
-		defer l.Close()
-		return l.Addr().(*net.TCPAddr).Port
-	default:
-		c, err := net.ListenPacket("udp", "127.0.0.1:0")
-		require.NoError(tb, err)
-		defer c.Close()
-		return c.LocalAddr().(*net.UDPAddr).Port
-	}
-}
-
 // boot starts the image with the given seed under TCG, user-mode networking
 // and loopback-only forwards to the guest's port 80 (TCP) and 7 (UDP).
 func boot(tb testing.TB, image, format string, p seed.Params) *guest {
@@ -104,8 +90,8 @@ func boot(tb testing.TB, image, format string, p seed.Params) *guest {
 	g := &guest{
 		exited:   make(chan struct{}),
 		qmpPath:  filepath.Join(sockDir, "qmp.sock"),
-		httpPort: freePort(tb, "tcp"),
-		udpPort:  freePort(tb, "udp"),
+		httpPort: hosttest.FreePort(tb, "tcp"),
+		udpPort:  hosttest.FreePort(tb, "udp"),
 		lines:    make(chan string, 256),
 	}
 	// Not restrict=on: libslirp's restricted mode drops the replies of a UDP

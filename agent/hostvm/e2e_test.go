@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
@@ -77,7 +79,7 @@ type hostOption func(*qemu.Config, *reconcile.Config)
 func startHost(t *testing.T, dir string, prefix netip.Prefix, teardown bool, opts ...hostOption) *host {
 	t.Helper()
 	ctx := context.Background()
-	log := testLogger(t)
+	log := hosttest.Logger(t)
 	h := &host{dir: dir}
 	var err error
 	h.net, err = netsetup.Setup(ctx, netsetup.Config{
@@ -356,7 +358,7 @@ func TestBootTimeoutsCarrySerialTail(t *testing.T) {
 		const id, name = "vm-e2e-silent", "silent-1"
 		killLeftovers(t, dir, id)
 		ctx := context.Background()
-		log := testLogger(t)
+		log := hosttest.Logger(t)
 		// The bridge and taps stay after Close; only DHCP is gone.
 		net, err := netsetup.Setup(ctx, netsetup.Config{
 			Bridge: testBridge, Prefix: netip.MustParsePrefix("10.78.3.1/24"),
@@ -436,7 +438,7 @@ func TestBootTimeoutsCarrySerialTail(t *testing.T) {
 // inNetns runs body in its own network namespace (bridge, taps, NAT, DHCP
 // and QEMU all live there).
 func inNetns(t *testing.T, body func(t *testing.T)) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	guestImage(t)
 	netnstest.Run(t, 270*time.Second, "creates a network namespace with a bridge, taps, nftables rules and QEMU guests", body)
 }

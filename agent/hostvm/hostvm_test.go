@@ -6,15 +6,15 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/a73x/eitri/agent/hosttest"
 
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/agent/qemu"
@@ -24,19 +24,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-func testLogger(t testing.TB) *slog.Logger {
-	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
-
-func needQEMU(t testing.TB) {
-	t.Helper()
-	for _, bin := range []string{"qemu-system-x86_64", "qemu-img"} {
-		if _, err := exec.LookPath(bin); err != nil {
-			t.Skipf("%s not on PATH (apt-get install qemu-system-x86 qemu-utils)", bin)
-		}
-	}
-}
 
 func isPermanent(err error) bool {
 	var p interface{ Permanent() bool }
@@ -172,7 +159,7 @@ func serveImage(t *testing.T, body []byte) (url, sha string) {
 // Resolve until PrepareRootDisk has linked it into the VM's disk; after
 // that the cache may evict it and the disk keeps its base.
 func TestImagesPinUntilRootDisk(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	const size = 64 << 10
 	var urls, shas []string
 	for i := range 3 {
@@ -181,9 +168,9 @@ func TestImagesPinUntilRootDisk(t *testing.T) {
 	}
 	cache := imagecache.New(t.TempDir(), imagecache.WithMaxBytes(size+size/2), allowLoopback)
 	im := NewImages(cache)
-	b, err := qemu.New(qemu.Config{Dir: t.TempDir(), Log: testLogger(t)})
+	b, err := qemu.New(qemu.Config{Dir: t.TempDir(), Log: hosttest.Logger(t)})
 	require.NoError(t, err)
-	h := &Hypervisor{qemu: b, images: im, log: testLogger(t), known: map[string]bool{}}
+	h := &Hypervisor{qemu: b, images: im, log: hosttest.Logger(t), known: map[string]bool{}}
 	ctx := context.Background()
 
 	base, err := im.Resolve(ctx, urls[0], shas[0], nil)

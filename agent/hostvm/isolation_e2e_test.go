@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/a73x/eitri/agent/exposeproxy"
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
@@ -49,7 +51,7 @@ func TestGuestsOfOtherOwnersCannotTakeOrReachEachOther(t *testing.T) {
 		evil := netnstest.OpenTap(t, netsetup.TapName(attackerID), netsetup.MAC(attackerID), evilIP)
 
 		// alice's web server, published the way the agent publishes it.
-		proxy := exposeproxy.New(exposeproxy.Config{Log: testLogger(t), Resolve: func(id string) (netip.Addr, bool) {
+		proxy := exposeproxy.New(exposeproxy.Config{Log: hosttest.Logger(t), Resolve: func(id string) (netip.Addr, bool) {
 			return h.hyper.Address(ctx, id)
 		}})
 		t.Cleanup(proxy.Close)

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/google/nftables"
 	"github.com/insomniacslk/dhcp/dhcpv4"
@@ -56,7 +58,7 @@ func TestGuestFilterKeepsGuestsToTheirOwnAddressesAndOwners(t *testing.T) {
 		ctx := context.Background()
 		linkUp(t, "lo")
 		leaseFile := filepath.Join(t.TempDir(), "leases.json")
-		n, err := Setup(ctx, Config{LeaseFile: leaseFile, Log: testLogger(t)})
+		n, err := Setup(ctx, Config{LeaseFile: leaseFile, Log: hosttest.Logger(t)})
 		require.NoError(t, err)
 		t.Cleanup(func() { n.Close() })
 		gw := n.Gateway()
@@ -271,7 +273,7 @@ func TestGuestFilterKeepsGuestsToTheirOwnAddressesAndOwners(t *testing.T) {
 
 		require.NoError(t, removeFilter()) // as after a reboot
 		require.NoError(t, n.Close())
-		n, err = Setup(ctx, Config{LeaseFile: leaseFile, Log: testLogger(t), Teardown: true})
+		n, err = Setup(ctx, Config{LeaseFile: leaseFile, Log: hosttest.Logger(t), Teardown: true})
 		require.NoError(t, err)
 		send(a2, a2.MAC, a2.IP, b1.MAC, b1.IP, "a2 to b1 after restart")
 		_, ok = b1.WaitFor(2*time.Second, tagged("a2 to b1 after restart"))

@@ -2,7 +2,6 @@ package netsetup
 
 import (
 	"context"
-	"log/slog"
 	"net"
 	"net/netip"
 	"os"
@@ -10,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/a73x/eitri/agent/hosttest"
 
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/google/nftables"
@@ -20,10 +21,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
 )
-
-func testLogger(t testing.TB) *slog.Logger {
-	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
 
 func linkUp(t *testing.T, name string) {
 	t.Helper()
@@ -62,7 +59,7 @@ func TestNetworkInNamespace(t *testing.T) {
 		ctx := context.Background()
 		linkUp(t, "lo")
 		leaseFile := filepath.Join(t.TempDir(), "state", "leases.json")
-		cfg := Config{LeaseFile: leaseFile, Log: testLogger(t)}
+		cfg := Config{LeaseFile: leaseFile, Log: hosttest.Logger(t)}
 
 		n, err := Setup(ctx, cfg)
 		require.NoError(t, err)
@@ -146,7 +143,7 @@ func TestNetworkInNamespace(t *testing.T) {
 		require.NoError(t, err)
 		assertNAT(t, true)
 
-		n, err = Setup(ctx, Config{LeaseFile: leaseFile, Log: testLogger(t), Teardown: true})
+		n, err = Setup(ctx, Config{LeaseFile: leaseFile, Log: hosttest.Logger(t), Teardown: true})
 		require.NoError(t, err)
 		again, err := n.Allocate("vm-1", mac1, "alice")
 		require.NoError(t, err)

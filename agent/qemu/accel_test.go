@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -139,7 +141,7 @@ func (r *accelRecorder) all() []Accel {
 func probeBackend(t *testing.T, mode AccelMode, bin string) (*Backend, *accelRecorder) {
 	t.Helper()
 	rec := &accelRecorder{}
-	b, err := New(Config{Dir: t.TempDir(), Log: testLogger(t), Binary: bin, Accel: mode, OnAccelChange: rec.record})
+	b, err := New(Config{Dir: t.TempDir(), Log: hosttest.Logger(t), Binary: bin, Accel: mode, OnAccelChange: rec.record})
 	require.NoError(t, err)
 	if bin != "" {
 		dev := filepath.Join(t.TempDir(), "kvm")
@@ -223,7 +225,7 @@ func assertNoQEMUUnder(t *testing.T, dir string) {
 }
 
 func TestProbeChoosesAnAcceleratorThatBoots(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	ctx := context.Background()
 	b, rec := probeBackend(t, AccelAuto, "")
 	assert.Zero(t, b.Accel(), "nothing chosen before a probe")
@@ -257,7 +259,7 @@ func probeDiskFile(t *testing.T) string {
 // TestProbeCandidatesOnThisMachine boots the probe under every candidate
 // and logs how long each took. TCG must always boot; KVM is reported.
 func TestProbeCandidatesOnThisMachine(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	b := newBackend(t, 0)
 	disk := probeDiskFile(t)
 	devProblem := kvmDeviceProblem(kvmDevice)
@@ -277,7 +279,7 @@ func TestProbeCandidatesOnThisMachine(t *testing.T) {
 }
 
 func TestProbeFallsBackToTCGWhenKVMAborts(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	bin, calls := wrapQEMU(t, kvmAborts)
 	b, rec := probeBackend(t, AccelAuto, bin)
 
@@ -298,7 +300,7 @@ func TestProbeFallsBackToTCGWhenKVMAborts(t *testing.T) {
 }
 
 func TestProbeTimesOutASilentKVMGuest(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	// A KVM guest that never prints: QEMU (here a stand-in) just sits there.
 	pids := filepath.Join(t.TempDir(), "pids")
 	bin, _ := wrapQEMU(t, `if [ -n "$kvm" ]; then echo $$ >>`+pids+`; exec sleep 600; fi`)
@@ -319,7 +321,7 @@ func TestProbeTimesOutASilentKVMGuest(t *testing.T) {
 }
 
 func TestProbeKVMModeFailsWhenKVMIsBroken(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	bin, calls := wrapQEMU(t, kvmAborts)
 	b, rec := probeBackend(t, AccelKVM, bin)
 
@@ -343,7 +345,7 @@ func TestProbeKVMModeFailsWhenKVMIsBroken(t *testing.T) {
 }
 
 func TestProbeTCGModeNeverTriesKVM(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	bin, calls := wrapQEMU(t, kvmAborts)
 	b, _ := probeBackend(t, AccelTCG, bin)
 	a, err := b.Probe(context.Background())
@@ -355,7 +357,7 @@ func TestProbeTCGModeNeverTriesKVM(t *testing.T) {
 }
 
 func TestProbeWithoutKVMDevice(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	bin, calls := wrapQEMU(t, "")
 	b, _ := probeBackend(t, AccelAuto, bin)
 	b.kvmDevice = filepath.Join(t.TempDir(), "kvm") // missing
@@ -368,7 +370,7 @@ func TestProbeWithoutKVMDevice(t *testing.T) {
 }
 
 func TestProbeCutShortRecordsNothing(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	bin, _ := wrapQEMU(t, `[ -n "$kvm" ] && exec sleep 600`)
 	b, rec := probeBackend(t, AccelAuto, bin)
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
@@ -385,7 +387,7 @@ func TestProbeCutShortRecordsNothing(t *testing.T) {
 // KVM but every VM QEMU under KVM aborts. Start re-probes instead of
 // failing, moves through -cpu qemu64 to TCG, and the VM runs.
 func TestStartUnderBrokenKVMMovesDownAndRunsUnderTCG(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	bin, _ := wrapQEMU(t, `if [ -n "$kvm" ] && [ -n "$vm" ]; then
 	cat >&2 <<'EOF'
 `+msrAbort+`
@@ -428,7 +430,7 @@ fi
 // engine polls) both notice, kill the paused QEMU and move the host down its
 // list; under TCG the same guest keeps running.
 func TestGuestStoppedByKVMMovesTheHostDown(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	if p := kvmDeviceProblem(kvmDevice); p != "" {
 		t.Skipf("needs KVM to run a guest into a KVM internal error: %s", p)
 	}

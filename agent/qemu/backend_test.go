@@ -12,22 +12,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-func testLogger(t testing.TB) *slog.Logger {
-	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
-
-func needQEMU(t testing.TB) {
-	t.Helper()
-	for _, bin := range []string{defaultBinary, defaultImgBinary} {
-		if _, err := exec.LookPath(bin); err != nil {
-			t.Skipf("%s not on PATH (apt-get install qemu-system-x86 qemu-utils)", bin)
-		}
-	}
-}
 
 // sparseFile makes a sparse file of the given size: a stand-in base image.
 func sparseFile(t testing.TB, path string, size int64) {
@@ -57,13 +46,13 @@ func qemuImgInfo(t *testing.T, path string) imgInfo {
 
 func newBackend(t testing.TB, grace time.Duration) *Backend {
 	t.Helper()
-	b, err := New(Config{Dir: t.TempDir(), Log: testLogger(t), ShutdownGrace: grace})
+	b, err := New(Config{Dir: t.TempDir(), Log: hosttest.Logger(t), ShutdownGrace: grace})
 	require.NoError(t, err)
 	return b
 }
 
 func TestPrepareRootDisk(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	ctx := context.Background()
 	b := newBackend(t, 0)
 	dir := t.TempDir()
@@ -97,7 +86,7 @@ func TestPrepareRootDisk(t *testing.T) {
 }
 
 func TestPrepareRootDiskErrors(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	ctx := context.Background()
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.raw")
@@ -132,7 +121,7 @@ func TestPrepareRootDiskErrors(t *testing.T) {
 }
 
 func BenchmarkPrepareRootDisk(b *testing.B) {
-	needQEMU(b)
+	hosttest.NeedQEMU(b)
 	ctx := context.Background()
 	for _, sizeGB := range []int64{2, 8} {
 		b.Run(strconv.FormatInt(sizeGB, 10)+"GiB", func(b *testing.B) {
@@ -172,7 +161,7 @@ func procCmdline(t *testing.T, pid int) []string {
 }
 
 func TestLifecycleStartAdoptShutdownDestroy(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 
@@ -267,7 +256,7 @@ func assertGone(t *testing.T, pid int) {
 
 func newBackendAt(t *testing.T, dir string, grace time.Duration) *Backend {
 	t.Helper()
-	b, err := New(Config{Dir: dir, Log: testLogger(t), ShutdownGrace: grace})
+	b, err := New(Config{Dir: dir, Log: hosttest.Logger(t), ShutdownGrace: grace})
 	require.NoError(t, err)
 	return b
 }
@@ -381,7 +370,7 @@ func TestBootGuestImage(t *testing.T) {
 	if image == "" {
 		t.Skip("EITRI_GUEST_IMAGE not set (build it with guestimage/build.sh)")
 	}
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	b := newBackend(t, 20*time.Second)

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -34,7 +36,7 @@ func zombieQEMUChildren(t *testing.T) []int {
 }
 
 func TestAQEMUKilledFromOutsideIsReportedOnceWithItsSignal(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	b := newBackend(t, 300*time.Millisecond)
@@ -71,7 +73,7 @@ func TestAQEMUKilledFromOutsideIsReportedOnceWithItsSignal(t *testing.T) {
 // An agent that restarts finds the pidfile of a QEMU that died while it was
 // away: an exit whose status nobody here can read.
 func TestAQEMUThatDiedWhileTheAgentWasAwayIsAnExitOfUnknownStatus(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	b := newBackend(t, 300*time.Millisecond)
@@ -97,7 +99,7 @@ func TestAQEMUThatDiedWhileTheAgentWasAwayIsAnExitOfUnknownStatus(t *testing.T) 
 }
 
 func TestTheLastBootsSerialLogIsKeptAndBounded(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	b := newBackend(t, 300*time.Millisecond)

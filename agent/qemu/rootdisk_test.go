@@ -7,6 +7,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -34,7 +36,7 @@ func recordSyncs(t *testing.T) func() []string {
 // disk that exists but is empty: the overlay is flushed before it is renamed
 // into place, and the directory (rename and pin) after.
 func TestARootDiskIsOnDiskBeforePrepareRootDiskReturns(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	synced := recordSyncs(t)
 	b := newBackend(t, 0)
 	base := filepath.Join(t.TempDir(), "base.raw")
@@ -47,7 +49,7 @@ func TestARootDiskIsOnDiskBeforePrepareRootDiskReturns(t *testing.T) {
 // A root disk a power loss left empty (an agent that did not sync) would
 // boot as a blank raw disk; it is made again as an overlay instead.
 func TestARootDiskTornByAPowerLossIsMadeAgainNotBootedBlank(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	b := newBackend(t, 0)
 	base := filepath.Join(t.TempDir(), "base.raw")
 	sparseFile(t, base, 1<<30)

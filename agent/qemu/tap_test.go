@@ -9,13 +9,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
 func TestStartWithTap(t *testing.T) {
-	needQEMU(t)
+	hosttest.NeedQEMU(t)
 	inNetns(t, func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
