@@ -8,6 +8,7 @@ import (
 	"net/http"
 	neturl "net/url"
 	"sync"
+	"time"
 )
 
 var errStalled = errors.New("image download stalled")
@@ -179,16 +180,19 @@ func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *par
 	if c.maxBytes > 0 && total > c.maxBytes {
 		return permanentf("%w: GET %s declares %d bytes, cap is %d", ErrTooLarge, url, total, c.maxBytes)
 	}
-	if p.restarted && progress != nil {
+	if (p.restarted || p.n == 0) && progress != nil {
 		// Progress goes back only here, and at once: a count that resumed
-		// from where the discarded bytes left it would be a lie.
+		// from where the discarded bytes left it would be a lie. A fresh
+		// download is reported here too, so its total is known from the
+		// first byte rather than the first step.
 		progress(p.n, total)
 	}
 	p.restarted = false
 
 	var sink io.Writer = p
 	if progress != nil {
-		sink = io.MultiWriter(p, &progressWriter{done: p.n, marked: p.n, total: total, step: c.progressStep, report: progress})
+		sink = io.MultiWriter(p, &progressWriter{done: p.n, marked: p.n, total: total,
+			step: c.progressStep, every: c.progressEvery, now: time.Now, markedAt: time.Now(), report: progress})
 	}
 	var body io.Reader = wd.reader(resp.Body)
 	if c.maxBytes > 0 {
@@ -218,18 +222,31 @@ func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *par
 	return nil
 }
 
-// progressWriter counts the bytes that pass it and reports at most once per
-// step. It stores nothing; it rides the MultiWriter beside the file and hash.
+// progressWriter counts the bytes that pass it and reports once a step's
+// worth has passed, or once every (if set) has passed since the last report
+// and the count moved. It stores nothing; it rides the MultiWriter beside the
+// file and hash.
 type progressWriter struct {
 	total, step  int64
 	done, marked int64
+	every        time.Duration
+	now          func() time.Time
+	markedAt     time.Time
 	report       func(done, total int64)
 }
 
 func (w *progressWriter) Write(p []byte) (int, error) {
 	w.done += int64(len(p))
-	if w.done-w.marked >= w.step {
+	due := w.done-w.marked >= w.step
+	if !due && w.every > 0 && w.done > w.marked {
+		// Asked only per write (about one a MiB), never per byte.
+		due = w.now().Sub(w.markedAt) >= w.every
+	}
+	if due {
 		w.marked = w.done
+		if w.every > 0 {
+			w.markedAt = w.now()
+		}
 		w.report(w.done, w.total)
 	}
 	return len(p), nil

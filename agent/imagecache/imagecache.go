@@ -51,6 +51,11 @@ import (
 // enough for a watcher to see the number climb and rare enough to cost nothing.
 const DefaultProgressStep = 32 << 20
 
+// DefaultProgressInterval is the longest a moving download goes unreported:
+// on a slow link 32 MiB can take minutes, and a bar (and its rate) that sits
+// still that long reads as a stall.
+const DefaultProgressInterval = time.Second
+
 // DefaultStallTimeout is the window in which a download must make progress
 // (get its response, then DefaultMinProgress more bytes) or be abandoned.
 // There is no cap on total time, so big images on slow links finish, but a
@@ -88,6 +93,16 @@ func WithProgressStep(n int64) Option {
 	return func(c *Cache) {
 		if n > 0 {
 			c.progressStep = n
+		}
+	}
+}
+
+// WithProgressInterval sets the longest a download that moved goes without
+// a progress report, whatever the step.
+func WithProgressInterval(d time.Duration) Option {
+	return func(c *Cache) {
+		if d > 0 {
+			c.progressEvery = d
 		}
 	}
 }
@@ -139,15 +154,16 @@ func WithLogger(l *slog.Logger) Option { return func(c *Cache) { c.log = l } }
 // overlay on it) must Acquire the digest BEFORE calling Ensure and Release it
 // when done; pinning first leaves no window in which the image could go.
 type Cache struct {
-	dir          string
-	maxBytes     int64
-	progressStep int64
-	stall        time.Duration
-	minProgress  int64
-	unattended   time.Duration
-	policy       AddressPolicy
-	resolver     *net.Resolver // nil: the system's; tests set their own
-	log          *slog.Logger
+	dir           string
+	maxBytes      int64
+	progressStep  int64
+	progressEvery time.Duration
+	stall         time.Duration
+	minProgress   int64
+	unattended    time.Duration
+	policy        AddressPolicy
+	resolver      *net.Resolver // nil: the system's; tests set their own
+	log           *slog.Logger
 
 	sweepOnce sync.Once
 
@@ -161,15 +177,16 @@ type Cache struct {
 // New returns a cache over dir. The directory is created on first download.
 func New(dir string, opts ...Option) *Cache {
 	c := &Cache{
-		dir:          dir,
-		progressStep: DefaultProgressStep,
-		stall:        DefaultStallTimeout,
-		minProgress:  DefaultMinProgress,
-		unattended:   DefaultUnattendedTimeout,
-		log:          slog.Default(),
-		flights:      map[string]*flight{},
-		pins:         map[string]int{},
-		verified:     map[string]bool{},
+		dir:           dir,
+		progressStep:  DefaultProgressStep,
+		progressEvery: DefaultProgressInterval,
+		stall:         DefaultStallTimeout,
+		minProgress:   DefaultMinProgress,
+		unattended:    DefaultUnattendedTimeout,
+		log:           slog.Default(),
+		flights:       map[string]*flight{},
+		pins:          map[string]int{},
+		verified:      map[string]bool{},
 	}
 	for _, o := range opts {
 		o(c)
@@ -335,8 +352,10 @@ func (f *flight) drop(w *waiter) (next *waiter) {
 // when the server gives them; a server that sends the whole image instead
 // gets it started over, and the log says why).
 //
-// progress, if non-nil, is told how far the download has come, at most once
-// per progress step, with total = the image's declared length or -1. One
+// progress, if non-nil, is told how far the download has come: once when
+// the server's answer arrives (so the total is known before the first step),
+// then at most once per progress step or progress interval, whichever comes
+// first, with total = the image's declared length or -1. One
 // caller at a time hears it: the one that started the download, or, after it
 // leaves, the next waiting caller that passed a progress func, or the first
 // to join a download nobody hears, who is told at once where it is. A resumed

@@ -395,7 +395,8 @@ func TestEnsureProgress(t *testing.T) {
 	for _, declare := range []bool{true, false} {
 		t.Run(fmt.Sprintf("content-length=%v", declare), func(t *testing.T) {
 			ts, sum := serveBody(t, body, declare)
-			c := loopbackCache(t.TempDir(), WithProgressStep(4<<10))
+			// The interval is out of reach: this is about the step.
+			c := loopbackCache(t.TempDir(), WithProgressStep(4<<10), WithProgressInterval(time.Hour))
 			type report struct{ done, total int64 }
 			var reports []report
 			_, err := c.Ensure(context.Background(), ts.URL, sum, func(done, total int64) {
@@ -403,11 +404,12 @@ func TestEnsureProgress(t *testing.T) {
 			})
 			require.NoError(t, err)
 			require.NotEmpty(t, reports)
-			assert.LessOrEqual(t, len(reports), 4, "at most one report per step")
 			wantTotal := int64(-1)
 			if declare {
 				wantTotal = int64(len(body))
 			}
+			assert.Equal(t, report{0, wantTotal}, reports[0], "the answer is reported before any byte, total and all")
+			assert.LessOrEqual(t, len(reports), 1+4, "then at most one report per step")
 			for i, r := range reports {
 				assert.Equal(t, wantTotal, r.total)
 				assert.LessOrEqual(t, r.done, int64(len(body)))
@@ -427,6 +429,29 @@ func TestProgressWriterThrottles(t *testing.T) {
 		require.NoError(t, err)
 	}
 	assert.Equal(t, []int64{100, 200, 300, 400}, calls)
+}
+
+// A slow download is reported every interval even when no step has passed,
+// but only when it moved; the clock is the test's, so nothing here is timed.
+func TestProgressWriterReportsASlowDownloadEveryInterval(t *testing.T) {
+	now := time.Unix(1000, 0)
+	var calls []int64
+	w := &progressWriter{total: -1, step: 1 << 30, every: time.Second, now: func() time.Time { return now },
+		markedAt: now, report: func(done, _ int64) { calls = append(calls, done) }}
+	write := func(n int) {
+		_, err := w.Write(make([]byte, n))
+		require.NoError(t, err)
+	}
+	write(10) // within the interval: nothing
+	now = now.Add(999 * time.Millisecond)
+	write(10)
+	now = now.Add(time.Millisecond)
+	write(10) // the interval has passed and it moved
+	now = now.Add(5 * time.Second)
+	write(0) // it has not moved since: nothing to say
+	write(5)
+	write(5) // just reported
+	assert.Equal(t, []int64{30, 35}, calls)
 }
 
 // gatedServer holds every response until open is closed, so a test can line
