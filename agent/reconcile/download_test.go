@@ -59,14 +59,21 @@ func TestADownloadLongerThanThePassTimeoutFinishesAcrossPasses(t *testing.T) {
 	require.True(t, f.eng.Apply(snap(1, d)))
 
 	var said []float64
+	var measured []uint64 // done bytes, as Progress carries them
 	deadline := time.Now().Add(15 * time.Second)
-	for f.row("vm1").GetPhase() != "ready" {
-		require.True(t, time.Now().Before(deadline), "the create never finished: %v", f.row("vm1"))
+	for row := f.row("vm1"); row.GetPhase() != "ready"; row = f.row("vm1") {
+		require.True(t, time.Now().Before(deadline), "the create never finished: %v", row)
 		var done, total float64
-		detail := f.row("vm1").GetStatusDetail()
+		detail := row.GetStatusDetail()
 		if _, err := fmt.Sscanf(detail, "downloading image %f/%f MiB", &done, &total); err == nil {
 			if len(said) == 0 || said[len(said)-1] != done {
 				said = append(said, done)
+			}
+		}
+		if p := row.GetProgress(); p != nil {
+			assert.Equal(t, uint64(len(body)), p.GetTotalBytes(), "every measured row knows the size")
+			if len(measured) == 0 || measured[len(measured)-1] != p.GetDoneBytes() {
+				measured = append(measured, p.GetDoneBytes())
 			}
 		}
 		time.Sleep(2 * time.Millisecond)
@@ -78,5 +85,12 @@ func TestADownloadLongerThanThePassTimeoutFinishesAcrossPasses(t *testing.T) {
 	for i := 1; i < len(said); i++ {
 		assert.GreaterOrEqual(t, said[i], said[i-1], "narration went back: %v", said)
 	}
+	// The numbers too, across passes: each new pass picks the download up
+	// where it was, never from 0 again.
+	require.NotEmpty(t, measured, "the download was measured")
+	for i := 1; i < len(measured); i++ {
+		assert.GreaterOrEqual(t, measured[i], measured[i-1], "progress went back: %v", measured)
+	}
 	assert.False(t, strings.HasPrefix(f.row("vm1").GetStatusDetail(), "downloading"))
+	assert.Nil(t, f.row("vm1").GetProgress(), "a ready VM has no progress")
 }

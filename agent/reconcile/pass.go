@@ -200,12 +200,18 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 	// control plane to forget it. A pass whose ctx is done says nothing,
 	// which keeps a download still draining on someone else's goroutine
 	// from calling into a pass that gave up on it.
-	say := func(detail string) {
+	//
+	// measured is say with the step's numbers beside its words; a row
+	// without them (say) has no progress, as the step it names has none.
+	measured := func(detail string, p *eitriv1.Progress) {
 		if pub == nil || ctx.Err() != nil {
 			return
 		}
-		pub(newRow(id, rec, powerStopped, phaseCreating, "", detail))
+		row := newRow(id, rec, powerStopped, phaseCreating, "", detail)
+		row.Progress = p
+		pub(row)
 	}
+	say := func(detail string) { measured(detail, nil) }
 
 	// Preflight comes before the slot queue and the download: a create that
 	// can only be refused should cost nothing and wait for nothing.
@@ -231,7 +237,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 
 	say(sayDownloading)
 	base, err := e.cfg.Images(ctx, rec.Spec.ImageURL, rec.Spec.ImageSHA256, func(done, total int64) {
-		say(downloadDetail(done, total))
+		measured(downloadDetail(done, total), downloadProgress(done, total))
 	})
 	if err != nil {
 		return fail(err)
@@ -644,11 +650,13 @@ func unknownPowerRow(id string, rec state.Record, prev *eitriv1.ActualVM, err er
 	if prev != nil && prev.GetPhase() != "" {
 		power, phase = prev.GetPower(), prev.GetPhase()
 	}
-	detail := ""
+	detail, progress := "", (*eitriv1.Progress)(nil)
 	if phase == phaseCreating {
-		detail = prev.GetStatusDetail()
+		detail, progress = prev.GetStatusDetail(), prev.GetProgress()
 	}
-	return newRow(id, rec, power, phase, err.Error(), detail)
+	row := newRow(id, rec, power, phase, err.Error(), detail)
+	row.Progress = progress // published rows are never modified: sharing is safe
+	return row
 }
 
 func powerWord(running bool) string {
@@ -689,6 +697,21 @@ func downloadDetail(done, total int64) string {
 		return fmt.Sprintf("%s %.1f %s", sayDownloading, float64(done)/div, unit)
 	}
 	return fmt.Sprintf("%s %.1f/%.1f %s", sayDownloading, float64(done)/div, float64(total)/div, unit)
+}
+
+// stepDownload is Progress.step while the VM's image is fetched.
+const stepDownload = "download"
+
+// downloadProgress is the download's numbers as the row carries them, from
+// the same report downloadDetail words: total is left unset when the server
+// gave no length (the cache says -1), never sent as 0.
+func downloadProgress(done, total int64) *eitriv1.Progress {
+	p := &eitriv1.Progress{Step: stepDownload, DoneBytes: uint64(max(done, 0))}
+	if total > 0 {
+		t := uint64(total)
+		p.TotalBytes = &t
+	}
+	return p
 }
 
 // sizeUnit is GiB from one GiB up, else MiB: images are never small enough
