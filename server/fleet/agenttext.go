@@ -10,6 +10,7 @@ import (
 // VMs, not to fill the database or every watcher's screen: text past these
 // bounds is cut (and marked), never refused, so a report's facts still land.
 const (
+	maxAgentWord   = 32   // a stable word: a progress step
 	maxAgentShort  = 128  // versions, names, addresses, accelerator, ids
 	maxAgentLine   = 512  // narration and the accelerator's reason
 	maxAgentError  = 4096 // last_error may carry a serial tail
@@ -66,9 +67,24 @@ func clipReport(r *eitriv1.ActualStateReport) {
 			x.Reason = clip(x.GetReason(), maxAgentLine)
 			x.SerialTail = clipFront(x.GetSerialTail(), maxAgentError)
 		}
+		boundProgress(v.GetProgress())
 	}
 	for _, e := range r.GetExposures() {
 		e.State = clip(e.GetState(), maxAgentShort)
 		e.Reason = clip(e.GetReason(), maxAgentLine)
+	}
+}
+
+// boundProgress bounds a row's progress in place: its step is a short word,
+// and a total below what is done is dropped rather than believed (which of
+// the two numbers lies cannot be told; an unknown total is still true, and
+// no watcher is shown a bar past 100%).
+func boundProgress(p *eitriv1.Progress) {
+	if p == nil {
+		return
+	}
+	p.Step = clip(p.GetStep(), maxAgentWord)
+	if p.TotalBytes != nil && p.GetDoneBytes() > p.GetTotalBytes() {
+		p.TotalBytes = nil
 	}
 }

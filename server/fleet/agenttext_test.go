@@ -6,6 +6,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/stretchr/testify/assert"
+	"google.golang.org/protobuf/proto"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
@@ -74,4 +75,34 @@ func TestAGuestExitKeepsTheEndOfItsSerialTail(t *testing.T) {
 	assert.LessOrEqual(t, len(x.Reason), maxAgentLine)
 	assert.LessOrEqual(t, len(x.SerialTail), maxAgentError)
 	assert.True(t, strings.HasSuffix(x.SerialTail, "kernel panic"), "the last lines are the ones that explain")
+}
+
+func TestAHostilesProgressIsBounded(t *testing.T) {
+	n := func(v uint64) *uint64 { return &v }
+	for _, c := range []struct {
+		name string
+		in   *eitriv1.Progress
+		want *eitriv1.Progress
+	}{
+		{"nil stays nil", nil, nil},
+		{"sane numbers pass", &eitriv1.Progress{Step: "download", DoneBytes: 5, TotalBytes: n(10)}, &eitriv1.Progress{Step: "download", DoneBytes: 5, TotalBytes: n(10)}},
+		{"no total passes", &eitriv1.Progress{Step: "download", DoneBytes: 5}, &eitriv1.Progress{Step: "download", DoneBytes: 5}},
+		{"done = total is complete", &eitriv1.Progress{Step: "download", DoneBytes: 10, TotalBytes: n(10)}, &eitriv1.Progress{Step: "download", DoneBytes: 10, TotalBytes: n(10)}},
+		{"done past total drops the total", &eitriv1.Progress{Step: "download", DoneBytes: 11, TotalBytes: n(10)}, &eitriv1.Progress{Step: "download", DoneBytes: 11}},
+		{"a zero total below done is dropped too", &eitriv1.Progress{Step: "download", DoneBytes: 1, TotalBytes: n(0)}, &eitriv1.Progress{Step: "download", DoneBytes: 1}},
+		{"a long step is cut to a word", &eitriv1.Progress{Step: strings.Repeat("é", 100)}, &eitriv1.Progress{Step: strings.Repeat("é", 14) + "…"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := &eitriv1.ActualStateReport{Vms: []*eitriv1.ActualVM{{VmId: "vm-1", Progress: c.in}}}
+			clipReport(r)
+			got := r.Vms[0].GetProgress()
+			if c.want == nil {
+				assert.Nil(t, got)
+				return
+			}
+			assert.True(t, proto.Equal(c.want, got), "want %v, got %v", c.want, got)
+			assert.LessOrEqual(t, len(got.GetStep()), maxAgentWord)
+			assert.True(t, utf8.ValidString(got.GetStep()))
+		})
+	}
 }

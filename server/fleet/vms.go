@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"time"
 
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
@@ -441,6 +442,9 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 		out.ActualPower = row.GetPower()
 		out.Phase = row.GetPhase()
 		out.StatusDetail = row.GetStatusDetail()
+		if p := row.GetProgress(); p != nil { // nil stays nil: nothing to measure
+			out.Progress = proto.CloneOf(p) // the view is the caller's; the report row is the registry's
+		}
 		if row.GetIp() != "" {
 			out.AssignedIp = row.GetIp()
 		}
