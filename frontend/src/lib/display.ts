@@ -90,8 +90,14 @@ export function vmStatusTone(vm: VMStatusFields): Tone {
  *  a VM gets it; a settled VM shows nothing even when a stale sentence
  *  arrives with it. '' means no line. */
 export function vmDetail(vm: VMStatusFields): string {
-	if (vm.deleted || !inFlight.has(vm.lifecycle)) return '';
+	if (!isNarrated(vm)) return '';
 	return vm.statusDetail.trim();
+}
+
+/** Whether the host's account of its work (its sentence, its progress) is
+ *  shown for this VM: only while work is in flight. */
+export function isNarrated(vm: Pick<VM, 'lifecycle' | 'deleted'>): boolean {
+	return !vm.deleted && inFlight.has(vm.lifecycle);
 }
 
 /** Whether RetryVM can work: only a failed VM is tried again. */
