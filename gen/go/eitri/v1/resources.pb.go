@@ -334,7 +334,10 @@ type Progress struct {
 	// is fetched. New words may be added; a client that does not know one shows
 	// the counters without a label.
 	Step string `protobuf:"bytes,1,opt,name=step,proto3" json:"step,omitempty"`
-	// Bytes done so far. Never goes back within one step.
+	// Bytes done so far. It only goes back when the step starts over for a
+	// reason the host names in the sentence (a download whose image changed on
+	// the server, or a server that cannot resume): then it honestly reads 0
+	// again rather than a number the host does not have.
 	DoneBytes uint64 `protobuf:"varint,2,opt,name=done_bytes,json=doneBytes,proto3" json:"done_bytes,omitempty"`
 	// Bytes the step will take in all; unset when the size is not known yet
 	// (a server that sends no length).

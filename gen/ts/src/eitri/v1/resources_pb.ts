@@ -194,7 +194,10 @@ export type Progress = Message<"eitri.v1.Progress"> & {
   step: string;
 
   /**
-   * Bytes done so far. Never goes back within one step.
+   * Bytes done so far. It only goes back when the step starts over for a
+   * reason the host names in the sentence (a download whose image changed on
+   * the server, or a server that cannot resume): then it honestly reads 0
+   * again rather than a number the host does not have.
    *
    * @generated from field: uint64 done_bytes = 2;
    */
