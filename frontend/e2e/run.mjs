@@ -357,7 +357,9 @@ async function inside(bin, guest) {
 				new MutationObserver(read).observe(document.body, { subtree: true, childList: true, characterData: true });
 			});
 			const status = factsValue(page, 'Status');
-			const progressRe = /downloading image \d+(\.\d+)?\/72(\.0)? MiB/;
+			// A count above zero: the host also says "0.0/72.0 MiB" as the answer
+			// arrives, before the first step the image server holds at.
+			const progressRe = /downloading image (?!0(\.0)?\/)\d+(\.\d+)?\/72(\.0)? MiB/;
 			// The image server holds the download past the first progress step
 			// until the page has shown that step, so how fast the host, the
 			// server and the page are cannot decide whether it is seen.
@@ -368,6 +370,8 @@ async function inside(bin, guest) {
 					60_000,
 					'the page shows a "downloading image N/72 MiB" progress line'
 				);
+				// The bar is drawn from the numbers the host reports beside it.
+				await page.locator('[role="progressbar"]').first().waitFor({ timeout: 30_000 });
 				await shot('vm-detail-downloading');
 			} finally {
 				image.release();
