@@ -35,6 +35,7 @@ func Handler(f *fleet.Fleet, log *slog.Logger) http.Handler {
 	srv := mcp.NewServer(&mcp.Implementation{Name: "eitri", Version: "v1"}, nil)
 	t := &tools{f: f, log: log}
 	t.register(srv)
+	srv.AddReceivingMiddleware(t.checks.middleware)
 
 	h := mcp.NewStreamableHTTPHandler(func(*http.Request) *mcp.Server { return srv }, &mcp.StreamableHTTPOptions{
 		Logger:         log,

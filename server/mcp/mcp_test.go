@@ -14,7 +14,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/fleet"
@@ -35,7 +34,7 @@ func (b bearer) RoundTrip(r *http.Request) (*http.Response, error) {
 
 type env struct {
 	url   string
-	token string
+	token string // the bootstrap admin's
 	fleet *fleet.Fleet
 }
 
@@ -51,7 +50,30 @@ func start(t *testing.T) env {
 	return env{url: hs.URL + "/mcp", token: srv.AdminToken, fleet: srv.Fleet}
 }
 
+// as is a context that acts as the holder of token, for setting the fleet
+// up (and looking at it) the way the API would.
+func (e env) as(t *testing.T, token string) context.Context {
+	t.Helper()
+	ctx := context.Background()
+	p, err := e.fleet.Resolve(ctx, token)
+	require.NoError(t, err)
+	return auth.WithPrincipal(ctx, p)
+}
+
+// userToken makes a plain (non-admin) user and returns a token of theirs.
+func (e env) userToken(t *testing.T, name string) string {
+	t.Helper()
+	_, secret, err := e.fleet.CreateToken(e.as(t, e.token), "mcp-test", 0, name)
+	require.NoError(t, err)
+	return secret
+}
+
 func connect(t *testing.T, e env, progress chan<- *mcp.ProgressNotificationParams) *mcp.ClientSession {
+	t.Helper()
+	return connectAs(t, e, e.token, progress)
+}
+
+func connectAs(t *testing.T, e env, token string, progress chan<- *mcp.ProgressNotificationParams) *mcp.ClientSession {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -64,7 +86,7 @@ func connect(t *testing.T, e env, progress chan<- *mcp.ProgressNotificationParam
 	c := mcp.NewClient(&mcp.Implementation{Name: "test", Version: "v0"}, opts)
 	cs, err := c.Connect(ctx, &mcp.StreamableClientTransport{
 		Endpoint:             e.url,
-		HTTPClient:           &http.Client{Transport: bearer{token: e.token, next: http.DefaultTransport}},
+		HTTPClient:           &http.Client{Transport: bearer{token: token, next: http.DefaultTransport}},
 		DisableStandaloneSSE: true,
 		MaxRetries:           -1,
 	}, nil)
@@ -82,6 +104,31 @@ func call(t *testing.T, cs *mcp.ClientSession, name string, args any) *mcp.CallT
 	return res
 }
 
+// ok calls a tool that must succeed and decodes its structured result.
+func ok[T any](t *testing.T, cs *mcp.ClientSession, name string, args any) T {
+	t.Helper()
+	res := call(t, cs, name, args)
+	require.False(t, res.IsError, "%s: %s", name, text(res))
+	return structured[T](t, res)
+}
+
+func structured[T any](t *testing.T, res *mcp.CallToolResult) T {
+	t.Helper()
+	raw, err := json.Marshal(res.StructuredContent)
+	require.NoError(t, err)
+	var out T
+	require.NoError(t, json.Unmarshal(raw, &out), string(raw))
+	return out
+}
+
+// refused calls a tool that must fail and returns its message.
+func refused(t *testing.T, cs *mcp.ClientSession, name string, args any) string {
+	t.Helper()
+	res := call(t, cs, name, args)
+	require.True(t, res.IsError, "%s must be refused, got %s", name, text(res))
+	return text(res)
+}
+
 func text(res *mcp.CallToolResult) string {
 	var b strings.Builder
 	for _, c := range res.Content {
@@ -90,71 +137,6 @@ func text(res *mcp.CallToolResult) string {
 		}
 	}
 	return b.String()
-}
-
-func TestListTools(t *testing.T) {
-	cs := connect(t, start(t), nil)
-	res, err := cs.ListTools(context.Background(), nil)
-	require.NoError(t, err)
-	var names []string
-	for _, tl := range res.Tools {
-		names = append(names, tl.Name)
-		assert.NotEmpty(t, tl.Description, tl.Name)
-	}
-	assert.ElementsMatch(t, []string{"vm_list", "vm_get", "vm_create", "vm_start", "vm_stop", "vm_delete", "vm_retry"}, names)
-}
-
-func TestVMListEmpty(t *testing.T) {
-	cs := connect(t, start(t), nil)
-	res := call(t, cs, "vm_list", map[string]any{})
-	require.False(t, res.IsError, text(res))
-	raw, err := json.Marshal(res.StructuredContent)
-	require.NoError(t, err)
-	assert.JSONEq(t, `{"vms":[]}`, string(raw))
-}
-
-func validCreate() map[string]any {
-	return map[string]any{
-		"name": "web-1", "image_url": "http://127.0.0.1/img.raw",
-		"image_sha256": strings.Repeat("a", 64), "vcpus": 1, "mem_mb": 512, "disk_gb": 4,
-		"wait_seconds": 2,
-	}
-}
-
-func TestToolErrors(t *testing.T) {
-	cs := connect(t, start(t), nil)
-	with := func(k string, v any) map[string]any {
-		m := validCreate()
-		m[k] = v
-		return m
-	}
-	cases := []struct {
-		name, tool string
-		args       any
-		want       string
-	}{
-		{"bad name", "vm_create", with("name", "Not_A_Label"), "name: "},
-		{"bad sha", "vm_create", with("image_sha256", "abc"), "image_sha256: "},
-		{"negative wait", "vm_create", with("wait_seconds", -1), "wait_seconds: "},
-		// No host is connected, so placement refuses before anything is stored.
-		{"no host", "vm_create", validCreate(), "no connected host has room for 1 vCPU, 512 MiB memory and 4 GiB disk"},
-		{"unknown vm", "vm_get", map[string]any{"id": "vm_nope"}, "vm vm_nope not found"},
-		{"start unknown", "vm_start", map[string]any{"id": "vm_nope"}, "not found"},
-		{"stop unknown", "vm_stop", map[string]any{"id": "vm_nope"}, "not found"},
-		{"delete unknown", "vm_delete", map[string]any{"id": "vm_nope"}, "not found"},
-		{"retry unknown", "vm_retry", map[string]any{"id": "vm_nope"}, "not found"},
-	}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			res := call(t, cs, tc.tool, tc.args)
-			assert.True(t, res.IsError)
-			assert.Contains(t, text(res), tc.want)
-		})
-	}
-	// Nothing was created along the way.
-	res := call(t, cs, "vm_list", map[string]any{})
-	raw, _ := json.Marshal(res.StructuredContent)
-	assert.JSONEq(t, `{"vms":[]}`, string(raw))
 }
 
 func TestUnauthenticated(t *testing.T) {
@@ -200,184 +182,4 @@ func TestUnauthenticated(t *testing.T) {
 	require.NoError(t, err)
 	_ = resp.Body.Close()
 	assert.Equal(t, http.StatusOK, resp.StatusCode)
-}
-
-// host enrolls a host and connects it in process, through the same fleet
-// calls the agent stream handler makes, with room for small VMs.
-type host struct {
-	t    *testing.T
-	sess *fleet.Session
-	vms  []*eitriv1.ActualVM
-}
-
-func connectHost(t *testing.T, e env) *host {
-	t.Helper()
-	ctx := context.Background()
-	p, err := e.fleet.Resolve(ctx, e.token)
-	require.NoError(t, err)
-	jt, err := e.fleet.CreateJoinToken(auth.WithPrincipal(ctx, p), time.Hour)
-	require.NoError(t, err)
-	er, err := e.fleet.Enroll(ctx, &eitriv1.EnrollRequest{JoinToken: jt.GetToken(), Hostname: "h1", AgentVersion: "test"})
-	require.NoError(t, err)
-	s, err := e.fleet.OpenSession(ctx, er.GetHostId(), &eitriv1.Hello{HostId: er.GetHostId(), AgentVersion: "test", Hostname: "h1"}, "192.0.2.1:1")
-	require.NoError(t, err)
-	t.Cleanup(s.Close)
-	h := &host{t: t, sess: s}
-	h.report()
-	return h
-}
-
-func (h *host) report(vms ...*eitriv1.ActualVM) {
-	h.sess.Apply(context.Background(), &eitriv1.ActualStateReport{
-		Vms:      vms,
-		Capacity: &eitriv1.Capacity{Vcpus: 8, MemMb: 16384, DiskGb: 200},
-	})
-}
-
-// createInBackground calls vm_create asking for progress, and returns the
-// progress messages as they come and the result when it does.
-func createInBackground(t *testing.T, cs *mcp.ClientSession, progress <-chan *mcp.ProgressNotificationParams, wait int) (<-chan string, <-chan *mcp.CallToolResult) {
-	t.Helper()
-	args := validCreate()
-	args["wait_seconds"] = wait
-	params := &mcp.CallToolParams{Name: "vm_create", Arguments: args}
-	params.SetProgressToken("create-1")
-	msgs := make(chan string, 16)
-	done := make(chan *mcp.CallToolResult, 1)
-	go func() {
-		for p := range progress {
-			if p.ProgressToken == "create-1" {
-				msgs <- p.Message
-			}
-		}
-	}()
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 8*time.Second)
-		defer cancel()
-		res, err := cs.CallTool(ctx, params)
-		if err != nil {
-			res = &mcp.CallToolResult{IsError: true, Content: []mcp.Content{&mcp.TextContent{Text: "protocol error: " + err.Error()}}}
-		}
-		done <- res
-	}()
-	return msgs, done
-}
-
-func next(t *testing.T, msgs <-chan string) string {
-	t.Helper()
-	select {
-	case m := <-msgs:
-		return m
-	case <-time.After(5 * time.Second):
-		t.Fatal("no progress notification")
-		return ""
-	}
-}
-
-func onlyVMID(t *testing.T, e env) string {
-	t.Helper()
-	ctx := context.Background()
-	p, err := e.fleet.Resolve(ctx, e.token)
-	require.NoError(t, err)
-	vms, err := e.fleet.ListVMs(auth.WithPrincipal(ctx, p))
-	require.NoError(t, err)
-	require.Len(t, vms, 1)
-	return vms[0].GetId()
-}
-
-func TestVMCreateNarratesUntilReady(t *testing.T) {
-	e := start(t)
-	h := connectHost(t, e)
-	progress := make(chan *mcp.ProgressNotificationParams, 16)
-	cs := connect(t, e, progress)
-	msgs, done := createInBackground(t, cs, progress, 60)
-
-	assert.Equal(t, "creating vm web-1: pending", next(t, msgs))
-	id := onlyVMID(t, e)
-
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "creating", Power: "stopped", StatusDetail: "downloading image 1.2/3.7 GiB"})
-	assert.Equal(t, "creating vm web-1: creating, downloading image 1.2/3.7 GiB", next(t, msgs))
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "creating", Power: "stopped", StatusDetail: "booting"})
-	assert.Equal(t, "creating vm web-1: creating, booting", next(t, msgs))
-	// Ready without an address is not done yet: nobody can reach it.
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "ready", Power: "running"})
-	assert.Equal(t, "creating vm web-1: ready", next(t, msgs))
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "ready", Power: "running", Ip: "10.77.0.5"})
-
-	res := <-done
-	require.False(t, res.IsError, text(res))
-	raw, err := json.Marshal(res.StructuredContent)
-	require.NoError(t, err)
-	var out struct {
-		VM struct {
-			ID         string `json:"id"`
-			Lifecycle  string `json:"lifecycle"`
-			AssignedIP string `json:"assigned_ip"`
-		} `json:"vm"`
-		Note string `json:"note"`
-	}
-	require.NoError(t, json.Unmarshal(raw, &out))
-	assert.Equal(t, "10.77.0.5", out.VM.AssignedIP)
-	assert.Empty(t, out.Note)
-	assert.Equal(t, "ready", out.VM.Lifecycle)
-	assert.Equal(t, id, out.VM.ID)
-}
-
-func TestVMCreateReportsFailure(t *testing.T) {
-	e := start(t)
-	h := connectHost(t, e)
-	progress := make(chan *mcp.ProgressNotificationParams, 16)
-	cs := connect(t, e, progress)
-	msgs, done := createInBackground(t, cs, progress, 60)
-
-	next(t, msgs)
-	id := onlyVMID(t, e)
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "failed", Power: "stopped", LastError: "image sha256 mismatch"})
-
-	res := <-done
-	assert.True(t, res.IsError)
-	assert.Contains(t, text(res), "failed: image sha256 mismatch")
-}
-
-func TestVMCreateTimeoutIsNotFailure(t *testing.T) {
-	e := start(t)
-	h := connectHost(t, e)
-	progress := make(chan *mcp.ProgressNotificationParams, 16)
-	cs := connect(t, e, progress)
-	msgs, done := createInBackground(t, cs, progress, 1)
-
-	next(t, msgs)
-	id := onlyVMID(t, e)
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "creating", Power: "stopped", StatusDetail: "preparing root disk"})
-
-	res := <-done
-	require.False(t, res.IsError, text(res))
-	raw, err := json.Marshal(res.StructuredContent)
-	require.NoError(t, err)
-	assert.Contains(t, string(raw), "still being created")
-	assert.Contains(t, string(raw), "not a failure")
-	assert.Contains(t, string(raw), `"id":"`+id+`"`)
-}
-
-func TestVMRetryTriesAFailedVMAgain(t *testing.T) {
-	e := start(t)
-	h := connectHost(t, e)
-	progress := make(chan *mcp.ProgressNotificationParams, 16)
-	cs := connect(t, e, progress)
-	msgs, done := createInBackground(t, cs, progress, 60)
-	next(t, msgs)
-	id := onlyVMID(t, e)
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "failed", Power: "stopped", LastError: "no space left on device"})
-	require.True(t, (<-done).IsError)
-
-	res := call(t, cs, "vm_retry", map[string]any{"id": id})
-	require.False(t, res.IsError, text(res))
-	raw, err := json.Marshal(res.StructuredContent)
-	require.NoError(t, err)
-	assert.Contains(t, string(raw), `"lifecycle":"retrying"`)
-
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "creating", Power: "stopped", StatusDetail: "downloading image", Retry: 1})
-	res = call(t, cs, "vm_retry", map[string]any{"id": id})
-	assert.True(t, res.IsError)
-	assert.Contains(t, text(res), "only a failed VM can be retried")
 }
