@@ -73,7 +73,7 @@ func TestListTools(t *testing.T) {
 // The schema publishes the bounds the API enforces, and ids the way the
 // fleet mints them.
 func TestInputSchemaBounds(t *testing.T) {
-	_, ins := schemas(t, start(t))
+	descs, ins := schemas(t, start(t))
 	f := func(v float64) *float64 { return &v }
 	cases := []struct {
 		tool, prop string
@@ -116,7 +116,6 @@ func TestInputSchemaBounds(t *testing.T) {
 		assert.Equal(t, 64, *p.MaxLength)
 	}
 	// No description tells a model ids look like vm_...
-	descs, _ := schemas(t, start(t))
 	raw, err := json.Marshal([]any{descs, ins})
 	require.NoError(t, err)
 	assert.NotContains(t, string(raw), "vm_...")
