@@ -115,6 +115,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	api.Mount(r, s.Fleet, cfg.Log)
 	api.MountSession(r, s.Fleet)
+	api.MountReflection(r)
 	// AI agents: MCP over streamable HTTP, bearer-token auth.
 	r.Handle("/mcp", mcp.Handler(s.Fleet, cfg.Log))
 	if cfg.Routes != nil {
@@ -153,6 +154,11 @@ func (s *Server) route(r *http.Request) httpguard.Rule {
 	case strings.HasPrefix(p, rpcPrefix):
 		// One request message, also for the Watch streams.
 		return httpguard.Rule{Check: s.checkUser, MaxBody: api.MaxUserMessage + api.EnvelopeSlack, RPC: true}
+	case api.IsReflection(p):
+		// Open (the schema is public) and cheap: a bidi stream of a few
+		// short names. Its body is timed like any other, so an idle
+		// reflection stream is cut off after the body timeout.
+		return httpguard.Rule{MaxBody: MaxOpenBody, RPC: true}
 	case p == "/mcp":
 		return httpguard.Rule{Check: s.checkBearer, MaxBody: api.MaxUserMessage}
 	default:

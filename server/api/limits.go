@@ -43,6 +43,8 @@ func MessageLimit(procedure string) int64 {
 		return MaxEnrollMessage
 	case strings.HasPrefix(procedure, "/"+eitriv1connect.AgentServiceName+"/"):
 		return MaxReportMessage
+	case IsReflection(procedure):
+		return MaxReflectionMessage
 	default:
 		return MaxUserMessage
 	}
