@@ -92,12 +92,14 @@ var ErrBadCredential = errors.New("invalid, revoked or expired token")
 type Resolver func(ctx context.Context, secret string) (Principal, error)
 
 // Secret returns the secret of an "Authorization: Bearer" header, or "".
-// It never reads the console's cookie: see SessionSecret.
+// The scheme is case-insensitive (RFC 9110 §11.1: "bearer" and "BEARER"
+// are Bearer too). It never reads the console's cookie: see SessionSecret.
 func Secret(h http.Header) string {
-	if tok, ok := strings.CutPrefix(h.Get("Authorization"), "Bearer "); ok {
-		return strings.TrimSpace(tok)
+	scheme, tok, ok := strings.Cut(strings.TrimSpace(h.Get("Authorization")), " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return ""
 	}
-	return ""
+	return strings.TrimSpace(tok)
 }
 
 // ErrSessionAsBearer refuses a console session presented as a bearer token:
