@@ -55,9 +55,12 @@ func (jsonCodec) Unmarshal(b []byte, v any) error {
 func errNotProto(v any) error { return fmt.Errorf("codec: %T is not a proto message", v) }
 
 // protojsonErr picks the position and the rest out of protojson's error
-// text ("proto: (line 1:11): invalid value for int64 field memMb: …").
+// text ("proto: (line 1:11): invalid value for int64 field memMb: …"; the
+// space after "proto:" is a no-break space in some builds, on purpose, so
+// nobody matches the text exactly — this only rewords it and falls back to
+// it unchanged).
 var (
-	protojsonErr = regexp.MustCompile(`^proto:\s*(?:syntax error\s*)?(?:\((line \d+:\d+)\):\s*)?(.*)$`)
+	protojsonErr = regexp.MustCompile(`^proto:[\s\p{Zs}]*(?:syntax error[\s\p{Zs}]*)?(?:\((line \d+:\d+)\):[\s\p{Zs}]*)?(.*)$`)
 	jsonFieldRef = regexp.MustCompile(`field "?([A-Za-z_][A-Za-z0-9_]*)"?`)
 )
 
