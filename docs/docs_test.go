@@ -379,8 +379,9 @@ func matchJSON(want, got any) error {
 	}
 }
 
-// runDoc runs every sh block of the markdown file at path.
-func runDoc(t *testing.T, path string) {
+// runDoc runs every sh block of the markdown file at path, except those
+// whose first line starts with a key of notRun (which says why not).
+func runDoc(t *testing.T, path string, notRun map[string]string) {
 	md, err := os.ReadFile(path)
 	require.NoError(t, err)
 	blocks := parse(string(md))
@@ -388,27 +389,64 @@ func runDoc(t *testing.T, path string) {
 	root, err := filepath.Abs("..")
 	require.NoError(t, err)
 	dir := t.TempDir()
+	bins := []string{filepath.Join(root, "node_modules", ".bin")}
+	if bin := os.Getenv("EITRI_BIN"); bin != "" {
+		// The CLI, for snippets that use it.
+		bins = append(bins, filepath.Dir(bin))
+	}
 	env := append(os.Environ(),
 		"EITRI_URL="+url, "EITRI_TOKEN="+token,
-		"PATH="+filepath.Join(root, "node_modules", ".bin")+string(os.PathListSeparator)+os.Getenv("PATH"))
+		"PATH="+strings.Join(append(bins, os.Getenv("PATH")), string(os.PathListSeparator)))
 	state := filepath.Join(dir, "state.sh")
-	ran := 0
+	ran, used := 0, map[string]bool{}
 	for _, b := range blocks {
 		if b.lang != "sh" {
 			continue
 		}
+		first, _, _ := strings.Cut(strings.TrimSpace(b.text), "\n")
+		if why, ok := skipped(first, notRun); ok {
+			used[why] = true
+			t.Logf("%s:%d not run: %s", path, b.line, why)
+			continue
+		}
 		start := time.Now()
 		run(t, env, dir, state, b)
-		t.Logf("line %d: %s", b.line, time.Since(start).Round(time.Millisecond))
+		t.Logf("%s:%d ran in %s", path, b.line, time.Since(start).Round(time.Millisecond))
 		ran++
 	}
 	require.NotZero(t, ran, "no sh blocks in %s", path)
-	t.Logf("%s: ran %d sh blocks", path, ran)
+	for key, why := range notRun {
+		require.True(t, used[why], "%s: no block starts with %q any more; drop it from the list", path, key)
+	}
+}
+
+func skipped(first string, notRun map[string]string) (string, bool) {
+	for key, why := range notRun {
+		if strings.HasPrefix(first, key) {
+			return why, true
+		}
+	}
+	return "", false
 }
 
 func TestAPIDocRuns(t *testing.T) {
 	if _, err := os.Stat("../node_modules/.bin/buf"); err != nil {
 		t.Fatalf("the buf CLI is not installed (make deps installs it): %v", err)
 	}
-	runDoc(t, "api.md")
+	runDoc(t, "api.md", nil)
+}
+
+// The README's snippets that cannot run here, and why. Every other sh block
+// in it runs; a new one runs unless it is added here with its reason.
+var readmeNotRun = map[string]string{
+	"make run":                 "builds and starts eitri dev for good (make test runs this test)",
+	`export PATH="$PWD/bin`:    "points at eitri dev's port 8080 and data dir; this test has its own control plane",
+	"img=$(curl -s $EITRI_URL": "needs eitri dev's test guest and QEMU, and `eitri vm watch` mid-block runs until stopped (cmd/eitri's dev e2e test does this)",
+	"install -m 0644 deploy":   "installs systemd units on this machine",
+	"eitri host join-token":    "installs and starts an agent under systemd",
+	"sqlite3 /var/lib/eitri":   "backs up /var/lib/eitri of an installed control plane",
+}
+
+func TestREADMERuns(t *testing.T) {
+	runDoc(t, "../README.md", readmeNotRun)
 }
