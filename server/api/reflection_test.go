@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 	"connectrpc.com/grpcreflect"
@@ -19,6 +20,7 @@ import (
 	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/dynamicpb"
 
+	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/api"
 )
 
@@ -114,4 +116,38 @@ func TestBufCurlListsAndCallsByReflection(t *testing.T) {
 			assert.Contains(t, out, `"name": "curl-`+p+`"`, "%s over %s", p, rp)
 		}
 	}
+}
+
+// An open stream is bounded as a whole too: a caller with no credential
+// gets the schema, not a channel that costs the server without end.
+func TestAReflectionStreamIsBoundedAsAWhole(t *testing.T) {
+	e := newEnv(t)
+	st := e.reflect(t)
+	name := strings.Repeat("a", api.MaxReflectionMessage-64)
+	var err error
+	sent := 0
+	for ; sent < 2*server.MaxOpenBody/len(name) && err == nil; sent++ {
+		_, err = st.FileByFilename(name)
+		if connect.CodeOf(err) == connect.CodeNotFound {
+			err = nil // a fine answer: no such file
+		}
+	}
+	require.Error(t, err)
+	assert.Equal(t, connect.CodeResourceExhausted, code(err))
+	assert.LessOrEqual(t, sent*len(name), server.MaxOpenBody+len(name), "cut off at the limit")
+}
+
+// A reflection stream left open is cut off once the body timeout passes,
+// like any unauthenticated body.
+func TestAnIdleReflectionStreamIsCutOff(t *testing.T) {
+	s := serve(t, server.Config{BodyTimeout: 100 * time.Millisecond})
+	st := s.reflect(t)
+	_, err := st.ListServices()
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		_, err = st.ListServices()
+		return err != nil
+	}, 10*time.Second, 20*time.Millisecond)
+	assert.True(t, grpcreflect.IsReflectionStreamBroken(err), "%v", err)
+	assert.Equal(t, connect.CodeDeadlineExceeded, code(err))
 }
