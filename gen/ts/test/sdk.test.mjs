@@ -40,8 +40,9 @@ function outside() {
 	}
 	if (process.getuid?.() !== 0) return skip('needs root (the agent makes a bridge and NAT in a private network namespace)');
 	// --kill-child: if this process dies, the inner one does, and with it
-	// (PID 1 of its namespace) the server and the agent.
-	const r = spawnSync('unshare', ['--net', '--pid', '--fork', '--kill-child', process.execPath, SELF, '--inside'], {
+	// (PID 1 of its namespace) the server and the agent. --mount-proc, so
+	// /proc shows the agent the PIDs it gets from the namespace.
+	const r = spawnSync('unshare', ['--net', '--pid', '--mount', '--mount-proc', '--fork', '--kill-child', process.execPath, SELF, '--inside'], {
 		stdio: 'inherit',
 		env: { ...process.env, EITRI_BIN: bin },
 		timeout: 10 * 60_000
