@@ -75,6 +75,7 @@ run: deps guest-image build
 test: deps check-generated lint guest-image build
 	EITRI_GUEST_IMAGE=$(GUEST)/eitri-guest.raw EITRI_BIN=$(BIN) $(GO) test -count=1 -timeout 30m ./...
 	@if [ -f frontend/package.json ]; then npm run --workspace frontend check && npm run --workspace frontend test; fi
+	EITRI_BIN=$(BIN) npm run --workspace gen/ts test
 	@if [ -f frontend/e2e/run.mjs ]; then EITRI_BIN=$(BIN) EITRI_GUEST=$(GUEST) node frontend/e2e/run.mjs; fi
 
 .PHONY: bench
