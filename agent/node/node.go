@@ -49,13 +49,13 @@ type Node struct {
 
 	changed chan struct{}
 
-	mu        sync.RWMutex
-	addrs     map[string]netip.Addr // vm id → guest address, for the proxy
-	reported  map[string]bool       // vm ids the engine has a row for
+	mu       sync.RWMutex
+	addrs    map[string]netip.Addr // vm id → guest address, for the proxy
+	reported map[string]bool       // vm ids the engine has a row for
 	// engine is the engine's part of the report as Run last built it (to
 	// read the addresses): Fill sends that same build instead of a second
 	// one. nil until Run has seen a change.
-	engine *eitriv1.ActualStateReport
+	engine    *eitriv1.ActualStateReport
 	exposures []*eitriv1.ExposureDesired
 	applied   bool // a snapshot has been applied since start
 
