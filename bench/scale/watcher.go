@@ -18,7 +18,7 @@ import (
 
 // tracks holds when each change left its agent, by object and sequence.
 type tracks struct {
-	mu     sync.Mutex
+	mu     sync.RWMutex // read by every watcher on every delivery
 	at     map[string]map[uint64]time.Time
 	latest map[string]uint64
 	kind   map[string]string // object → "vms" or "exposures"
@@ -42,8 +42,8 @@ func (t *tracks) sent(kind, obj string, seq uint64, now time.Time) {
 }
 
 func (t *tracks) when(obj string, seq uint64) (time.Time, bool) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
+	t.mu.RLock()
+	defer t.mu.RUnlock()
 	at, ok := t.at[obj][seq]
 	return at, ok
 }
@@ -89,7 +89,7 @@ func (w *watcher) run(ctx context.Context, url, token string, t *tracks) {
 	tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, Protocols: new(http.Protocols)}
 	tr.Protocols.SetHTTP2(true)
 	defer tr.CloseIdleConnections()
-	opts := []connect.ClientOption{connect.WithInterceptors(syncclient.Bearer(token))}
+	opts := []connect.ClientOption{connect.WithInterceptors(syncclient.Bearer(token)), connect.WithCodec(leanCodec{})}
 	if w.grpc {
 		opts = append(opts, connect.WithGRPC())
 	}
