@@ -341,7 +341,7 @@ func run(ctx context.Context, c config) error {
 		float64(allocMB<<10)/float64(max(deliveries, 1)), allocMB, gcs, deliveries)
 	fmt.Printf("  CPU per delivery        %.1f µs (control-plane CPU / messages received by watchers)\n",
 		float64((cpu1-cpu0).Microseconds())/float64(max(deliveries, 1)))
-	fmt.Printf("  simulator CPU           %.2f cores (its agents and watchers, on the same machine)\n", (self1 - self0).Seconds()/window.Seconds())
+	fmt.Printf("  simulator CPU           %.2f cores (its agents and watchers, on the same machine)\n", (self1-self0).Seconds()/window.Seconds())
 	if len(errs) > 0 {
 		fmt.Printf("  watcher errors          %d (first: %v)\n", len(errs), errs[0])
 	}
