@@ -81,3 +81,9 @@ test: deps check-generated lint guest-image build
 .PHONY: bench
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 3x ./...
+
+# issue 13: 200 simulated agents, 1,000 watchers, against a real control plane.
+.PHONY: bench-scale
+bench-scale:
+	$(GO) build -o $(BIN) ./cmd/eitri
+	$(GO) run ./bench/scale -bin $(BIN) -hosts $${HOSTS:-200} -vms $${VMS:-20} -watchers $${WATCHERS:-1000} -for $${FOR:-20s}

@@ -49,9 +49,13 @@ type Node struct {
 
 	changed chan struct{}
 
-	mu        sync.RWMutex
-	addrs     map[string]netip.Addr // vm id → guest address, for the proxy
-	reported  map[string]bool       // vm ids the engine has a row for
+	mu       sync.RWMutex
+	addrs    map[string]netip.Addr // vm id → guest address, for the proxy
+	reported map[string]bool       // vm ids the engine has a row for
+	// engine is the engine's part of the report as Run last built it (to
+	// read the addresses): Fill sends that same build instead of a second
+	// one. nil until Run has seen a change.
+	engine    *eitriv1.ActualStateReport
 	exposures []*eitriv1.ExposureDesired
 	applied   bool // a snapshot has been applied since start
 
@@ -161,8 +165,8 @@ func (n *Node) Run(ctx context.Context) {
 func (n *Node) Changed() <-chan struct{} { return n.changed }
 
 func (n *Node) refreshAddrs() bool {
-	var rep eitriv1.ActualStateReport
-	n.eng.Fill(&rep)
+	rep := &eitriv1.ActualStateReport{}
+	n.eng.Fill(rep)
 	next := make(map[string]netip.Addr, len(rep.GetVms()))
 	reported := make(map[string]bool, len(rep.GetVms()))
 	for _, v := range rep.GetVms() {
@@ -183,7 +187,7 @@ func (n *Node) refreshAddrs() bool {
 			changed = true
 		}
 	}
-	n.addrs, n.reported = next, reported
+	n.addrs, n.reported, n.engine = next, reported, rep
 	return changed
 }
 
@@ -261,8 +265,23 @@ func Spec(e *eitriv1.ExposureDesired) exposeproxy.Spec {
 
 // Fill writes the complete report: VMs from the engine, every exposure with
 // its counters (this agent always counts), capacity and metrics.
+//
+// The engine's part is the one Run built on the engine's last change (the
+// engine says every change, and Run rebuilds before it forwards the
+// signal), so one change costs one build, however often the sync client
+// asks.
 func (n *Node) Fill(rep *eitriv1.ActualStateReport) {
-	n.eng.Fill(rep)
+	n.mu.RLock()
+	e := n.engine
+	n.mu.RUnlock()
+	if e != nil {
+		// Every field the engine's Fill sets; its rows are read-only.
+		rep.Vms, rep.Quarantined, rep.Destroyed = e.Vms, e.Quarantined, e.Destroyed
+		rep.AppliedGeneration, rep.AppliedEpoch, rep.ControlPlaneId = e.AppliedGeneration, e.AppliedEpoch, e.ControlPlaneId
+		rep.SnapshotRefused = e.SnapshotRefused
+	} else {
+		n.eng.Fill(rep)
+	}
 	for _, s := range n.ports.Status() {
 		rep.Exposures = append(rep.Exposures, &eitriv1.ExposureActual{
 			Id: s.ID, State: string(s.State), Reason: s.Reason,

@@ -2,10 +2,12 @@ package node
 
 import (
 	"bufio"
+	"context"
 	"io"
 	"net"
 	"net/netip"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -126,4 +128,50 @@ func TestTheReportCarriesTheAcceleratorAsItIsNow(t *testing.T) {
 
 	silent := New(Config{Engine: eng, Ports: proxy})
 	assert.Empty(t, report(silent).Accelerator, "no source: said only in hello")
+}
+
+// countingEngine counts how often the report is built.
+type countingEngine struct {
+	mu      sync.Mutex
+	vms     []*eitriv1.ActualVM
+	fills   int
+	changed chan struct{}
+}
+
+func (e *countingEngine) Apply(*eitriv1.DesiredStateSnapshot) bool { return true }
+func (e *countingEngine) Changed() <-chan struct{}                 { return e.changed }
+func (e *countingEngine) Fill(rep *eitriv1.ActualStateReport) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.fills++
+	rep.Vms = e.vms
+}
+
+func (e *countingEngine) set(detail string) {
+	e.mu.Lock()
+	e.vms = []*eitriv1.ActualVM{{VmId: "vm1", Power: "running", Phase: "creating", StatusDetail: detail}}
+	e.mu.Unlock()
+	e.changed <- struct{}{}
+}
+
+func TestAChangeIsBuiltOnceHoweverOftenTheReportIsAskedFor(t *testing.T) {
+	eng := &countingEngine{changed: make(chan struct{}, 1)}
+	proxy := exposeproxy.New(exposeproxy.Config{Resolve: func(string) (netip.Addr, bool) { return netip.Addr{}, false }})
+	defer proxy.Close()
+	n := New(Config{Engine: eng, Ports: proxy})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go n.Run(ctx)
+
+	for i, detail := range []string{"downloading image 1%", "downloading image 2%", "booting"} {
+		eng.set(detail)
+		<-n.Changed() // forwarded once the node has read the change
+		for range 5 {
+			assert.Equal(t, detail, report(n).GetVms()[0].GetStatusDetail(), "the report says the newest word")
+		}
+		eng.mu.Lock()
+		fills := eng.fills
+		eng.mu.Unlock()
+		assert.Equal(t, i+1, fills, "one build per change: the node's own (for addresses), sent as it is")
+	}
 }

@@ -51,7 +51,7 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 	} {
 		path, handler := mount()
 		// auth.Console: the console's cookie is good here (from its own pages).
-		r.Handle(path+"*", auth.Console(handler))
+		r.Handle(path+"*", withFlushGate(auth.Console(handler)))
 	}
 }
 
@@ -116,7 +116,7 @@ func shutdownErr(ctx context.Context) error {
 // or the control plane stops.
 func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], first *R, send func(*R) error, wrap func(watch.Event[T]) *R) error {
 	defer w.Close()
-	if err := send(first); err != nil {
+	if err := batch(ctx, func() error { return send(first) }); err != nil {
 		return err
 	}
 	for {
@@ -124,17 +124,25 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 		if err != nil {
 			return shutdownErr(ctx)
 		}
-		for _, ev := range evs {
-			// Every watcher of this change sends the same message, built and
-			// (see sharedWire) encoded once.
-			msg := ev.Memo.Do(func() any {
-				m := wrap(ev)
-				share(m)
-				return m
-			}).(*R)
-			if err := send(msg); err != nil {
-				return err
+		// Whatever piled up while the last batch was written goes out
+		// with one flush.
+		err = batch(ctx, func() error {
+			for _, ev := range evs {
+				// Every watcher of this change sends the same message, built
+				// and (see sharedWire) encoded once.
+				msg := ev.Memo.Do(func() any {
+					m := wrap(ev)
+					share(m)
+					return m
+				}).(*R)
+				if err := send(msg); err != nil {
+					return err
+				}
 			}
+			return nil
+		})
+		if err != nil {
+			return err
 		}
 	}
 }

@@ -205,6 +205,7 @@ func (f *Fleet) publishExposure(ctx context.Context, id string) {
 	if err != nil {
 		return
 	}
+	f.published.putExposure(e, vm.OwnerID)
 	f.Exposures.Publish(watch.Event[*eitriv1.Exposure]{ID: id, Owner: vm.OwnerID, Obj: f.exposureView(ctx, e)})
 }
 
@@ -246,6 +247,7 @@ func (f *Fleet) WatchExposures(ctx context.Context, vmID string) (*watch.Watcher
 // is gone. The event carries its owner and a stub naming its VM, so other
 // users' watchers never hear of it and a VM's watcher hears only of its own.
 func (f *Fleet) exposureRemoved(e store.Exposure, owner string) {
+	f.published.dropExposure(e.ID)
 	f.Exposures.Publish(watch.Event[*eitriv1.Exposure]{ID: e.ID, Owner: owner, Removed: true,
 		Obj: &eitriv1.Exposure{Id: e.ID, VmId: e.VMID}})
 }

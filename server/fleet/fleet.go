@@ -106,6 +106,8 @@ type Fleet struct {
 	reserved *reservedPorts
 
 	creds credStreams // open streams by credential, ended on revoke
+
+	published published // the rows watchers last heard, for narration
 }
 
 // New returns a fleet over st.

@@ -192,8 +192,9 @@ func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
 		}
 	}
 	// What people need after the host goes away (its last status, address,
-	// error and host key) is kept durably; narration and counters are not.
-	for _, id := range d.VMs {
+	// error and host key) is kept durably; narration and counters are not,
+	// so a report that only narrates costs no store transaction.
+	for _, id := range d.Durable {
 		row, _ := f.reg.VM(s.hostID, id)
 		if row == nil {
 			continue
@@ -316,11 +317,19 @@ func (f *Fleet) forgetDestroyed(ctx context.Context, hostID, id string) {
 }
 
 func (f *Fleet) publishDiff(ctx context.Context, hostID string, d registry.Diff) {
+	durable := make(map[string]bool, len(d.Durable))
+	for _, id := range d.Durable {
+		durable[id] = true
+	}
 	for _, id := range d.VMs {
-		f.publishVM(ctx, id)
+		if durable[id] {
+			f.publishVM(ctx, id)
+		} else {
+			f.publishLiveVM(ctx, id)
+		}
 	}
 	for _, id := range d.Exposures {
-		f.publishExposure(ctx, id)
+		f.publishLiveExposure(ctx, id)
 	}
 	if d.Host {
 		f.publishHost(ctx, hostID)

@@ -533,6 +533,7 @@ func (f *Fleet) publishVM(ctx context.Context, id string) {
 		f.log.Warn("publish vm", "vm", id, "err", err)
 		return
 	}
+	f.published.putVM(vm)
 	f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Owner: vm.OwnerID, Obj: f.vmView(vm)})
 }
 
@@ -562,5 +563,6 @@ func ownerFilter[T any](p auth.Principal) func(watch.Event[T]) bool {
 
 // vmRemoved tells the owner's (and admins') watchers that a VM is gone.
 func (f *Fleet) vmRemoved(id, owner string) {
+	f.published.dropVM(id)
 	f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Owner: owner, Removed: true})
 }

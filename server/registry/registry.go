@@ -32,7 +32,13 @@ type Live struct {
 // Diff names what a registry change touched, so the watch hub can rebuild
 // exactly those objects.
 type Diff struct {
-	VMs       []string
+	VMs []string
+	// Durable: those of VMs whose durable facts changed (phase, address,
+	// error, host key, exits, retry) — or that are new or gone — and so
+	// must reach the store. The rest of VMs changed only in narration
+	// (status_detail, progress, power), which is commentary: it goes to the
+	// watchers straight from here and is never written down.
+	Durable   []string
 	Exposures []string
 	Host      bool
 	// Accelerator: the report changed what the host runs guests under.
@@ -87,6 +93,7 @@ func everything(l *Live) Diff {
 	for id := range l.vms {
 		d.VMs = append(d.VMs, id)
 	}
+	d.Durable = d.VMs
 	for id := range l.exps {
 		d.Exposures = append(d.Exposures, id)
 	}
@@ -114,6 +121,11 @@ func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateRep
 	}
 	var d Diff
 	d.VMs = changed(l.vms, vms)
+	for _, id := range d.VMs {
+		if o, n := l.vms[id], vms[id]; o == nil || n == nil || !sameDurable(o, n) {
+			d.Durable = append(d.Durable, id)
+		}
+	}
 	d.Exposures = changed(l.exps, exps)
 	old := l.Report
 	prevAccel, prevReason := l.Hello.GetAccelerator(), l.Hello.GetAcceleratorReason()
@@ -137,6 +149,14 @@ func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateRep
 	}
 	r.hosts[hostID] = &nl
 	return d, true
+}
+
+// sameDurable says whether two rows for one VM agree on everything the
+// control plane keeps about it.
+func sameDurable(a, b *eitriv1.ActualVM) bool {
+	return a.GetPhase() == b.GetPhase() && a.GetIp() == b.GetIp() && a.GetLastError() == b.GetLastError() &&
+		a.GetSshHostPubkey() == b.GetSshHostPubkey() && a.GetUnexpectedExits() == b.GetUnexpectedExits() &&
+		a.GetRetry() == b.GetRetry() && proto.Equal(a.GetLastExit(), b.GetLastExit())
 }
 
 // sameHeld says whether two reports hold the same VMs apart from their

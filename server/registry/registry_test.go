@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
@@ -75,4 +76,40 @@ func TestDisconnectTouchesEveryLiveObject(t *testing.T) {
 	assert.Equal(t, []string{"e"}, d.Exposures)
 	_, reporting := r.VM("h1", "a")
 	assert.False(t, reporting)
+}
+
+func TestOnlyDurableChangesAreMarkedForTheStore(t *testing.T) {
+	base := &eitriv1.ActualVM{VmId: "a", Phase: "creating", Power: "running", Ip: "10.0.0.2", StatusDetail: "downloading image 1%"}
+	for _, tc := range []struct {
+		name    string
+		change  func(v *eitriv1.ActualVM)
+		durable bool
+	}{
+		{"narration", func(v *eitriv1.ActualVM) { v.StatusDetail = "downloading image 2%" }, false},
+		{"progress", func(v *eitriv1.ActualVM) { v.Progress = &eitriv1.Progress{Step: "download", DoneBytes: 7} }, false},
+		{"power reading", func(v *eitriv1.ActualVM) { v.Power = "stopped" }, false},
+		{"phase", func(v *eitriv1.ActualVM) { v.Phase = "ready" }, true},
+		{"address", func(v *eitriv1.ActualVM) { v.Ip = "10.0.0.3" }, true},
+		{"error", func(v *eitriv1.ActualVM) { v.LastError = "no disk" }, true},
+		{"host key", func(v *eitriv1.ActualVM) { v.SshHostPubkey = "ssh-ed25519 AAAA" }, true},
+		{"exit count", func(v *eitriv1.ActualVM) { v.UnexpectedExits = 1 }, true},
+		{"last exit", func(v *eitriv1.ActualVM) { v.LastExit = &eitriv1.GuestExit{Reason: "crashed"} }, true},
+		{"retry", func(v *eitriv1.ActualVM) { v.Retry = 2 }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := New()
+			conn, _ := r.Connect("h1", nil, time.Now())
+			d, _ := r.Apply("h1", conn, &eitriv1.ActualStateReport{Vms: []*eitriv1.ActualVM{proto.CloneOf(base)}}, time.Now())
+			assert.Equal(t, []string{"a"}, d.Durable, "a VM first reported is news for the store")
+			next := proto.CloneOf(base)
+			tc.change(next)
+			d, _ = r.Apply("h1", conn, &eitriv1.ActualStateReport{Vms: []*eitriv1.ActualVM{next}}, time.Now())
+			assert.Equal(t, []string{"a"}, d.VMs, "every change reaches the watchers")
+			if tc.durable {
+				assert.Equal(t, []string{"a"}, d.Durable)
+			} else {
+				assert.Empty(t, d.Durable, "commentary is never written down")
+			}
+		})
+	}
 }

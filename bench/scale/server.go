@@ -1,0 +1,176 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// server is a running `eitri server` on loopback TLS.
+type server struct {
+	cmd   *exec.Cmd
+	url   string
+	token string // the first admin's
+	done  chan struct{}
+
+	mu    sync.Mutex
+	out   strings.Builder
+	gcs   []gcLine // from GODEBUG=gctrace=1
+	gcOff bool
+}
+
+var (
+	listening = regexp.MustCompile(`msg="control plane listening" addr=(\S+)`)
+	// gc 12 @3.402s 1%: 0.030+1.2+0.021 ms clock, ..., 4->5->2 MB, 5 MB goal, ...
+	gctrace = regexp.MustCompile(`^gc \d+ @\S+ \S+ .* (\d+)->(\d+)->(\d+) MB`)
+)
+
+// gcLine is one collection: the heap when it started and what it left live.
+type gcLine struct {
+	at          time.Time
+	start, live int64 // MB
+}
+
+// start runs `bin server` with its own data dir on a free loopback port. The
+// control plane traces its collections (GODEBUG=gctrace=1), so the bytes it
+// allocates are read from outside without any debug endpoint.
+func start(ctx context.Context, bin, dir string, echo io.Writer) (*server, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	cmd := exec.CommandContext(ctx, bin, "server", "--listen", addr, "--public-url", "https://"+addr,
+		"--data-dir", dir, "--log-level", "warn", "--port-range", "20000-60000")
+	cmd.Env = append(os.Environ(), "GODEBUG=gctrace=1")
+	s := &server{cmd: cmd, url: "https://" + addr, done: make(chan struct{})}
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	go func() { _ = cmd.Wait(); pw.Close(); close(s.done) }()
+	go func() {
+		sc := bufio.NewScanner(pr)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			line := sc.Text()
+			if m := gctrace.FindStringSubmatch(line); m != nil {
+				st, _ := strconv.ParseInt(m[1], 10, 64)
+				live, _ := strconv.ParseInt(m[3], 10, 64)
+				s.mu.Lock()
+				s.gcs = append(s.gcs, gcLine{time.Now(), st, live})
+				s.mu.Unlock()
+				continue
+			}
+			s.mu.Lock()
+			if s.out.Len() < 1<<20 {
+				s.out.WriteString(line + "\n")
+			}
+			s.mu.Unlock()
+			fmt.Fprintln(echo, line)
+		}
+	}()
+	c := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}, Timeout: 5 * time.Second}
+	defer c.CloseIdleConnections()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		resp, err := c.Get(s.url + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				break
+			}
+		}
+		select {
+		case <-s.done:
+			return nil, fmt.Errorf("eitri server exited: %s", s.output())
+		default:
+		}
+		if time.Now().After(deadline) {
+			s.stop()
+			return nil, fmt.Errorf("eitri server does not answer /healthz: %v\n%s", err, s.output())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "admin.token"))
+	if err != nil {
+		s.stop()
+		return nil, err
+	}
+	s.token = strings.TrimSpace(string(b))
+	return s, nil
+}
+
+func (s *server) output() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.out.String()
+}
+
+func (s *server) stop() {
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(10 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.done
+	}
+}
+
+// usage is the process's CPU time so far (user+system) and resident memory.
+func (s *server) usage() (cpu time.Duration, rss int64, err error) {
+	pid := s.cmd.Process.Pid
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, 0, err
+	}
+	// Fields after the command name (which may hold spaces): utime is the
+	// 14th field of the line, stime the 15th.
+	rest := string(b[strings.LastIndexByte(string(b), ')')+2:])
+	f := strings.Fields(rest)
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	cpu = time.Duration(ut+st) * time.Second / 100 // USER_HZ
+	st2, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return cpu, 0, err
+	}
+	for line := range strings.Lines(string(st2)) {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+			rss = kb << 10
+		}
+	}
+	return cpu, rss, nil
+}
+
+// allocated estimates the bytes the control plane allocated between from
+// and to: for each pair of consecutive collections in the window, what the
+// heap grew to before the second from what the first left live.
+func (s *server) allocated(from, to time.Time) (mb int64, gcs int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := 1; i < len(s.gcs); i++ {
+		g := s.gcs[i]
+		if g.at.Before(from) || g.at.After(to) {
+			continue
+		}
+		mb += max(0, g.start-s.gcs[i-1].live)
+		gcs++
+	}
+	return mb, gcs
+}

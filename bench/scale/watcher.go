@@ -1,0 +1,140 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+)
+
+// tracks holds when each change left its agent, by object and sequence.
+type tracks struct {
+	mu     sync.RWMutex // read by every watcher on every delivery
+	at     map[string]map[uint64]time.Time
+	latest map[string]uint64
+	kind   map[string]string // object → "vms" or "exposures"
+}
+
+func newTracks() *tracks {
+	return &tracks{at: map[string]map[uint64]time.Time{}, latest: map[string]uint64{}, kind: map[string]string{}}
+}
+
+func (t *tracks) sent(kind, obj string, seq uint64, now time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.kind[obj] = kind
+	m := t.at[obj]
+	if m == nil {
+		m = map[uint64]time.Time{}
+		t.at[obj] = m
+	}
+	m[seq] = now
+	t.latest[obj] = max(t.latest[obj], seq)
+}
+
+func (t *tracks) when(obj string, seq uint64) (time.Time, bool) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	at, ok := t.at[obj][seq]
+	return at, ok
+}
+
+// watcher is one console: a WatchVMs or WatchExposures stream, over the
+// Connect protocol or gRPC, on its own connection.
+type watcher struct {
+	kind string // "vms" or "exposures"
+	grpc bool
+
+	mu        sync.Mutex
+	seen      map[string]uint64 // object → newest sequence received
+	lat       []time.Duration   // change sent → received, one per delivery
+	msgs      int64
+	err       error
+	connected chan struct{}
+}
+
+// seqOf reads the "(#N)" the simulated agents end their narration with.
+func seqOf(detail string) (uint64, bool) {
+	i := strings.LastIndex(detail, "(#")
+	if i < 0 || !strings.HasSuffix(detail, ")") {
+		return 0, false
+	}
+	n, err := strconv.ParseUint(detail[i+2:len(detail)-1], 10, 64)
+	return n, err == nil
+}
+
+func (w *watcher) saw(t *tracks, obj string, seq uint64, now time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.msgs++
+	if seq == 0 || seq <= w.seen[obj] {
+		return
+	}
+	w.seen[obj] = seq
+	if at, ok := t.when(obj, seq); ok {
+		w.lat = append(w.lat, now.Sub(at))
+	}
+}
+
+func (w *watcher) run(ctx context.Context, url, token string, t *tracks) {
+	tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, Protocols: new(http.Protocols)}
+	tr.Protocols.SetHTTP2(true)
+	defer tr.CloseIdleConnections()
+	opts := []connect.ClientOption{connect.WithInterceptors(syncclient.Bearer(token)), connect.WithCodec(leanCodec{})}
+	if w.grpc {
+		opts = append(opts, connect.WithGRPC())
+	}
+	hc := &http.Client{Transport: tr}
+	fail := func(err error) {
+		w.mu.Lock()
+		if w.err == nil && ctx.Err() == nil {
+			w.err = err
+		}
+		w.mu.Unlock()
+	}
+	once := sync.OnceFunc(func() { close(w.connected) })
+	defer once()
+	switch w.kind {
+	case "vms":
+		st, err := eitriv1connect.NewVMServiceClient(hc, url, opts...).WatchVMs(ctx, connect.NewRequest(&eitriv1.WatchVMsRequest{}))
+		if err != nil {
+			fail(err)
+			return
+		}
+		defer st.Close()
+		for st.Receive() {
+			once()
+			now := time.Now()
+			m := st.Msg()
+			if v := m.GetChanged(); v != nil {
+				seq, _ := seqOf(v.GetStatusDetail())
+				w.saw(t, v.GetId(), seq, now)
+			}
+		}
+		fail(st.Err())
+	case "exposures":
+		st, err := eitriv1connect.NewExposureServiceClient(hc, url, opts...).WatchExposures(ctx, connect.NewRequest(&eitriv1.WatchExposuresRequest{}))
+		if err != nil {
+			fail(err)
+			return
+		}
+		defer st.Close()
+		for st.Receive() {
+			once()
+			now := time.Now()
+			if e := st.Msg().GetChanged(); e != nil {
+				w.saw(t, e.GetId(), uint64(e.GetSessions().GetActive()), now)
+			}
+		}
+		fail(st.Err())
+	}
+}
