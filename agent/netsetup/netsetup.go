@@ -147,7 +147,7 @@ func Setup(ctx context.Context, cfg Config) (*Network, error) {
 		{"nat", func() error { return ensureNAT(p.prefix, cfg.Bridge) }},
 		{"guest filter", n.syncFilter},
 		{"dns", n.startDNS},
-		{"phone home", n.startPhoneHome},
+		{"phone home", n.startPhoneHomeOrWarn},
 		{"dhcp", n.startDHCP},
 	}
 	for _, s := range steps {

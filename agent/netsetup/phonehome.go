@@ -94,6 +94,16 @@ func (n *Network) PhonedHomeAt(vmID string) (time.Time, bool) {
 	return *l.PhonedAt, true
 }
 
+// startPhoneHomeOrWarn runs the endpoint if it can: without it guests are
+// seeded with no phone home and become ready by their other signals, which
+// is no reason to leave the host without a network.
+func (n *Network) startPhoneHomeOrWarn() error {
+	if err := n.startPhoneHome(); err != nil {
+		n.log.Warn("no phone-home endpoint; guests will be ready by ssh or their address instead", "err", err)
+	}
+	return nil
+}
+
 func (n *Network) startPhoneHome() error {
 	addr := netip.AddrPortFrom(n.pool.gateway, n.phonePort)
 	ln, err := net.Listen("tcp", addr.String())
