@@ -9,6 +9,8 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -199,7 +201,23 @@ func randomID(tb testing.TB) string {
 
 func TestGuestBootsServesAndPowersOff(t *testing.T) {
 	image, format := imageUnderTest(t)
-	p := seed.Params{InstanceID: randomID(t), Hostname: "eitri-boot-test"}
+	// The guest phones home as cloud-init would: slirp gives it the host's
+	// loopback at 10.0.2.2.
+	phoned := make(chan url.Values, 1)
+	home := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost || r.URL.Path != "/eitri/phone-home/vm/token" || r.ParseForm() != nil {
+			http.NotFound(w, r)
+			return
+		}
+		select {
+		case phoned <- r.PostForm:
+		default:
+		}
+	}))
+	t.Cleanup(home.Close)
+	homePort := home.Listener.Addr().(*net.TCPAddr).Port
+	p := seed.Params{InstanceID: randomID(t), Hostname: "eitri-boot-test",
+		PhoneHomeURL: fmt.Sprintf("http://10.0.2.2:%d/eitri/phone-home/vm/token", homePort)}
 
 	start := time.Now()
 	g := boot(t, image, format, p)
@@ -218,6 +236,15 @@ func TestGuestBootsServesAndPowersOff(t *testing.T) {
 		assert.Equal(t, http.StatusOK, resp.StatusCode)
 		assert.Contains(t, string(body), "hostname="+p.Hostname)
 		assert.Contains(t, string(body), "instance-id="+p.InstanceID)
+	})
+
+	t.Run("phone home", func(t *testing.T) {
+		select {
+		case form := <-phoned:
+			assert.Equal(t, p.InstanceID, form.Get("instance_id"))
+		case <-time.After(bootTimeout):
+			t.Fatalf("the guest did not phone home within %s", bootTimeout)
+		}
 	})
 
 	t.Run("udp echo", func(t *testing.T) {

@@ -72,18 +72,22 @@ func (im *Images) Pinned(sha256 string) int {
 	return im.held[sha256]
 }
 
-var _ reconcile.Seeder = WriteSeed
+var _ reconcile.Seeder = (*Hypervisor)(nil).WriteSeed
 
 // WriteSeed is the engine's Seeder: it writes the NoCloud seed with
-// seed.Write. Parameters the seed refuses (a bad hostname or key) are a
-// permanent error: retrying the same spec can never succeed.
-func WriteSeed(outPath string, p reconcile.SeedParams) error {
+// seed.Write, with the VM's phone-home URL on this host's guest network
+// (the engine's instance id is the VM id). Parameters the seed refuses (a
+// bad hostname or key) are a permanent error: retrying the same spec can
+// never succeed.
+func (h *Hypervisor) WriteSeed(outPath string, p reconcile.SeedParams) error {
 	err := seed.Write(outPath, seed.Params{
 		InstanceID:       p.InstanceID,
 		Hostname:         p.Hostname,
 		SSHAuthorizedKey: p.SSHAuthorizedKey,
 		HostPrivKey:      p.HostPrivKey,
 		HostPubKey:       p.HostPubKey,
+		LoginUser:        p.LoginUser,
+		PhoneHomeURL:     h.net.PhoneHomeURL(p.InstanceID),
 	})
 	if errors.Is(err, seed.ErrInvalidParams) {
 		return &permanentError{err: err}

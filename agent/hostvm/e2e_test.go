@@ -99,7 +99,7 @@ func startHost(t *testing.T, dir string, prefix netip.Prefix, teardown bool, opt
 	images := NewImages(imagecache.New(filepath.Join(dir, "images"), imagecache.WithLogger(log), allowLoopback))
 	h.hyper, err = New(Config{QEMU: h.qemu, Net: h.net, St: h.st, Images: images, AddressWait: readyWithin, Log: log})
 	require.NoError(t, err)
-	ecfg.Hyper, ecfg.Images, ecfg.Seed, ecfg.St = h.hyper, images.Resolve, WriteSeed, h.st
+	ecfg.Hyper, ecfg.Images, ecfg.Seed, ecfg.St = h.hyper, images.Resolve, h.hyper.WriteSeed, h.st
 	h.eng, err = reconcile.New(ecfg)
 	require.NoError(t, err)
 	return h
@@ -228,6 +228,8 @@ func TestEngineRunsRealVMLifecycle(t *testing.T) {
 		assert.Empty(t, row.GetLastError())
 		assert.Empty(t, row.GetStatusDetail(), "a settled VM has nothing to add")
 		assert.NotEmpty(t, row.GetSshHostPubkey())
+		assert.Equal(t, "cloud-init", row.GetReadySignal(), "the guest phoned home, as cloud-init does")
+		assert.Equal(t, reconcile.DefaultLoginUser, row.GetLoginUser())
 		assert.Equal(t, "qcow2", diskFormatOf(t, h.hyper.RootDisk(id)))
 
 		body := getHostname(t, row.GetIp())
@@ -330,6 +332,7 @@ func TestAgentRestartAdoptsRunningVM(t *testing.T) {
 		t.Logf("adopted and ready after %s", time.Since(start).Round(time.Millisecond))
 		assert.Equal(t, row.GetIp(), again.GetIp())
 		assert.Equal(t, row.GetSshHostPubkey(), again.GetSshHostPubkey())
+		assert.Equal(t, "cloud-init", again.GetReadySignal(), "the phone home outlived the agent")
 
 		// Let a few resync passes run: none may boot it.
 		time.Sleep(5 * 300 * time.Millisecond)
@@ -377,7 +380,7 @@ func TestBootTimeoutsCarrySerialTail(t *testing.T) {
 		require.NoError(t, err)
 		spec := state.VMSpec{ID: id, Name: name, VCPUs: 1, MemMB: 256, DiskGB: 1}
 		require.NoError(t, hv.PrepareRootDisk(ctx, spec, guestImage(t)))
-		require.NoError(t, WriteSeed(st.SeedPath(id), reconcile.SeedParams{InstanceID: id, Hostname: name}))
+		require.NoError(t, hv.WriteSeed(st.SeedPath(id), reconcile.SeedParams{InstanceID: id, Hostname: name}))
 		bootCtx, giveUp := context.WithCancel(ctx)
 		go func() {
 			defer giveUp()
@@ -410,7 +413,7 @@ func TestBootTimeoutsCarrySerialTail(t *testing.T) {
 		require.NoError(t, err)
 		images := NewImages(imagecache.New(filepath.Join(dir, "images"), imagecache.WithLogger(log), allowLoopback))
 		eng, err := reconcile.New(reconcile.Config{
-			Hyper: hv2, Images: images.Resolve, Seed: WriteSeed, St: st,
+			Hyper: hv2, Images: images.Resolve, Seed: hv2.WriteSeed, St: st,
 			VMTimeout: time.Minute, MaxCreateAttempts: 1, ResyncInterval: 300 * time.Millisecond, Log: log,
 		})
 		require.NoError(t, err)

@@ -12,6 +12,10 @@
 //     with MAC netsetup.MAC(id), so the guest's address is stable. The lease
 //     also carries the VM's owner (state.VMSpec.Owner), which the bridge
 //     filter uses to let only guests of one owner reach each other.
+//
+// A guest is ready when it is usable, not when it has an address (see
+// readiness.go): cloud-init phoning home, else sshd answering, else, after
+// a bounded wait, the address alone.
 package hostvm
 
 import (
@@ -63,7 +67,13 @@ type Config struct {
 	// SerialLines is how many serial console lines a boot error carries
 	// (default DefaultSerialLines).
 	SerialLines int
-	Log         *slog.Logger
+	// SSHFallbackAfter is how long after its start a guest has to phone
+	// home before sshd answering on port 22 makes it ready instead (default
+	// DefaultSSHFallbackAfter). ReadyWait is when an address alone does
+	// (default DefaultReadyWait).
+	SSHFallbackAfter time.Duration
+	ReadyWait        time.Duration
+	Log              *slog.Logger
 }
 
 // Hypervisor runs guests as QEMU processes on the host guest network.
@@ -74,6 +84,9 @@ type Hypervisor struct {
 	images      *Images
 	addressWait time.Duration
 	serialLines int
+	sshAfter    time.Duration
+	readyWait   time.Duration
+	sshPort     uint16 // 22; tests probe their own listener
 	log         *slog.Logger
 
 	mu sync.Mutex
@@ -81,6 +94,10 @@ type Hypervisor struct {
 	// other VM is checked for a QEMU left by an earlier agent before its
 	// power is trusted.
 	known map[string]bool
+	// ready remembers, per VM, the boot found ready and by what; probed
+	// when its port 22 was last tried.
+	ready  map[string]readyMark
+	probed map[string]time.Time
 }
 
 // New builds a Hypervisor over set-up building blocks.
@@ -94,6 +111,12 @@ func New(cfg Config) (*Hypervisor, error) {
 	if cfg.SerialLines <= 0 {
 		cfg.SerialLines = DefaultSerialLines
 	}
+	if cfg.SSHFallbackAfter <= 0 {
+		cfg.SSHFallbackAfter = DefaultSSHFallbackAfter
+	}
+	if cfg.ReadyWait <= 0 {
+		cfg.ReadyWait = max(DefaultReadyWait, cfg.SSHFallbackAfter)
+	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
@@ -104,8 +127,13 @@ func New(cfg Config) (*Hypervisor, error) {
 		images:      cfg.Images,
 		addressWait: cfg.AddressWait,
 		serialLines: cfg.SerialLines,
+		sshAfter:    cfg.SSHFallbackAfter,
+		readyWait:   cfg.ReadyWait,
+		sshPort:     22,
 		log:         cfg.Log.With("component", "hostvm"),
 		known:       map[string]bool{},
+		ready:       map[string]readyMark{},
+		probed:      map[string]time.Time{},
 	}, nil
 }
 
@@ -186,10 +214,12 @@ func (h *Hypervisor) PrepareRootDisk(ctx context.Context, spec state.VMSpec, bas
 
 // Boot starts the VM's QEMU (a no-op if it is already running) on its tap
 // with its root disk and seed, then waits until the guest has accepted its
-// address over DHCP.
+// address over DHCP, and then until it is ready (Ready), narrating what it
+// waits for with the address already known.
 //
-// The wait makes a boot that never comes up an error carrying the serial
-// console's last lines, which the engine records as last_error:
+// The wait for the address makes a boot that never comes up an error
+// carrying the serial console's last lines, which the engine records as
+// last_error:
 //   - the caller's ctx ends first (the engine's per-pass VMTimeout, or
 //     shutdown): the error wraps ctx's error and QEMU keeps running, so a
 //     slow guest keeps booting and the next attempt picks it up;
@@ -220,10 +250,14 @@ func (h *Hypervisor) Boot(ctx context.Context, spec state.VMSpec, seedPath strin
 		return err // a QEMU that died at once already says why, serial included
 	}
 	reconcile.Narrate(ctx, "waiting for an address")
-	return h.waitAddress(ctx, id)
+	addr, err := h.waitAddress(ctx, id)
+	if err != nil {
+		return err
+	}
+	return h.waitReady(ctx, id, addr)
 }
 
-func (h *Hypervisor) waitAddress(ctx context.Context, id string) error {
+func (h *Hypervisor) waitAddress(ctx context.Context, id string) (netip.Addr, error) {
 	start := time.Now()
 	deadline := time.NewTimer(h.addressWait)
 	defer deadline.Stop()
@@ -231,27 +265,27 @@ func (h *Hypervisor) waitAddress(ctx context.Context, id string) error {
 	defer tick.Stop()
 	for {
 		if addr, ok := h.leased(id); ok {
-			h.log.Info("guest is up", "vm", id, "addr", addr, "after", time.Since(start).Round(time.Millisecond))
-			return nil
+			h.log.Info("guest took its address", "vm", id, "addr", addr, "after", time.Since(start).Round(time.Millisecond))
+			return addr, nil
 		}
 		// Before the exit check: a QEMU that KVM killed is the host's
 		// fault, not the guest's.
 		if err := h.qemu.CheckAccel(ctx, id); err != nil {
-			return fmt.Errorf("hostvm: vm %s: %w", id, err)
+			return netip.Addr{}, fmt.Errorf("hostvm: vm %s: %w", id, err)
 		}
 		if _, ok := h.qemu.PID(id); !ok {
-			return fmt.Errorf("hostvm: vm %s: QEMU exited before the guest took an address%s", id, h.tail(id))
+			return netip.Addr{}, fmt.Errorf("hostvm: vm %s: QEMU exited before the guest took an address%s", id, h.tail(id))
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("hostvm: vm %s: no address yet after %s: %w%s",
+			return netip.Addr{}, fmt.Errorf("hostvm: vm %s: no address yet after %s: %w%s",
 				id, time.Since(start).Round(time.Second), ctx.Err(), h.tail(id))
 		case <-deadline.C:
 			err := fmt.Errorf("hostvm: vm %s: the guest took no address within %s%s", id, h.addressWait, h.tail(id))
 			if kerr := h.qemu.Kill(ctx, id); kerr != nil {
 				err = errors.Join(err, kerr)
 			}
-			return err
+			return netip.Addr{}, err
 		case <-tick.C:
 		}
 	}
@@ -417,6 +451,8 @@ func (h *Hypervisor) Destroy(ctx context.Context, id string) error {
 	}
 	h.mu.Lock()
 	delete(h.known, id)
+	delete(h.ready, id)
+	delete(h.probed, id)
 	h.mu.Unlock()
 	return errors.Join(errs...)
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/a73x/eitri/agent/hosttest"
 
 	"github.com/a73x/eitri/agent/imagecache"
+	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/reconcile"
 	"github.com/a73x/eitri/agent/state"
@@ -113,7 +114,9 @@ func TestMemReserve(t *testing.T) {
 
 func TestWriteSeed(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "seed.iso")
-	require.NoError(t, WriteSeed(out, reconcile.SeedParams{InstanceID: "vm-1", Hostname: "web-1"}))
+	// A network that serves no phone-home endpoint: the seed asks for none.
+	h := &Hypervisor{net: &netsetup.Network{}}
+	require.NoError(t, h.WriteSeed(out, reconcile.SeedParams{InstanceID: "vm-1", Hostname: "web-1", LoginUser: "eitri"}))
 
 	f, err := os.Open(out)
 	require.NoError(t, err)
@@ -134,8 +137,10 @@ func TestWriteSeed(t *testing.T) {
 	require.Contains(t, files, "meta-data")
 	assert.Contains(t, files["meta-data"], "web-1", "the hostname reaches the seed")
 	assert.Contains(t, files["meta-data"], "vm-1", "the instance id reaches the seed")
+	assert.Contains(t, files["user-data"], "- name: \"eitri\"", "the login user reaches the seed")
+	assert.NotContains(t, files["user-data"], "phone_home")
 
-	err = WriteSeed(filepath.Join(t.TempDir(), "bad.iso"), reconcile.SeedParams{InstanceID: "vm-1", Hostname: "not a label"})
+	err = h.WriteSeed(filepath.Join(t.TempDir(), "bad.iso"), reconcile.SeedParams{InstanceID: "vm-1", Hostname: "not a label"})
 	require.Error(t, err)
 	assert.True(t, isPermanent(err), "a hostname the seed refuses never becomes valid on retry")
 }

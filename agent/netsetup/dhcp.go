@@ -94,9 +94,9 @@ func (n *Network) reply(conn net.PacketConn, peer net.Addr, req *dhcpv4.DHCPv4, 
 			dhcpv4.WithRouter(gw),
 			dhcpv4.WithLeaseTime(uint32(n.cfg.LeaseTime/time.Second)),
 		)
-		if len(n.cfg.DNS) > 0 {
-			dns := make([]net.IP, len(n.cfg.DNS))
-			for i, a := range n.cfg.DNS {
+		if len(n.announce) > 0 {
+			dns := make([]net.IP, len(n.announce))
+			for i, a := range n.announce {
 				dns[i] = a.AsSlice()
 			}
 			mods = append(mods, dhcpv4.WithDNS(dns...))

@@ -28,6 +28,11 @@ type lease struct {
 	Addr    netip.Addr `json:"addr"`
 	Owner   string     `json:"owner,omitempty"`
 	AckedAt *time.Time `json:"acked_at,omitempty"`
+	// PhonedAt is the guest's latest phone home (see phonehome.go), kept
+	// like AckedAt so readiness survives an agent restart.
+	PhonedAt *time.Time `json:"phoned_at,omitempty"`
+	// phonedSaved is when PhonedAt was last written to the file.
+	phonedSaved time.Time
 }
 
 type leaseFile struct {

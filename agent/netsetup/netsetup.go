@@ -1,8 +1,10 @@
 // Package netsetup gives guests their network: a host bridge with NAT for
 // egress, one tap per VM enslaved to it, an embedded DHCP server that
-// hands each VM a stable address the agent chose and knows, and a guest
-// filter (filter.go) that keeps guests from taking each other's addresses
-// and lets only guests of one owner reach each other.
+// hands each VM a stable address the agent chose and knows, a DNS
+// forwarder (dns.go) and a phone-home endpoint (phonehome.go) on the
+// bridge address, and a guest filter (filter.go) that keeps guests from
+// taking each other's addresses and lets only guests of one owner reach
+// each other.
 //
 // It works in the network namespace of the calling process.
 package netsetup
@@ -14,7 +16,9 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/netip"
+	"path/filepath"
 	"slices"
 	"sync"
 	"time"
@@ -41,10 +45,16 @@ type Config struct {
 	Prefix netip.Prefix
 	// LeaseFile persists the VM→address table. Required.
 	LeaseFile string
-	// DNS servers to announce over DHCP. Empty announces none: the gateway
-	// runs no resolver, so naming it would send guests' lookups nowhere.
-	// Guests then rely on their own resolver configuration (e.g. cloud-init).
+	// DNS servers to announce over DHCP instead of the forwarder. Empty (the
+	// default) runs a DNS forwarder on the bridge address and announces it.
 	DNS []netip.Addr
+	// DNSUpstreams are the resolvers the forwarder relays to. Empty reads
+	// the host's ResolvConf (default /etc/resolv.conf) as it changes.
+	DNSUpstreams []netip.AddrPort
+	ResolvConf   string
+	// PhoneHomePort is the phone-home endpoint's port on the bridge address
+	// (default DefaultPhoneHomePort).
+	PhoneHomePort uint16
 	// LeaseTime is the DHCP lease time (default 1h).
 	LeaseTime time.Duration
 	// Teardown makes Close also delete the bridge, the NAT table and the
@@ -68,6 +78,15 @@ type Network struct {
 
 	srv       *server4.Server
 	serveDone chan struct{}
+	// dns is the forwarder, nil when Config.DNS replaces it or it could not
+	// bind; announce is what DHCP offers as resolvers.
+	dns      *dnsForwarder
+	announce []netip.Addr
+
+	phoneKey  []byte
+	phonePort uint16
+	phoneSrv  *http.Server
+	phoneDone chan struct{}
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -80,6 +99,12 @@ func Setup(ctx context.Context, cfg Config) (*Network, error) {
 	}
 	if !cfg.Prefix.IsValid() {
 		cfg.Prefix = DefaultPrefix
+	}
+	if cfg.ResolvConf == "" {
+		cfg.ResolvConf = DefaultResolvConf
+	}
+	if cfg.PhoneHomePort == 0 {
+		cfg.PhoneHomePort = DefaultPhoneHomePort
 	}
 	if cfg.LeaseTime <= 0 {
 		cfg.LeaseTime = defaultLeaseTime
@@ -103,8 +128,13 @@ func Setup(ctx context.Context, cfg Config) (*Network, error) {
 		pool:   p,
 		leases: map[string]*lease{},
 		byMAC:  map[string]*lease{},
+
+		phonePort: cfg.PhoneHomePort,
 	}
 	if err := n.load(); err != nil {
+		return nil, err
+	}
+	if n.phoneKey, err = loadOrCreateKey(filepath.Dir(cfg.LeaseFile)); err != nil {
 		return nil, err
 	}
 
@@ -116,6 +146,8 @@ func Setup(ctx context.Context, cfg Config) (*Network, error) {
 		{"forwarding", enableForwarding},
 		{"nat", func() error { return ensureNAT(p.prefix, cfg.Bridge) }},
 		{"guest filter", n.syncFilter},
+		{"dns", n.startDNS},
+		{"phone home", n.startPhoneHomeOrWarn},
 		{"dhcp", n.startDHCP},
 	}
 	for _, s := range steps {
@@ -128,7 +160,7 @@ func Setup(ctx context.Context, cfg Config) (*Network, error) {
 			return nil, err
 		}
 	}
-	n.log.Info("host network ready", "gateway", p.gateway, "prefix", p.prefix, "leases", len(n.leases))
+	n.log.Info("host network ready", "gateway", p.gateway, "prefix", p.prefix, "leases", len(n.leases), "dns", n.announce)
 	return n, nil
 }
 
@@ -425,7 +457,7 @@ func (n *Network) saveLocked() error {
 	return err
 }
 
-// Close stops the DHCP server. The bridge, NAT and guest filter stay
+// Close stops the DHCP, DNS and phone-home servers. The bridge, NAT and guest filter stay
 // (running guests still use them) unless Config.Teardown is set.
 func (n *Network) Close() error {
 	n.closeOnce.Do(func() {
@@ -433,6 +465,13 @@ func (n *Network) Close() error {
 		if n.srv != nil {
 			errs = append(errs, n.srv.Close())
 			<-n.serveDone
+		}
+		if n.dns != nil {
+			errs = append(errs, n.dns.close())
+		}
+		if n.phoneSrv != nil {
+			errs = append(errs, n.phoneSrv.Close())
+			<-n.phoneDone
 		}
 		if n.cfg.Teardown {
 			errs = append(errs, removeNAT(), removeFilter())

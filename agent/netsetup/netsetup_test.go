@@ -116,7 +116,7 @@ func TestNetworkInNamespace(t *testing.T) {
 		assert.Equal(t, net.IP(gw.AsSlice()), ack.ServerIdentifier().To4())
 		assert.Equal(t, net.CIDRMask(24, 32), ack.SubnetMask())
 		assert.Equal(t, time.Hour, ack.IPAddressLeaseTime(0))
-		assert.Empty(t, ack.DNS(), "no resolver runs on the gateway, so none is announced")
+		assert.Equal(t, []net.IP{gw.AsSlice()}, ack.DNS(), "the forwarder on the gateway is the guests' resolver")
 		// The server records the ACK just after sending it.
 		require.Eventually(t, func() bool { _, leased := n.Leased("vm-1"); return leased }, 2*time.Second, 5*time.Millisecond)
 		a, _ := n.Leased("vm-1")

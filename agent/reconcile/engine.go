@@ -46,8 +46,12 @@ type Hypervisor interface {
 	Shutdown(ctx context.Context, id string) error
 	// Power says whether the guest process is running.
 	Power(ctx context.Context, id string) (running bool, err error)
-	// Address is the guest's leased address, if one is known.
+	// Address is the address the guest took in its current boot, if it
+	// has: known (and reported) before the guest is ready.
 	Address(ctx context.Context, id string) (netip.Addr, bool)
+	// Ready says whether the guest is usable in its current boot, and what
+	// said so (ActualVM.ready_signal: "cloud-init", "ssh", "dhcp").
+	Ready(ctx context.Context, id string) (signal string, ok bool)
 	// SetOwner changes whose VM this is (state.VMSpec.Owner, which Boot
 	// also carries) while it exists: the guest's network lets it reach
 	// guests of the same owner only.
@@ -77,6 +81,9 @@ type Images func(ctx context.Context, url, sha256 string, progress func(done, to
 // SeedParams is what the cloud-init seed carries.
 type SeedParams struct {
 	InstanceID, Hostname, SSHAuthorizedKey, HostPrivKey, HostPubKey string
+	// LoginUser is the user the seed creates with the key and sudo;
+	// reported as the VM's login user.
+	LoginUser string
 }
 
 // Seeder writes a cloud-init NoCloud seed image to outPath.
@@ -112,6 +119,9 @@ type Config struct {
 	// ResyncInterval is how often a worker re-runs a pass without being asked,
 	// so power and address changes are noticed (default 5s).
 	ResyncInterval time.Duration
+	// LoginUser is the user every new VM's seed creates with its key
+	// (default DefaultLoginUser).
+	LoginUser string
 	// Capacity measures what this host can give guests (nil: no admission
 	// check). A create that does not fit it, beside what the host's VMs
 	// hold, fails before any work (see admit).
@@ -120,6 +130,10 @@ type Config struct {
 	Log *slog.Logger
 	Now func() time.Time
 }
+
+// DefaultLoginUser is the login user seeds create: one name on every image,
+// where images' own default users differ.
+const DefaultLoginUser = "eitri"
 
 const (
 	defaultMaxConcurrentCreates = 2
@@ -198,6 +212,9 @@ func New(cfg Config) (*Engine, error) {
 	cfg.MaxRetryBackoff = max(cfg.MaxRetryBackoff, cfg.RetryBackoff)
 	if cfg.Jitter == nil {
 		cfg.Jitter = equalJitter
+	}
+	if cfg.LoginUser == "" {
+		cfg.LoginUser = DefaultLoginUser
 	}
 	if cfg.ResyncInterval <= 0 {
 		cfg.ResyncInterval = defaultResyncInterval

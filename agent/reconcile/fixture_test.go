@@ -31,6 +31,7 @@ type fakeHyper struct {
 	bootErr      error
 	powerErr     error
 	noAddress    bool // guests never lease (until withAddress)
+	notReady     bool // leased guests are not ready yet
 	nextHost     byte
 	// bootWait, when set, runs after a guest has started, as a real boot
 	// waits for the guest to take its address; an error it returns leaves
@@ -155,6 +156,19 @@ func (h *fakeHyper) Address(_ context.Context, id string) (netip.Addr, bool) {
 		return netip.Addr{}, false
 	}
 	return a, true
+}
+
+// Ready: a fake guest is usable once it has its address, unless notReady.
+func (h *fakeHyper) Ready(ctx context.Context, id string) (string, bool) {
+	if _, ok := h.Address(ctx, id); !ok {
+		return "", false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.notReady {
+		return "", false
+	}
+	return "fake", true
 }
 
 func (h *fakeHyper) SetOwner(_ context.Context, id, owner string) error {

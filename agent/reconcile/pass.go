@@ -40,6 +40,9 @@ const (
 	sayBuildingSeed   = "building the cloud-init seed"
 	sayBooting        = "booting"
 	sayWaitingForIP   = "waiting for an address"
+	// sayWaitingForReady: the guest has its address, not yet a sign that
+	// it is usable (the hypervisor's Boot narrates what it waits for).
+	sayWaitingForReady = "waiting for the guest to finish booting"
 )
 
 // Narration of a created VM's power, in the order a start or a stop says it.
@@ -259,9 +262,11 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		SSHAuthorizedKey: rec.Spec.SSHAuthorizedKey,
 		HostPrivKey:      rec.HostPrivKey,
 		HostPubKey:       rec.HostPubKey,
+		LoginUser:        e.cfg.LoginUser,
 	}); err != nil {
 		return fail(err)
 	}
+	rec.LoginUser = e.cfg.LoginUser
 
 	if wantRunning(d) {
 		say(sayBooting)
@@ -452,7 +457,13 @@ func (e *Engine) observeKnown(ctx context.Context, d *eitriv1.VMDesired, rec sta
 	if !leased {
 		return outcome{row: newRow(id, rec, powerRunning, waitPhase, lastErr, sayWaitingForIP)}
 	}
-	return outcome{row: newRow(id, rec, powerRunning, phaseReady, lastErr, "")}
+	signal, ready := e.cfg.Hyper.Ready(ctx, id)
+	if !ready {
+		return outcome{row: newRow(id, rec, powerRunning, waitPhase, lastErr, sayWaitingForReady)}
+	}
+	row := newRow(id, rec, powerRunning, phaseReady, lastErr, "")
+	row.ReadySignal = signal
+	return outcome{row: row}
 }
 
 // refreshAddress records a newly learned guest address; leased says the
@@ -636,6 +647,7 @@ func newRow(id string, rec state.Record, power, phase, lastErr, detail string) *
 		StatusDetail:    detail,
 		Retry:           rec.Retry,
 		UnexpectedExits: uint32(rec.Exits),
+		LoginUser:       rec.LoginUser,
 	}
 	if x := rec.LastExit; x != nil {
 		row.LastExit = &eitriv1.GuestExit{Reason: x.Reason, SerialTail: x.SerialTail, AtUnix: x.At.Unix()}

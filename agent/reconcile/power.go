@@ -3,6 +3,7 @@ package reconcile
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"time"
 
 	"github.com/a73x/eitri/agent/state"
@@ -18,21 +19,32 @@ type narratorKey struct{}
 // line can never outlive the pass that said it. Boot narrates only once the
 // guest process runs.
 func Narrate(ctx context.Context, detail string) {
-	if say, ok := ctx.Value(narratorKey{}).(func(string)); ok && ctx.Err() == nil {
-		say(detail)
+	NarrateAddress(ctx, netip.Addr{}, detail)
+}
+
+// NarrateAddress is Narrate for a boot whose guest has taken its address
+// but is not ready yet ("waiting for cloud-init"): the row carries the
+// address from then on, so it is known while the guest finishes booting.
+func NarrateAddress(ctx context.Context, addr netip.Addr, detail string) {
+	if say, ok := ctx.Value(narratorKey{}).(func(string, netip.Addr)); ok && ctx.Err() == nil {
+		say(detail, addr)
 	}
 }
 
-func withNarrator(ctx context.Context, say func(string)) context.Context {
+func withNarrator(ctx context.Context, say func(string, netip.Addr)) context.Context {
 	return context.WithValue(ctx, narratorKey{}, say)
 }
 
 // sayer publishes the VM's row with phase, power and a detail, while ctx is
-// live and somebody collects.
-func sayer(ctx context.Context, pub publisher, id string, rec *state.Record, power, phase string) func(string) {
-	return func(detail string) {
+// live and somebody collects. An address it is told goes into the record
+// (the pass saves it with the rest).
+func sayer(ctx context.Context, pub publisher, id string, rec *state.Record, power, phase string) func(string, netip.Addr) {
+	return func(detail string, addr netip.Addr) {
 		if pub == nil || ctx.Err() != nil {
 			return
+		}
+		if addr.IsValid() {
+			rec.IP = addr.String()
 		}
 		pub(newRow(id, *rec, power, phase, "", detail))
 	}
@@ -68,7 +80,7 @@ func (e *Engine) start(ctx context.Context, d *eitriv1.VMDesired, rec state.Reco
 	if rec.Restarts > 0 {
 		detail = restartWords(rec, 0)
 	}
-	sayer(ctx, pub, id, &rec, powerStopped, phase)(detail)
+	sayer(ctx, pub, id, &rec, powerStopped, phase)(detail, netip.Addr{})
 	e.log.Info("starting VM", "vm", id, "restart", rec.Restarts)
 	bootCtx := withNarrator(ctx, sayer(ctx, pub, id, &rec, powerRunning, phase))
 	err := e.cfg.Hyper.Boot(bootCtx, rec.Spec, e.cfg.St.SeedPath(id))
@@ -185,7 +197,7 @@ func (e *Engine) forgetStableFailures(rec state.Record) state.Record {
 func (e *Engine) shutDown(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, pub publisher) outcome {
 	id := d.GetVmId()
 	say := sayer(ctx, pub, id, &rec, powerRunning, phaseStopping)
-	say(sayShuttingDown)
+	say(sayShuttingDown, netip.Addr{})
 	var lastErr string
 	if err := e.cfg.Hyper.Shutdown(withNarrator(ctx, say), id); err != nil {
 		lastErr = err.Error()

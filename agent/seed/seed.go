@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -33,6 +34,15 @@ type Params struct {
 	// users the fingerprint before the guest has even booted.
 	HostPrivKey string
 	HostPubKey  string
+	// LoginUser, when set, is a user the seed creates with passwordless
+	// sudo and SSHAuthorizedKey: one name that works on every image, where
+	// the images' default users differ (debian, ubuntu, fedora...). The
+	// image's default user is kept and gets the key too.
+	LoginUser string
+	// PhoneHomeURL, when set, is where the guest posts once it has booted:
+	// cloud-init's phone_home on the first boot, a per-boot script on the
+	// later ones (phone_home runs once per instance).
+	PhoneHomeURL string
 }
 
 // ErrInvalidParams wraps every validation failure, so callers can treat a bad
@@ -63,6 +73,16 @@ func (p Params) Validate() error {
 			return invalid("authorized key: %v", err)
 		}
 	}
+	if p.LoginUser != "" {
+		if err := validUser(p.LoginUser); err != nil {
+			return err
+		}
+	}
+	if p.PhoneHomeURL != "" {
+		if err := validPhoneHome(p.PhoneHomeURL); err != nil {
+			return err
+		}
+	}
 	switch {
 	case p.HostPrivKey == "" && p.HostPubKey == "":
 		return nil
@@ -88,6 +108,42 @@ func validLabel(h string) error {
 		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-'
 		if !ok {
 			return invalid("hostname %q: only letters, digits and hyphens are allowed", h)
+		}
+	}
+	return nil
+}
+
+// validUser accepts the portable POSIX user names useradd takes everywhere
+// (lower case, digits, _ and -, not starting with a digit or -), except
+// root, which the seed must not reconfigure.
+func validUser(u string) error {
+	if len(u) > 32 {
+		return invalid("login user %q is longer than 32 characters", u)
+	}
+	for i, c := range []byte(u) {
+		ok := c >= 'a' && c <= 'z' || c == '_' || i > 0 && (c >= '0' && c <= '9' || c == '-')
+		if !ok {
+			return invalid("login user %q: only lower-case letters, digits, _ and - (not first) are allowed", u)
+		}
+	}
+	if u == "root" {
+		return invalid("login user must not be root")
+	}
+	return nil
+}
+
+// validPhoneHome accepts a plain http(s) URL with nothing a shell or YAML
+// could read differently: it is written into a script as well as the
+// config.
+func validPhoneHome(raw string) error {
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil {
+		return invalid("phone-home URL %q is not an http(s) URL", raw)
+	}
+	for _, c := range []byte(raw) {
+		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte(":/.-_~[]%", c) >= 0
+		if !ok {
+			return invalid("phone-home URL %q has characters outside [A-Za-z0-9:/.-_~[]%%]", raw)
 		}
 	}
 	return nil
@@ -214,9 +270,26 @@ func UserData(p Params) string {
 	var b strings.Builder
 	b.WriteString("#cloud-config\n")
 	b.WriteString("hostname: " + quote(p.Hostname) + "\n")
-	if p.SSHAuthorizedKey != "" {
+	// An /etc/hosts naming the host, or every sudo complains it cannot
+	// resolve it.
+	b.WriteString("manage_etc_hosts: true\n")
+	key := strings.TrimSpace(p.SSHAuthorizedKey)
+	if p.LoginUser != "" {
+		b.WriteString("users:\n")
+		b.WriteString("  - default\n")
+		b.WriteString("  - name: " + quote(p.LoginUser) + "\n")
+		b.WriteString("    gecos: \"eitri login user\"\n")
+		b.WriteString("    sudo: \"ALL=(ALL) NOPASSWD:ALL\"\n")
+		b.WriteString("    lock_passwd: true\n")
+		if key != "" {
+			b.WriteString("    ssh_authorized_keys:\n")
+			b.WriteString("      - " + quote(key) + "\n")
+		}
+	}
+	if key != "" {
+		// The top-level list is the image's default user's.
 		b.WriteString("ssh_authorized_keys:\n")
-		b.WriteString("  - " + quote(strings.TrimSpace(p.SSHAuthorizedKey)) + "\n")
+		b.WriteString("  - " + quote(key) + "\n")
 	}
 	// Deleting the image's own host keys leaves only the agent's, so the
 	// fingerprint the agent reported is the one clients will see.
@@ -233,7 +306,46 @@ func UserData(p Params) string {
 		}
 		b.WriteString("  ed25519_public: " + quote(strings.TrimSpace(p.HostPubKey)) + "\n")
 	}
+	if p.PhoneHomeURL != "" {
+		// phone_home runs last in cloud-init's final stage: the guest is
+		// as configured as cloud-init will make it.
+		b.WriteString("phone_home:\n")
+		b.WriteString("  url: " + quote(p.PhoneHomeURL) + "\n")
+		b.WriteString("  post: [instance_id]\n")
+		b.WriteString("  tries: 10\n")
+		b.WriteString("write_files:\n")
+		b.WriteString("  - path: " + PerBootScript + "\n")
+		b.WriteString("    permissions: \"0755\"\n")
+		b.WriteString("    content: |\n")
+		for _, line := range strings.Split(perBootScript(p.PhoneHomeURL), "\n") {
+			if line == "" {
+				b.WriteString("\n")
+				continue
+			}
+			b.WriteString("      " + line + "\n")
+		}
+	}
 	return b.String()
+}
+
+// PerBootScript is where the seed puts the script that phones home on
+// every boot after the first; cloud-init's scripts_per_boot runs it.
+const PerBootScript = "/var/lib/cloud/scripts/per-boot/eitri-phone-home"
+
+// perBootScript phones home on boots after the first. On the first,
+// phone_home has not run yet when per-boot scripts do (its semaphore is
+// missing), and it phones home itself once the final stage is done.
+// python3 is there wherever cloud-init is.
+func perBootScript(phoneHomeURL string) string {
+	return `#!/bin/sh
+# eitri: tell the agent this boot is done (phone_home did the first).
+[ -e /var/lib/cloud/instance/sem/config_phone_home ] || exit 0
+for i in 1 2 3 4 5; do
+	python3 -c 'import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1], data=b"boot=later", method="POST"), timeout=10)' '` + phoneHomeURL + `' && exit 0
+	sleep 3
+done
+exit 1
+`
 }
 
 // quote renders s as a YAML double-quoted scalar. JSON string syntax is a

@@ -51,6 +51,8 @@ func validParams(t *testing.T) seed.Params {
 		SSHAuthorizedKey: userKey(t),
 		HostPrivKey:      priv,
 		HostPubKey:       pub,
+		LoginUser:        "eitri",
+		PhoneHomeURL:     "http://10.77.0.1:7480/eitri/phone-home/vm-0f3c9a/0123abcd",
 	}
 }
 
@@ -92,7 +94,10 @@ func TestWriteRoundTrip(t *testing.T) {
 	ud := files["user-data"]
 	assert.True(t, strings.HasPrefix(ud, "#cloud-config\n"), "cloud-init only reads user-data as config behind this header")
 	assert.Contains(t, ud, "hostname: \"web-1\"\n")
-	assert.Contains(t, ud, "ssh_authorized_keys:\n  - \""+p.SSHAuthorizedKey+"\"\n")
+	assert.Contains(t, ud, "manage_etc_hosts: true\n")
+	assert.Contains(t, ud, "\nssh_authorized_keys:\n  - \""+p.SSHAuthorizedKey+"\"\n")
+	assert.Contains(t, ud, "  - name: \"eitri\"\n")
+	assert.Contains(t, ud, "phone_home:\n  url: \""+p.PhoneHomeURL+"\"\n")
 	assert.Contains(t, ud, "ssh_deletekeys: true\n")
 	assert.Contains(t, ud, "  ed25519_private: |\n    -----BEGIN OPENSSH PRIVATE KEY-----\n")
 	assert.Contains(t, ud, "  ed25519_public: \""+p.HostPubKey+"\"\n")
@@ -125,7 +130,11 @@ func TestWriteWithoutOptionalKeys(t *testing.T) {
 	ud := files["user-data"]
 	assert.NotContains(t, ud, "ssh_authorized_keys")
 	assert.NotContains(t, ud, "ssh_keys")
+	assert.NotContains(t, ud, "users:")
+	assert.NotContains(t, ud, "phone_home")
+	assert.NotContains(t, ud, "write_files")
 	assert.Contains(t, ud, "hostname: \"bare\"\n")
+	assert.Contains(t, ud, "manage_etc_hosts: true\n")
 }
 
 func TestWriteRejectsBadParams(t *testing.T) {
@@ -159,6 +168,17 @@ func TestWriteRejectsBadParams(t *testing.T) {
 		{"mismatched private", func(p *seed.Params) { p.HostPrivKey = otherPriv }},
 		{"mismatched public", func(p *seed.Params) { p.HostPubKey = otherPub }},
 		{"public key not ed25519", func(p *seed.Params) { p.HostPubKey = rsaLike }},
+		{"login user root", func(p *seed.Params) { p.LoginUser = "root" }},
+		{"login user upper case", func(p *seed.Params) { p.LoginUser = "Eitri" }},
+		{"login user leading digit", func(p *seed.Params) { p.LoginUser = "1user" }},
+		{"login user leading hyphen", func(p *seed.Params) { p.LoginUser = "-user" }},
+		{"login user with newline", func(p *seed.Params) { p.LoginUser = "eitri\nsudo: x" }},
+		{"login user too long", func(p *seed.Params) { p.LoginUser = strings.Repeat("a", 33) }},
+		{"phone home not http", func(p *seed.Params) { p.PhoneHomeURL = "ftp://10.77.0.1/x" }},
+		{"phone home no host", func(p *seed.Params) { p.PhoneHomeURL = "http:///x" }},
+		{"phone home with quote", func(p *seed.Params) { p.PhoneHomeURL = "http://10.77.0.1/x';reboot;'" }},
+		{"phone home with credentials", func(p *seed.Params) { p.PhoneHomeURL = "http://u:p@10.77.0.1/x" }},
+		{"phone home with space", func(p *seed.Params) { p.PhoneHomeURL = "http://10.77.0.1/a b" }},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -220,6 +240,26 @@ func TestYAMLParsesAsIntended(t *testing.T) {
 	require.True(t, ok, "ssh_keys is a mapping: %#v", ud["ssh_keys"])
 	assert.Equal(t, p.HostPrivKey, keys["ed25519_private"], "the private key survives byte for byte")
 	assert.Equal(t, p.HostPubKey, keys["ed25519_public"])
+	assert.Equal(t, true, ud["manage_etc_hosts"])
+
+	assert.Equal(t, []any{"default", map[string]any{
+		"name": "eitri", "gecos": "eitri login user", "sudo": "ALL=(ALL) NOPASSWD:ALL",
+		"lock_passwd": true, "ssh_authorized_keys": []any{p.SSHAuthorizedKey},
+	}}, ud["users"])
+	assert.Equal(t, map[string]any{"url": p.PhoneHomeURL, "post": []any{"instance_id"}, "tries": float64(10)}, ud["phone_home"])
+	files, ok := ud["write_files"].([]any)
+	require.True(t, ok, "write_files is a list: %#v", ud["write_files"])
+	require.Len(t, files, 1)
+	script := files[0].(map[string]any)
+	assert.Equal(t, seed.PerBootScript, script["path"])
+	assert.Equal(t, "0755", script["permissions"])
+	content := script["content"].(string)
+	assert.True(t, strings.HasPrefix(content, "#!/bin/sh\n"))
+	assert.Contains(t, content, "'"+p.PhoneHomeURL+"'")
+	sh := exec.Command("sh", "-n")
+	sh.Stdin = strings.NewReader(content)
+	out, err := sh.CombinedOutput()
+	assert.NoError(t, err, "the per-boot script must parse: %s", out)
 }
 
 // TestSystemToolsSeeTheLabel checks the image with the tools a Linux host and

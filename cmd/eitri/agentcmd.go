@@ -27,14 +27,16 @@ import (
 )
 
 type agentFlags struct {
-	dataDir    string
-	join       string
-	name       string
-	address    string
-	bridge     string
-	subnet     string
-	vmTimeout  time.Duration
-	maxCreates int
+	dataDir string
+	join    string
+	name    string
+	address string
+	bridge  string
+	subnet  string
+	// dnsUpstreams replace the host's resolv.conf as the guests' resolvers.
+	dnsUpstreams []netip.AddrPort
+	vmTimeout    time.Duration
+	maxCreates   int
 	// createAttempts and retryBackoff: a create's budget, and the wait
 	// after its first failed attempt (doubling after each).
 	createAttempts int
@@ -57,6 +59,11 @@ func (a *agentFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&a.address, "address", "", "address published ports are reachable on (default: the address of the default route)")
 	fs.StringVar(&a.bridge, "bridge", netsetup.DefaultBridge, "bridge the guests attach to")
 	fs.StringVar(&a.subnet, "subnet", "10.77.0.1/24", "bridge address and guest subnet (NAT to the outside)")
+	fs.Func("dns-upstream", "resolver (ADDR or ADDR:PORT) the guests' DNS forwarder relays to; repeatable (default: the host's /etc/resolv.conf)", func(s string) error {
+		up, err := netsetup.ParseUpstream(s)
+		a.dnsUpstreams = append(a.dnsUpstreams, up)
+		return err
+	})
 	fs.DurationVar(&a.vmTimeout, "vm-timeout", 15*time.Minute, "bound on one create or converge pass (image download included)")
 	fs.IntVar(&a.maxCreates, "max-creates", 2, "creates running at once on this host")
 	fs.IntVar(&a.createAttempts, "create-attempts", 5, "attempts a create gets before its VM is failed (a permanent error fails it at once)")
@@ -154,7 +161,7 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 		return err
 	}
 	network, err := netsetup.Setup(ctx, netsetup.Config{
-		Bridge: a.bridge, Prefix: prefix, LeaseFile: filepath.Join(a.dataDir, "leases.json"), Log: log,
+		Bridge: a.bridge, Prefix: prefix, LeaseFile: filepath.Join(a.dataDir, "leases.json"), DNSUpstreams: a.dnsUpstreams, Log: log,
 	})
 	if err != nil {
 		return fmt.Errorf("host network: %w", err)
@@ -186,7 +193,7 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 		return err
 	}
 	eng, err := reconcile.New(reconcile.Config{
-		Hyper: hv, Images: images.Resolve, Seed: hostvm.WriteSeed, St: st,
+		Hyper: hv, Images: images.Resolve, Seed: hv.WriteSeed, St: st,
 		VMTimeout: a.vmTimeout, MaxConcurrentCreates: a.maxCreates, Log: log,
 		MaxCreateAttempts: a.createAttempts, RetryBackoff: a.retryBackoff,
 		// The admission check measures what the host reports as capacity.

@@ -4,7 +4,9 @@
 // job is to prove, over the network, that a VM booted with the seed it was
 // given. It loads the few drivers it needs, reads its NoCloud seed, leases an
 // address with busybox udhcpc, then serves its identity over HTTP on port 80
-// and echoes UDP on port 7. The ACPI power button powers it off.
+// (and name lookups through its DHCP resolver, /resolve?name=), echoes UDP
+// on port 7, greets like sshd on port 22, and phones home when its seed
+// asks, as cloud-init would. The ACPI power button powers it off.
 package main
 
 import (
@@ -21,6 +23,7 @@ const (
 	netIface  = "eth0"
 	httpAddr  = ":80"
 	echoAddr  = ":7"
+	sshAddr   = ":22"
 	readyWord = "EITRI-GUEST-READY"
 )
 
@@ -68,6 +71,9 @@ func run(ctx context.Context) error {
 		return err
 	}
 	fmt.Fprintf(os.Stdout, "%s ip=%s hostname=%s\n", readyWord, addr, id.Hostname)
+	if id.PhoneHomeURL != "" {
+		go phoneHome(ctx, id)
+	}
 	select {}
 }
 

@@ -19,6 +19,10 @@ type identity struct {
 	Hostname   string
 	InstanceID string
 	Source     string // the device the seed came from, for the console log
+	// PhoneHomeURL is cloud-init's phone_home url from the user-data: the
+	// test guest posts to it once it has its address, as cloud-init does
+	// when it is done.
+	PhoneHomeURL string
 }
 
 const seedMount = "/run/cidata"
@@ -88,7 +92,29 @@ func trySeed(dev string) (identity, bool) {
 	if id.Hostname == "" {
 		id.Hostname = "eitri-guest"
 	}
+	if ud, err := os.ReadFile(filepath.Join(seedMount, "user-data")); err == nil {
+		id.PhoneHomeURL = phoneHomeURL(string(ud))
+	}
 	return id, true
+}
+
+// phoneHomeURL finds phone_home's url in a #cloud-config document: the
+// first "url:" indented under a top-level "phone_home:".
+func phoneHomeURL(userData string) string {
+	in := false
+	for _, line := range strings.Split(userData, "\n") {
+		if line == "" || strings.HasPrefix(strings.TrimSpace(line), "#") {
+			continue
+		}
+		if line[0] != ' ' && line[0] != '\t' {
+			in = strings.TrimSpace(line) == "phone_home:"
+			continue
+		}
+		if key, val, ok := strings.Cut(strings.TrimSpace(line), ":"); in && ok && key == "url" {
+			return yamlScalar(val)
+		}
+	}
+	return ""
 }
 
 // yamlScalar reads the one-line scalars a NoCloud meta-data file holds:

@@ -25,3 +25,11 @@ func TestYAMLScalar(t *testing.T) {
 		})
 	}
 }
+
+func TestPhoneHomeURL(t *testing.T) {
+	ud := "#cloud-config\nhostname: \"web-1\"\nusers:\n  - name: \"eitri\"\n    url: \"not this\"\n" +
+		"phone_home:\n  url: \"http://10.77.0.1:7480/eitri/phone-home/vm-1/abc\"\n  post: [instance_id]\n" +
+		"write_files:\n  - path: /x\n    content: |\n      url: 'nor this'\n"
+	assert.Equal(t, "http://10.77.0.1:7480/eitri/phone-home/vm-1/abc", phoneHomeURL(ud))
+	assert.Empty(t, phoneHomeURL("#cloud-config\nhostname: x\n"))
+}

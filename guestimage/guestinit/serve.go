@@ -3,11 +3,15 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
+	"os"
 	"time"
 )
 
@@ -19,13 +23,13 @@ func startServers(id identity) error {
 		return fmt.Errorf("listen http: %w", err)
 	}
 	body := fmt.Sprintf("hostname=%s instance-id=%s\n", id.Hostname, id.InstanceID)
-	srv := &http.Server{
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-			fmt.Fprint(w, body)
-		}),
-		ReadHeaderTimeout: 10 * time.Second,
-	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		fmt.Fprint(w, body)
+	})
+	mux.HandleFunc("/resolve", resolve)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			slog.Error("http server", "err", err)
@@ -37,7 +41,71 @@ func startServers(id identity) error {
 		return fmt.Errorf("listen udp echo: %w", err)
 	}
 	go echo(pc)
+
+	sl, err := net.Listen("tcp", sshAddr)
+	if err != nil {
+		return fmt.Errorf("listen ssh: %w", err)
+	}
+	go greet(sl)
 	return nil
+}
+
+// resolve looks a name up with the guest's own resolver (the one DHCP
+// announced, in /etc/resolv.conf) and answers its addresses, one a line.
+func resolve(w http.ResponseWriter, r *http.Request) {
+	name := r.URL.Query().Get("name")
+	ctx, cancel := context.WithTimeout(r.Context(), 10*time.Second)
+	defer cancel()
+	addrs, err := net.DefaultResolver.LookupHost(ctx, name)
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	if err != nil {
+		w.WriteHeader(http.StatusBadGateway)
+		fmt.Fprintln(w, err)
+		return
+	}
+	for _, a := range addrs {
+		fmt.Fprintln(w, a)
+	}
+}
+
+// greet stands in for sshd: it sends an SSH identification line and hangs
+// up, which is all a readiness probe of port 22 looks for.
+func greet(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			slog.Error("ssh greeter", "err", err)
+			return
+		}
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		_, _ = io.WriteString(c, "SSH-2.0-eitri-guest\r\n")
+		c.Close()
+	}
+}
+
+// phoneHome posts to the seed's phone_home url, as cloud-init does once it
+// has finished, retrying while the host's endpoint cannot be reached.
+func phoneHome(ctx context.Context, id identity) {
+	client := &http.Client{Timeout: 5 * time.Second}
+	form := url.Values{"instance_id": {id.InstanceID}, "hostname": {id.Hostname}}
+	for attempt := 1; attempt <= 30; attempt++ {
+		resp, err := client.PostForm(id.PhoneHomeURL, form)
+		if err == nil {
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				fmt.Fprintf(os.Stdout, "EITRI-GUEST-PHONED-HOME attempt=%d\n", attempt)
+				return
+			}
+			err = fmt.Errorf("status %s", resp.Status)
+		}
+		slog.Warn("phone home", "attempt", attempt, "err", err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(time.Second):
+		}
+	}
 }
 
 // echo answers every datagram with itself (RFC 862).

@@ -287,10 +287,12 @@ func TestAVMLivesThroughItsHostsReports(t *testing.T) {
 	assert.Equal(t, "creating", v.Lifecycle)
 	assert.Equal(t, "downloading image 1.2/3.7 GiB", v.StatusDetail, "narration reaches the watcher without asking")
 
-	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Vms: []*eitriv1.ActualVM{{VmId: id, Power: "running", Phase: "ready", Ip: "10.77.0.5", SshHostPubkey: "ssh-ed25519 AAAA"}}})
+	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Vms: []*eitriv1.ActualVM{{VmId: id, Power: "running", Phase: "ready", Ip: "10.77.0.5", SshHostPubkey: "ssh-ed25519 AAAA", LoginUser: "eitri", ReadySignal: "cloud-init"}}})
 	v = nextVM()
 	assert.Equal(t, "ready", v.Lifecycle)
 	assert.Equal(t, "10.77.0.5", v.AssignedIp)
+	assert.Equal(t, "eitri", v.LoginUser, "the host's login user reaches the API")
+	assert.Equal(t, "cloud-init", v.ReadySignal, "and what made the guest ready")
 	assert.Empty(t, v.StatusDetail)
 
 	_, err = e.vms(e.admin).StopVM(ctx, connect.NewRequest(&eitriv1.StopVMRequest{Id: id}))

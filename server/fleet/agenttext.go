@@ -63,6 +63,8 @@ func clipReport(r *eitriv1.ActualStateReport) {
 		v.StatusDetail = clip(v.GetStatusDetail(), maxAgentLine)
 		v.LastError = clip(v.GetLastError(), maxAgentError)
 		v.SshHostPubkey = clip(v.GetSshHostPubkey(), maxAgentPubkey)
+		v.LoginUser = clip(v.GetLoginUser(), maxAgentShort)
+		v.ReadySignal = clip(v.GetReadySignal(), maxAgentShort)
 		if x := v.GetLastExit(); x != nil {
 			x.Reason = clip(x.GetReason(), maxAgentLine)
 			x.SerialTail = clipFront(x.GetSerialTail(), maxAgentError)

@@ -266,6 +266,11 @@ func portKey(proto string, port uint16) string { return proto + "/" + strconv.It
 func builtinReserved(publicURL string) *reservedPorts {
 	r := &reservedPorts{by: map[string]string{
 		portKey("udp", 67): "the port of the agent's DHCP server for its guests",
+		// On the bridge address only, but a "lan" exposure listens on
+		// every address and would collide.
+		portKey("udp", 53):   "the port of the agent's DNS forwarder for its guests",
+		portKey("tcp", 53):   "the port of the agent's DNS forwarder for its guests",
+		portKey("tcp", 7480): "the port of the agent's phone-home endpoint for its guests",
 	}}
 	if u, err := url.Parse(publicURL); err == nil && u.Host != "" {
 		port := u.Port()

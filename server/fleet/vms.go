@@ -445,6 +445,8 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 		if p := row.GetProgress(); p != nil { // nil stays nil: nothing to measure
 			out.Progress = proto.CloneOf(p) // the view is the caller's; the report row is the registry's
 		}
+		out.LoginUser = row.GetLoginUser()
+		out.ReadySignal = row.GetReadySignal()
 		if row.GetIp() != "" {
 			out.AssignedIp = row.GetIp()
 		}

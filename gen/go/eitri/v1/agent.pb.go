@@ -682,7 +682,15 @@ type ActualVM struct {
 	Retry uint64 `protobuf:"varint,10,opt,name=retry,proto3" json:"retry,omitempty"`
 	// The structured measure of status_detail's step ("download", bytes done
 	// and total); unset when the step has none.
-	Progress      *Progress `protobuf:"bytes,11,opt,name=progress,proto3" json:"progress,omitempty"`
+	Progress *Progress `protobuf:"bytes,11,opt,name=progress,proto3" json:"progress,omitempty"`
+	// The user the VM's seed creates with the injected key and sudo ("eitri");
+	// empty for VMs seeded without one (or by agents that predate it).
+	LoginUser string `protobuf:"bytes,12,opt,name=login_user,json=loginUser,proto3" json:"login_user,omitempty"`
+	// What made the agent call the guest ready in its current boot:
+	// "cloud-init" (it phoned home), "ssh" (port 22 answered), or "dhcp" (it
+	// only took its address, after the agent stopped waiting for more). Empty
+	// unless phase is "ready".
+	ReadySignal   string `protobuf:"bytes,13,opt,name=ready_signal,json=readySignal,proto3" json:"ready_signal,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -792,6 +800,20 @@ func (x *ActualVM) GetProgress() *Progress {
 		return x.Progress
 	}
 	return nil
+}
+
+func (x *ActualVM) GetLoginUser() string {
+	if x != nil {
+		return x.LoginUser
+	}
+	return ""
+}
+
+func (x *ActualVM) GetReadySignal() string {
+	if x != nil {
+		return x.ReadySignal
+	}
+	return ""
 }
 
 // GuestExit is a guest process that ended without being asked to.
@@ -1605,7 +1627,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\n" +
 	"generation\x18\x03 \x01(\x04R\n" +
 	"generation\x12\x16\n" +
-	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xea\x02\n" +
+	"\x06reason\x18\x04 \x01(\tR\x06reason\"\xac\x03\n" +
 	"\bActualVM\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x14\n" +
 	"\x05power\x18\x02 \x01(\tR\x05power\x12\x14\n" +
@@ -1619,7 +1641,10 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\tlast_exit\x18\t \x01(\v2\x13.eitri.v1.GuestExitR\blastExit\x12\x14\n" +
 	"\x05retry\x18\n" +
 	" \x01(\x04R\x05retry\x12.\n" +
-	"\bprogress\x18\v \x01(\v2\x12.eitri.v1.ProgressR\bprogress\"]\n" +
+	"\bprogress\x18\v \x01(\v2\x12.eitri.v1.ProgressR\bprogress\x12\x1d\n" +
+	"\n" +
+	"login_user\x18\f \x01(\tR\tloginUser\x12!\n" +
+	"\fready_signal\x18\r \x01(\tR\vreadySignal\"]\n" +
 	"\tGuestExit\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\x12\x1f\n" +
 	"\vserial_tail\x18\x02 \x01(\tR\n" +

@@ -74,7 +74,16 @@ type VM struct {
 	// The structured measure of status_detail's step, live from the host's
 	// report (e.g. step "download", bytes done and total); null when the
 	// current step has none. Draw progress bars from this, never from the text.
-	Progress      *Progress `protobuf:"bytes,24,opt,name=progress,proto3" json:"progress,omitempty"`
+	Progress *Progress `protobuf:"bytes,24,opt,name=progress,proto3" json:"progress,omitempty"`
+	// The user to log in as (created by the VM's seed with
+	// ssh_authorized_key and passwordless sudo), as its host reported it;
+	// empty until known, or for VMs whose host seeds none.
+	LoginUser string `protobuf:"bytes,25,opt,name=login_user,json=loginUser,proto3" json:"login_user,omitempty"`
+	// What made the guest count as ready in its current boot, from its
+	// host: "cloud-init" (cloud-init finished and phoned home), "ssh" (port
+	// 22 answered) or "dhcp" (only an address, after the host stopped
+	// waiting). Empty unless the host reports it ready.
+	ReadySignal   string `protobuf:"bytes,26,opt,name=ready_signal,json=readySignal,proto3" json:"ready_signal,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -275,6 +284,20 @@ func (x *VM) GetProgress() *Progress {
 		return x.Progress
 	}
 	return nil
+}
+
+func (x *VM) GetLoginUser() string {
+	if x != nil {
+		return x.LoginUser
+	}
+	return ""
+}
+
+func (x *VM) GetReadySignal() string {
+	if x != nil {
+		return x.ReadySignal
+	}
+	return ""
 }
 
 type CreateVMRequest struct {
@@ -1848,7 +1871,7 @@ var File_eitri_v1_vm_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\n" +
-	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb4\x06\n" +
+	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf6\x06\n" +
 	"\x02VM\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x17\n" +
@@ -1879,7 +1902,10 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x0fssh_host_pubkey\x18\x15 \x01(\tR\rsshHostPubkey\x12\x19\n" +
 	"\bowner_id\x18\x16 \x01(\tR\aownerId\x12E\n" +
 	"\x10restorable_until\x18\x17 \x01(\v2\x1a.google.protobuf.TimestampR\x0frestorableUntil\x12.\n" +
-	"\bprogress\x18\x18 \x01(\v2\x12.eitri.v1.ProgressR\bprogress\"\x93\x02\n" +
+	"\bprogress\x18\x18 \x01(\v2\x12.eitri.v1.ProgressR\bprogress\x12\x1d\n" +
+	"\n" +
+	"login_user\x18\x19 \x01(\tR\tloginUser\x12!\n" +
+	"\fready_signal\x18\x1a \x01(\tR\vreadySignal\"\x93\x02\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
 	"\ahost_id\x18\x02 \x01(\tR\x06hostId\x12\x1b\n" +

@@ -436,6 +436,24 @@ export declare type ActualVM = Message<"eitri.v1.ActualVM"> & {
    * @generated from field: eitri.v1.Progress progress = 11;
    */
   progress?: Progress | undefined;
+
+  /**
+   * The user the VM's seed creates with the injected key and sudo ("eitri");
+   * empty for VMs seeded without one (or by agents that predate it).
+   *
+   * @generated from field: string login_user = 12;
+   */
+  loginUser: string;
+
+  /**
+   * What made the agent call the guest ready in its current boot:
+   * "cloud-init" (it phoned home), "ssh" (port 22 answered), or "dhcp" (it
+   * only took its address, after the agent stopped waiting for more). Empty
+   * unless phase is "ready".
+   *
+   * @generated from field: string ready_signal = 13;
+   */
+  readySignal: string;
 };
 
 /**

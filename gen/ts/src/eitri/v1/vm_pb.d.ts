@@ -175,6 +175,25 @@ export declare type VM = Message<"eitri.v1.VM"> & {
    * @generated from field: eitri.v1.Progress progress = 24;
    */
   progress?: Progress | undefined;
+
+  /**
+   * The user to log in as (created by the VM's seed with
+   * ssh_authorized_key and passwordless sudo), as its host reported it;
+   * empty until known, or for VMs whose host seeds none.
+   *
+   * @generated from field: string login_user = 25;
+   */
+  loginUser: string;
+
+  /**
+   * What made the guest count as ready in its current boot, from its
+   * host: "cloud-init" (cloud-init finished and phoned home), "ssh" (port
+   * 22 answered) or "dhcp" (only an address, after the host stopped
+   * waiting). Empty unless the host reports it ready.
+   *
+   * @generated from field: string ready_signal = 26;
+   */
+  readySignal: string;
 };
 
 /**

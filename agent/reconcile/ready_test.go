@@ -1,0 +1,63 @@
+package reconcile
+
+import (
+	"context"
+	"net/netip"
+	"testing"
+	"time"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// A guest with an address that is not ready yet is reported with its
+// address, still booting; once the hypervisor says it is ready, the row
+// says by what. Every row of a VM seeded with a login user names it.
+func TestAGuestIsReadyWhenTheHypervisorSaysNotWhenItLeases(t *testing.T) {
+	// Passes re-run on their own: readiness comes without a new snapshot.
+	f := setup(t, func(c *Config) { c.ResyncInterval = 20 * time.Millisecond })
+	f.hv.set(func(h *fakeHyper) { h.notReady = true })
+	f.apply(snap(1, vm("vm1")))
+	r := f.eventuallyRow("vm1", detailIs(sayWaitingForReady), "leased, not ready")
+	assert.Equal(t, "creating", r.GetPhase())
+	assert.NotEmpty(t, r.GetIp(), "the address is reported before the guest is ready")
+	assert.Empty(t, r.GetReadySignal())
+	assert.Equal(t, DefaultLoginUser, r.GetLoginUser())
+	assert.Equal(t, DefaultLoginUser, f.seeds.last().LoginUser, "the seed creates the user the row names")
+
+	f.hv.set(func(h *fakeHyper) { h.notReady = false })
+	r = f.eventuallyRow("vm1", phaseIs("ready"), "ready once the hypervisor says so")
+	assert.Equal(t, "fake", r.GetReadySignal())
+	assert.Equal(t, DefaultLoginUser, r.GetLoginUser())
+	assert.Equal(t, DefaultLoginUser, f.record("vm1").LoginUser, "kept with the record")
+}
+
+// NarrateAddress puts the address a booting guest took into the rows the
+// pass publishes from then on.
+func TestNarrateAddressReportsTheAddressWhileBooting(t *testing.T) {
+	f := setup(t, func(c *Config) { c.LoginUser = "ops" })
+	addr := netip.MustParseAddr("10.0.0.99")
+	entered := make(chan struct{})
+	release := make(chan struct{})
+	f.hv.set(func(h *fakeHyper) {
+		h.bootWait = func(ctx context.Context, id string) error {
+			NarrateAddress(ctx, addr, "waiting for cloud-init")
+			close(entered)
+			select {
+			case <-release:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+	})
+	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
+	<-entered
+	r := f.eventuallyRow("vm1", detailIs("waiting for cloud-init"), "narrated")
+	assert.Equal(t, addr.String(), r.GetIp())
+	assert.Equal(t, "ops", r.GetLoginUser(), "the configured login user")
+	close(release)
+	f.eventuallyRow("vm1", func(r *eitriv1.ActualVM) bool { return r.GetPhase() == "ready" }, "ready")
+	require.Equal(t, "ops", f.seeds.last().LoginUser)
+}
