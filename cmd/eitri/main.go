@@ -103,7 +103,7 @@ override it. Add -o json or -o yaml for the API's own field names.`,
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{error: err} })
 	root.AddGroup(&cobra.Group{ID: groupRun, Title: "Run the fleet:"}, &cobra.Group{ID: groupClient, Title: "Use the fleet:"})
 
-	a := &app{io: io}
+	a := &app{io: io, format: formatTable}
 	for _, c := range []*cobra.Command{newServerCmd(), newAgentCmd(), newDevCmd()} {
 		c.GroupID = groupRun
 		root.AddCommand(c)

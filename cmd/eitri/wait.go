@@ -179,7 +179,12 @@ func optional(p *uint64) *uint64 {
 }
 
 // size words bytes as the bar does ("72.0 MiB").
-func size(n uint64) string { return fmt.Sprintf("% .1f", decor.SizeB1024(int64(n))) }
+func size(n uint64) string {
+	if n < 1024 {
+		return fmt.Sprintf("%d B", n)
+	}
+	return fmt.Sprintf("% .1f", decor.SizeB1024(int64(n)))
+}
 
 // barMeter draws a step as a progress bar in place: bytes done of the
 // total, percentage, rate and time left; an unknown total shows a spinner
@@ -190,16 +195,16 @@ type barMeter struct {
 	// width).
 	opts []mpb.ContainerOption
 
-	p        *mpb.Progress
-	bar      *mpb.Bar
-	step     string
-	hasTotal bool
-	last     time.Time
+	p     *mpb.Progress
+	bar   *mpb.Bar
+	step  string
+	total *uint64 // once known
+	last  time.Time
 }
 
 func (b *barMeter) begin(step string, at time.Time) {
 	b.p = mpb.New(append([]mpb.ContainerOption{mpb.WithOutput(b.w)}, b.opts...)...)
-	b.bar, b.step, b.hasTotal, b.last = nil, step, false, at
+	b.bar, b.step, b.total, b.last = nil, step, nil, at
 }
 
 func (b *barMeter) set(done uint64, total *uint64, at time.Time) {
@@ -210,9 +215,9 @@ func (b *barMeter) set(done uint64, total *uint64, at time.Time) {
 		b.bar.SetCurrent(int64(done))
 		b.last = at
 		return
-	case total != nil && !b.hasTotal:
+	case total != nil && b.total == nil:
 		b.bar.SetTotal(int64(*total), false)
-		b.hasTotal = true
+		b.total = total
 	}
 	if d := at.Sub(b.last); d > 0 {
 		b.bar.EwmaSetCurrent(int64(done), d)
@@ -227,25 +232,28 @@ func (b *barMeter) set(done uint64, total *uint64, at time.Time) {
 const ewmaAge = 30
 
 func (b *barMeter) newBar(total *uint64) *mpb.Bar {
-	name := decor.Name(b.step+" ", decor.WCSyncSpaceR)
+	name := decor.Name(b.step + " ")
 	speed := decor.EwmaSpeed(decor.SizeB1024(0), "% .1f", ewmaAge)
 	if total == nil {
-		return b.p.New(0, mpb.SpinnerStyle(),
+		return b.p.New(0, mpb.SpinnerStyle(), mpb.BarWidth(3),
 			mpb.PrependDecorators(name, decor.Current(decor.SizeB1024(0), "% .1f")),
-			mpb.AppendDecorators(speed))
+			mpb.AppendDecorators(decor.Name("  "), speed))
 	}
-	b.hasTotal = true
+	b.total = total
 	return b.p.New(int64(*total), mpb.BarStyle(),
 		mpb.PrependDecorators(name, decor.Counters(decor.SizeB1024(0), "% .1f / % .1f")),
-		mpb.AppendDecorators(decor.Percentage(decor.WCSyncSpace), speed, decor.Name(" ETA "), decor.EwmaETA(decor.ET_STYLE_GO, ewmaAge)))
+		mpb.AppendDecorators(decor.Percentage(decor.WC{W: 6}), decor.Name("  "), speed, decor.Name("  ETA "), decor.EwmaETA(decor.ET_STYLE_GO, ewmaAge)))
 }
 
 func (b *barMeter) end(complete bool) {
 	if b.bar != nil {
-		if complete {
+		switch {
+		case complete && b.total != nil:
 			// The step is over: whatever was last reported, it is all done.
+			b.bar.SetTotal(int64(*b.total), true)
+		case complete:
 			b.bar.SetTotal(-1, true)
-		} else {
+		default:
 			b.bar.Abort(false) // stays drawn where it stopped
 		}
 	}
@@ -302,7 +310,7 @@ func (l *lineMeter) end(complete bool) {
 	if complete && l.total != nil {
 		l.done = *l.total
 	}
-	if l.done != l.printedDone || complete {
+	if l.done != l.printedDone {
 		l.print(l.lastAt)
 	}
 }
