@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -43,23 +44,24 @@ func TestOutputJSONAndYAMLParseBackToTheSameMessage(t *testing.T) {
 	cases := []struct {
 		args []string
 		msg  func() proto.Message
-		// names the API speaks, in the JSON.
-		names []string
+		// a name the API speaks (snake_case) and its value, in the JSON.
+		path  []string
+		value any
 	}{
-		{[]string{"vm", "ls"}, func() proto.Message { return &eitriv1.ListVMsResponse{} }, []string{`"mem_mb": "768"`, `"assigned_ip": "10.77.0.5"`, `"image_sha256"`}},
-		{[]string{"vm", "get", "web-1"}, func() proto.Message { return &eitriv1.GetVMResponse{} }, []string{`"lifecycle": "ready"`}},
-		{[]string{"host", "ls"}, func() proto.Message { return &eitriv1.ListHostsResponse{} }, []string{`"agent_version": "test"`}},
-		{[]string{"quota", "get"}, func() proto.Message { return &eitriv1.GetQuotaResponse{} }, []string{`"user_name": "admin"`}},
-		{[]string{"vm", "events", "web-1"}, func() proto.Message { return &eitriv1.ListVMEventsResponse{} }, []string{`"kind"`}},
+		{[]string{"vm", "ls"}, func() proto.Message { return &eitriv1.ListVMsResponse{} }, []string{"vms", "0", "mem_mb"}, "768"},
+		{[]string{"vm", "get", "web-1"}, func() proto.Message { return &eitriv1.GetVMResponse{} }, []string{"vm", "assigned_ip"}, "10.77.0.5"},
+		{[]string{"host", "ls"}, func() proto.Message { return &eitriv1.ListHostsResponse{} }, []string{"hosts", "0", "agent_version"}, "test"},
+		{[]string{"quota", "get"}, func() proto.Message { return &eitriv1.GetQuotaResponse{} }, []string{"quota", "user_name"}, "admin"},
+		{[]string{"vm", "events", "web-1"}, func() proto.Message { return &eitriv1.ListVMEventsResponse{} }, []string{"events", "0", "kind"}, "created"},
 	}
 	for _, c := range cases {
 		js, err := e.eitri(append(c.args, "-o", "json")...)
 		require.NoError(t, err, c.args)
 		fromJSON := c.msg()
 		require.NoError(t, protojson.Unmarshal([]byte(js), fromJSON), js)
-		for _, n := range c.names {
-			assert.Contains(t, js, n, "%v: snake_case, as the API speaks", c.args)
-		}
+		var tree any
+		require.NoError(t, json.Unmarshal([]byte(js), &tree))
+		assert.Equal(t, c.value, dig(tree, c.path...), "%v: %v, snake_case as the API speaks", c.args, c.path)
 
 		y, err := e.eitri(append(c.args, "-o", "yaml")...)
 		require.NoError(t, err, c.args)
@@ -77,6 +79,25 @@ func TestOutputJSONAndYAMLParseBackToTheSameMessage(t *testing.T) {
 	var ue usageError
 	require.ErrorAs(t, err, &ue)
 	assert.Contains(t, err.Error(), "want one of table, json, yaml")
+}
+
+// dig walks decoded JSON by keys and list indexes.
+func dig(v any, path ...string) any {
+	for _, p := range path {
+		switch x := v.(type) {
+		case map[string]any:
+			v = x[p]
+		case []any:
+			i, err := strconv.Atoi(p)
+			if err != nil || i >= len(x) {
+				return nil
+			}
+			v = x[i]
+		default:
+			return nil
+		}
+	}
+	return v
 }
 
 func TestVMNamesAreAcceptedWhereverIDsAre(t *testing.T) {

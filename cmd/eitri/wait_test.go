@@ -265,9 +265,10 @@ func (e *cliEnv) connectHost(name string) *scriptedHost {
 			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test"} }})
 	}()
 	require.Eventually(e.t, func() bool {
-		out, err := e.eitri("host", "ls")
-		return err == nil && strings.Contains(out, name) && strings.Contains(out, "true")
-	}, 10*time.Second, 10*time.Millisecond, "the host is connected")
+		out, err := e.eitri("host", "get", name, "-o", "json")
+		var r eitriv1.GetHostResponse
+		return err == nil && protojson.Unmarshal([]byte(out), &r) == nil && r.Host.Connected && r.Host.Capacity != nil
+	}, 10*time.Second, 10*time.Millisecond, "the host is connected and has reported its capacity (VMs can be placed)")
 	return h
 }
 
@@ -287,7 +288,12 @@ func TestVMCreateWaitNarratesEachStepUntilReadyOrFailed(t *testing.T) {
 	image := []string{"--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32)}
 	step := func(phase, detail string) {
 		h.set(func(d *eitriv1.VMDesired) *eitriv1.ActualVM {
-			return &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "stopped", Phase: phase, StatusDetail: detail}
+			row := &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "stopped", Phase: phase, StatusDetail: detail}
+			if strings.HasPrefix(detail, "downloading") {
+				total := uint64(72 * mib)
+				row.Progress = &eitriv1.Progress{Step: "download", DoneBytes: 8 * mib, TotalBytes: &total}
+			}
+			return row
 		})
 	}
 
@@ -297,7 +303,14 @@ func TestVMCreateWaitNarratesEachStepUntilReadyOrFailed(t *testing.T) {
 	// missed in between.
 	for _, s := range []string{"waiting for a create slot on this host", "downloading image 8/72 MiB", "preparing root disk", "booting"} {
 		step("creating", s)
-		require.Eventually(t, func() bool { return strings.Contains(out.String(), "creating: "+s) }, 10*time.Second, 5*time.Millisecond, "%q is said:\n%s", s, out)
+		require.Eventually(t, func() bool {
+			select {
+			case err := <-done:
+				require.NoError(t, err, "the command ended early")
+			default:
+			}
+			return strings.Contains(out.String(), "creating: "+s)
+		}, 10*time.Second, 5*time.Millisecond, "%q is said:\n%s", s, out)
 	}
 	h.set(func(d *eitriv1.VMDesired) *eitriv1.ActualVM {
 		return &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "running", Phase: "ready", Ip: "10.77.0.9"}
@@ -312,6 +325,8 @@ func TestVMCreateWaitNarratesEachStepUntilReadyOrFailed(t *testing.T) {
 	t.Logf("\n%s", text)
 	assert.Regexp(t, `^created web-1 \(vm-\S+\) on h-\S+\n`, text)
 	assertLinesInOrder(t, text, []string{"creating: waiting for a create slot on this host", "creating: downloading image 8/72 MiB",
+		// Not a terminal: the measure as a line, from VM.progress.
+		"download 8.0 MiB / 72.0 MiB (11%)",
 		"creating: preparing root disk", "creating: booting", "ready at 10.77.0.9"})
 	assert.True(t, strings.HasSuffix(text, "ready at 10.77.0.9\n"), "the address is the last thing said")
 
