@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"net"
@@ -13,6 +12,9 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/a73x/eitri/agent/exposeproxy"
 	"github.com/a73x/eitri/agent/hostvm"
@@ -53,7 +55,7 @@ type agentFlags struct {
 	joinToken func(context.Context) (string, error)
 }
 
-func (a *agentFlags) register(fs *flag.FlagSet) {
+func (a *agentFlags) register(fs *pflag.FlagSet) {
 	hn, _ := os.Hostname()
 	fs.StringVar(&a.name, "name", hn, "this host's name in the fleet")
 	fs.StringVar(&a.address, "address", "", "address published ports are reachable on (default: the address of the default route)")
@@ -98,6 +100,8 @@ func (l *prefixList) String() string {
 	return strings.Join(s, ",")
 }
 
+func (l *prefixList) Type() string { return "CIDR,..." }
+
 func (l *prefixList) Set(v string) error {
 	for f := range strings.SplitSeq(v, ",") {
 		f = strings.TrimSpace(f)
@@ -121,17 +125,21 @@ func (l *prefixList) Set(v string) error {
 	return nil
 }
 
-func cmdAgent(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+func newAgentCmd() *cobra.Command {
 	var a agentFlags
+	var level string
+	cmd := &cobra.Command{
+		Use:   "agent",
+		Short: "Run the host agent (enroll once with --join TOKEN)",
+		Args:  noArgs,
+		RunE:  func(cmd *cobra.Command, _ []string) error { return runAgent(cmd.Context(), a, newLogger(level)) },
+	}
+	fs := cmd.Flags()
 	a.register(fs)
 	fs.StringVar(&a.dataDir, "data-dir", "/var/lib/eitri-agent", "agent state, image cache and VM disks")
 	fs.StringVar(&a.join, "join", "", "join token from 'eitri host join-token' (first start only)")
-	level := fs.String("log-level", "info", "debug, info, warn or error")
-	if _, err := parse(fs, args); err != nil {
-		return err
-	}
-	return runAgent(ctx, a, newLogger(*level))
+	fs.StringVar(&level, "log-level", "info", "debug, info, warn or error")
+	return cmd
 }
 
 // runAgent wires the host's building blocks and keeps the stream up.

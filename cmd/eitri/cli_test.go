@@ -51,6 +51,8 @@ func newCLIEnv(t *testing.T, cfg server.Config) *cliEnv {
 	t.Cleanup(func() { ts.Close(); srv.Close() })
 	t.Setenv("EITRI_URL", ts.URL)
 	t.Setenv("EITRI_TOKEN", srv.AdminToken)
+	// A login saved on this machine is not the test's.
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
 	p, err := srv.Fleet.Resolve(context.Background(), srv.AdminToken)
 	require.NoError(t, err)
 	return &cliEnv{t: t, srv: srv, url: ts.URL, admin: p}

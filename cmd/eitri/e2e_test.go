@@ -92,12 +92,12 @@ func startDev(t *testing.T, dir string) *devInstance {
 	ctx, cancel := context.WithCancel(context.Background())
 	d := &devInstance{cancel: cancel, done: make(chan error, 1)}
 	go func() {
-		d.done <- cmdDev(ctx, []string{"--listen", "127.0.0.1:18080", "--data-dir", dir,
+		d.done <- execute(ctx, []string{"dev", "--listen", "127.0.0.1:18080", "--data-dir", dir,
 			"--bridge", "eitrie2e0", "--subnet", "10.79.0.1/24", "--vm-timeout", "3m", "--delete-grace", "2s", "--log-level", "warn",
 			// A failing create spends its budget in seconds, not minutes.
 			"--retry-backoff", "1s",
 			// slowImage serves on loopback, which image downloads refuse unless allowed.
-			"--image-allow", "127.0.0.1/32"})
+			"--image-allow", "127.0.0.1/32"}, stdio{in: strings.NewReader(""), out: io.Discard, err: os.Stderr})
 	}()
 	require.Eventually(t, func() bool {
 		resp, err := http.Get("http://127.0.0.1:18080/healthz")
@@ -499,4 +499,50 @@ func TestAFullDiskFailsTheVMWithAPreciseErrorAndLeavesNothing(t *testing.T) {
 	for _, e := range entries {
 		assert.Failf(t, "stray file in the image cache", "%s", e.Name())
 	}
+}
+
+// The CLI against a real dev instance and a real guest: --wait narrates
+// the create step by step, with the download measured from VM.progress,
+// and ends on the address (exit 0); a create that fails is the command's
+// error (exit 1).
+func TestWaitFollowsARealCreate(t *testing.T) {
+	if !inNetns(t) {
+		return
+	}
+	dir := t.TempDir()
+	imgURL, imgSum := slowImage(t, os.Getenv("EITRI_GUEST_IMAGE"))
+	dev := startDev(t, dir)
+	defer dev.stop(t)
+	dev.vms(t, dir) // the local host can take VMs
+	tok, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
+	require.NoError(t, err)
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	t.Setenv("EITRI_URL", "")
+	t.Setenv("EITRI_TOKEN", "")
+	_, err = eitriIn("", "login", "http://127.0.0.1:18080", "--token", strings.TrimSpace(string(tok)))
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	err = execute(ctx, []string{"vm", "create", "web-1", "--image", imgURL, "--sha256", imgSum, "--mem-mb", "256", "--disk-gb", "1", "--wait"},
+		stdio{in: strings.NewReader(""), out: &out, err: &out})
+	text := out.String()
+	t.Logf("\n%s", text)
+	require.NoError(t, err)
+	assertLinesInOrder(t, text, []string{"creating: downloading image", "download ", "creating: preparing root disk", "creating: booting", "ready at 10.79.0."})
+	assert.Regexp(t, `download \d+\.\d MiB / 72\.0 MiB \(\d+%\)`, text, "the download measured in bytes of the total, from VM.progress")
+	lines := strings.Split(strings.TrimSpace(text), "\n")
+	assert.Regexp(t, `ready at 10\.79\.0\.\d+$`, lines[len(lines)-1], "the address is the last line")
+
+	// Another digest: the cache holds the first image by its digest, and
+	// would not fetch the URL at all.
+	out.Reset()
+	err = execute(ctx, []string{"vm", "create", "missing", "--image", strings.Replace(imgURL, "/guest.raw", "/nope.raw", 1), "--sha256", strings.Repeat("1", 64), "--mem-mb", "256", "--disk-gb", "1", "--wait"},
+		stdio{in: strings.NewReader(""), out: &out, err: &out})
+	t.Logf("\n%s", out.String())
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "missing failed: ")
+	assert.Contains(t, err.Error(), "404")
+	assert.Contains(t, out.String(), "failed")
 }

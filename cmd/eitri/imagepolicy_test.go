@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -20,6 +19,7 @@ import (
 	"testing"
 
 	"github.com/go-chi/chi/v5"
+	"github.com/spf13/pflag"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -28,7 +28,7 @@ import (
 
 func TestImageAllowFlag(t *testing.T) {
 	var a agentFlags
-	fs := flag.NewFlagSet("agent", flag.ContinueOnError)
+	fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	a.register(fs)
 	require.NoError(t, fs.Parse([]string{"--image-allow", "192.168.77.0/24, 10.1.2.3/8", "--image-allow", "fd00::1,127.0.0.1"}))
@@ -42,7 +42,7 @@ func TestImageAllowFlag(t *testing.T) {
 		assert.Error(t, (&prefixList{}).Set(bad), bad)
 	}
 	var none agentFlags
-	none.register(flag.NewFlagSet("agent", flag.ContinueOnError))
+	none.register(pflag.NewFlagSet("agent", pflag.ContinueOnError))
 	assert.Empty(t, none.imagePolicy().Allow, "public addresses only unless told")
 }
 
@@ -81,7 +81,7 @@ func TestSSRFDevModeReachesOnlyItsOwnGuestImage(t *testing.T) {
 
 	devAgent := func(args ...string) *imagecache.Cache {
 		var a agentFlags
-		fs := flag.NewFlagSet("dev", flag.ContinueOnError)
+		fs := pflag.NewFlagSet("dev", pflag.ContinueOnError)
 		a.register(fs)
 		require.NoError(t, fs.Parse(args))
 		a.imageEndpoints = guestImageEndpoints(ln.Addr())

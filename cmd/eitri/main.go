@@ -1,88 +1,179 @@
 // Command eitri is the one binary: the control plane (server), the host
 // agent (agent), both at once for development (dev), and the client
-// commands (vm, host, expose, token).
+// commands (login, vm, host, expose, token, quota).
 package main
 
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/spf13/cobra"
 )
 
 // version is set at build time (-ldflags "-X main.version=...").
 var version = "dev"
 
-const usage = `eitri — a self-hosted VM fleet manager
-
-Usage:
-  eitri server   [flags]   run the control plane
-  eitri agent    [flags]   run the host agent (enroll once with --join TOKEN)
-  eitri dev      [flags]   control plane + local agent in one process (h2c on loopback)
-  eitri version
-
-  eitri vm create NAME --image URL --sha256 HEX [--vcpus N --mem-mb N --disk-gb N --host ID --ssh-key FILE|KEY --stopped]
-  eitri vm ls | get ID | start ID | stop ID | rm ID | restore ID | retry NAME|ID | events ID | watch
-                  (retry: a failed VM is tried again, with a fresh budget)
-  eitri vm orphans | adopt HOST_ID VM_ID [--owner USER_ID --name NAME] | destroy-orphan HOST_ID VM_ID
-                  (admins: VMs hosts hold but this control plane lost or has older records of)
-  eitri host ls | get ID | join-token [--ttl 1h] | decommission ID [--force]
-                  (--force: a host gone for good, disconnected 10 min or more; its VMs are marked lost)
-  eitri expose create VM_ID GUEST_PORT [--host-port N --udp --local --max N] | ls [VM_ID] | rm ID
-  eitri token create NAME [--ttl 720h --user NAME] | ls | revoke ID | sessions | end-session ID
-  eitri quota get [--user NAME]
-  eitri quota set [--user NAME | --defaults] [--vms N --vcpus N --mem-mb N --disk-gb N --exposures N --streams N]
-                  (admins; a value of "default" makes a user's limit follow the default again)
-
-Client commands read EITRI_URL (default http://127.0.0.1:8080) and EITRI_TOKEN.
-Add -o json to a client command for the API's JSON.
-`
-
 func main() {
-	if err := run(os.Args[1:], os.Stdout); err != nil {
-		var ue usageError
-		if errors.As(err, &ue) {
-			fmt.Fprintf(os.Stderr, "eitri: %v\n\n%s", err, usage)
-			os.Exit(2)
-		}
-		fmt.Fprintf(os.Stderr, "eitri: %v\n", err)
-		os.Exit(1)
+	err := run(os.Args[1:], os.Stdout)
+	if err == nil {
+		return
 	}
+	fmt.Fprintf(os.Stderr, "eitri: %v\n", err)
+	var ue usageError
+	if errors.As(err, &ue) {
+		if ue.cmd != "" {
+			fmt.Fprintf(os.Stderr, "Run '%s --help' for usage.\n", ue.cmd)
+		}
+		os.Exit(2)
+	}
+	os.Exit(1)
 }
 
-type usageError struct{ error }
+// usageError is a command line that cannot be run as typed (exit status 2),
+// as opposed to a command that ran and failed.
+type usageError struct {
+	error
+	cmd string // the command whose help explains it, when known
+}
 
-func usagef(format string, args ...any) error { return usageError{fmt.Errorf(format, args...)} }
+func usagef(format string, args ...any) error { return usageError{error: fmt.Errorf(format, args...)} }
+
+// stdio is where a command reads and writes; tests give their own.
+type stdio struct {
+	in       io.Reader
+	out, err io.Writer
+}
 
 func run(args []string, out io.Writer) error {
-	if len(args) == 0 {
-		fmt.Fprint(out, usage)
-		return nil
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	switch args[0] {
-	case "server":
-		return cmdServer(ctx, args[1:])
-	case "agent":
-		return cmdAgent(ctx, args[1:])
-	case "dev":
-		return cmdDev(ctx, args[1:])
-	case "version", "--version", "-v":
-		fmt.Fprintln(out, "eitri", version)
-		return nil
-	case "vm", "host", "expose", "token", "quota":
-		return cmdClient(ctx, args[0], args[1:], out)
-	case "help", "-h", "--help":
-		fmt.Fprint(out, usage)
+	return execute(ctx, args, stdio{in: os.Stdin, out: out, err: os.Stderr})
+}
+
+// execute runs one command line.
+func execute(ctx context.Context, args []string, io stdio) error {
+	root := newRoot(io)
+	root.SetArgs(args)
+	cmd, err := root.ExecuteContextC(ctx)
+	var ue usageError
+	if errors.As(err, &ue) && ue.cmd == "" && cmd != nil {
+		ue.cmd = cmd.CommandPath()
+		return ue
+	}
+	return err
+}
+
+const (
+	groupRun    = "run"
+	groupClient = "client"
+)
+
+// newRoot builds the command tree. Each command is built fresh, so one
+// process may run several command lines (the tests do).
+func newRoot(io stdio) *cobra.Command {
+	root := &cobra.Command{
+		Use:   "eitri",
+		Short: "eitri — a self-hosted VM fleet manager",
+		Long: `eitri — a self-hosted VM fleet manager
+
+Client commands use the control plane saved by 'eitri login' (default
+http://127.0.0.1:8080). EITRI_URL, EITRI_TOKEN and EITRI_FINGERPRINT
+override it. Add -o json or -o yaml for the API's own field names.`,
+		Version:       version,
+		SilenceErrors: true,
+		SilenceUsage:  true,
+		// No arguments prints help; anything else is an unknown command.
+		Args: cobra.ArbitraryArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return cmd.Help()
+			}
+			return unknownCommand(cmd, args[0])
+		},
+	}
+	root.SetIn(io.in)
+	root.SetOut(io.out)
+	root.SetErr(io.err)
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{error: err} })
+	root.AddGroup(&cobra.Group{ID: groupRun, Title: "Run the fleet:"}, &cobra.Group{ID: groupClient, Title: "Use the fleet:"})
+
+	a := &app{io: io, format: formatTable}
+	for _, c := range []*cobra.Command{newServerCmd(), newAgentCmd(), newDevCmd()} {
+		c.GroupID = groupRun
+		root.AddCommand(c)
+	}
+	for _, c := range []*cobra.Command{
+		newLoginCmd(a), newLogoutCmd(a),
+		newVMCmd(a), newHostCmd(a), newExposeCmd(a), newTokenCmd(a), newQuotaCmd(a),
+	} {
+		c.GroupID = groupClient
+		root.AddCommand(c)
+	}
+	root.AddCommand(&cobra.Command{
+		Use:   "version",
+		Short: "Print eitri's version",
+		Args:  noArgs,
+		Run:   func(cmd *cobra.Command, _ []string) { fmt.Fprintln(cmd.OutOrStdout(), "eitri version", version) },
+	})
+	return root
+}
+
+// noun is a command that only groups others (eitri vm, eitri host): run
+// alone or with a verb it does not know, it is a usage error.
+func noun(use, short string, verbs ...*cobra.Command) *cobra.Command {
+	c := &cobra.Command{
+		Use:   use,
+		Short: short,
+		Args:  cobra.ArbitraryArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return usagef("%s needs a subcommand", cmd.CommandPath())
+			}
+			return unknownCommand(cmd, args[0])
+		},
+	}
+	c.AddCommand(verbs...)
+	return c
+}
+
+func unknownCommand(cmd *cobra.Command, arg string) error {
+	cmd.SuggestionsMinimumDistance = 2
+	if s := cmd.SuggestionsFor(arg); len(s) > 0 {
+		return usagef("unknown command %q for %s; did you mean %q?", arg, cmd.CommandPath(), s[0])
+	}
+	return usagef("unknown command %q for %s", arg, cmd.CommandPath())
+}
+
+// noArgs refuses positional arguments, as a usage error.
+func noArgs(cmd *cobra.Command, args []string) error {
+	if len(args) > 0 {
+		return usagef("%s takes no arguments, got %q", cmd.CommandPath(), args[0])
+	}
+	return nil
+}
+
+// needArgs wants exactly the named positional arguments.
+func needArgs(names ...string) cobra.PositionalArgs {
+	return optionalArgs(len(names), names...)
+}
+
+// optionalArgs wants the first min of names, and at most all of them.
+func optionalArgs(min int, names ...string) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		switch {
+		case len(args) < min:
+			return usagef("%s needs %s", cmd.CommandPath(), names[len(args)])
+		case len(args) > len(names):
+			return usagef("%s takes %d argument(s), got %d", cmd.CommandPath(), len(names), len(args))
+		}
 		return nil
 	}
-	return usagef("unknown command %q", args[0])
 }
 
 func newLogger(level string) *slog.Logger {
@@ -91,21 +182,4 @@ func newLogger(level string) *slog.Logger {
 		l = slog.LevelInfo
 	}
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: l}))
-}
-
-// parse parses flags that may come after positional arguments too
-// ("eitri vm get ID -o json").
-func parse(fs *flag.FlagSet, args []string) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, usageError{err}
-		}
-		rest := fs.Args()
-		if len(rest) == 0 {
-			return pos, nil
-		}
-		pos = append(pos, rest[0])
-		args = rest[1:]
-	}
 }

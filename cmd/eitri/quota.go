@@ -1,13 +1,13 @@
 package main
 
 import (
-	"context"
-	"flag"
 	"fmt"
 	"io"
 	"strconv"
 
 	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
@@ -29,63 +29,85 @@ func usageOf(u *eitriv1.QuotaUsage) []int64 {
 	return []int64{u.GetVms(), u.GetVcpus(), u.GetMemMb(), u.GetDiskGb(), u.GetExposures(), u.GetStreams()}
 }
 
-// cmdQuota runs eitri quota get|set. It has flags of its own: --vcpus and
-// friends mean limits here, not a VM's size.
-func cmdQuota(ctx context.Context, verb string, args []string, out io.Writer) error {
-	fs := flag.NewFlagSet("quota "+verb, flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	output := fs.String("o", "table", "output: table or json")
-	user := fs.String("user", "", "the user (default: you)")
-	defaults := fs.Bool("defaults", false, "set: change the defaults every user without a limit of its own follows")
-	values := make([]string, len(quotaLimits))
-	for i, l := range quotaLimits {
-		fs.StringVar(&values[i], l.flag, "", "set: the limit, or \"default\" to follow the default")
-	}
-	if _, err := parse(fs, args); err != nil {
-		return err
-	}
-	c, err := newClient(out, *output == "json")
-	if err != nil {
-		return err
-	}
-	switch verb {
-	case "get":
-		r, err := c.quota.GetQuota(ctx, connect.NewRequest(&eitriv1.GetQuotaRequest{UserName: *user}))
-		if err != nil {
-			return apiError(err)
-		}
-		return c.print(r.Msg, func(w io.Writer) { quotaTable(w, r.Msg.Quota) })
-	case "set":
-		req, err := quotaSetRequest(fs, values)
-		if err != nil {
-			return err
-		}
-		req.UserName, req.Defaults = *user, *defaults
-		r, err := c.quota.SetQuota(ctx, connect.NewRequest(req))
-		if err != nil {
-			return apiError(err)
-		}
-		return c.print(r.Msg, func(w io.Writer) {
-			if r.Msg.Quota != nil {
-				quotaTable(w, r.Msg.Quota)
-				return
+func newQuotaCmd(a *app) *cobra.Command {
+	cmd := noun("quota", "Read and set what users may hold",
+		newQuotaGetCmd(a), newQuotaSetCmd(a))
+	a.addOutputFlag(cmd)
+	return cmd
+}
+
+func newQuotaGetCmd(a *app) *cobra.Command {
+	var user string
+	cmd := &cobra.Command{
+		Use:   "get",
+		Short: "Show a quota: each limit, what is used and where the limit comes from",
+		Args:  noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := a.dial()
+			if err != nil {
+				return err
 			}
-			defaultsTable(w, r.Msg.Defaults)
-		})
+			r, err := c.quota.GetQuota(cmd.Context(), connect.NewRequest(&eitriv1.GetQuotaRequest{UserName: user}))
+			if err != nil {
+				return apiError(err)
+			}
+			return c.show(r.Msg, func(w io.Writer) { quotaTable(w, r.Msg.Quota) })
+		},
 	}
-	return usagef("unknown command: eitri quota %s", verb)
+	cmd.Flags().StringVar(&user, "user", "", "the user (default: you)")
+	return cmd
+}
+
+// newQuotaSetCmd has flags of its own: --vcpus and friends mean limits
+// here, not a VM's size.
+func newQuotaSetCmd(a *app) *cobra.Command {
+	var user string
+	var defaults bool
+	values := make([]string, len(quotaLimits))
+	cmd := &cobra.Command{
+		Use:   "set [--user NAME | --defaults] [--vms N --vcpus N --mem-mb N --disk-gb N --exposures N --streams N]",
+		Short: "Admins: set a user's limits, or the defaults (\"default\" makes a limit follow the default again)",
+		Args:  noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			req, err := quotaSetRequest(cmd.Flags(), values)
+			if err != nil {
+				return err
+			}
+			req.UserName, req.Defaults = user, defaults
+			c, err := a.dial()
+			if err != nil {
+				return err
+			}
+			r, err := c.quota.SetQuota(cmd.Context(), connect.NewRequest(req))
+			if err != nil {
+				return apiError(err)
+			}
+			return c.show(r.Msg, func(w io.Writer) {
+				if r.Msg.Quota != nil {
+					quotaTable(w, r.Msg.Quota)
+					return
+				}
+				defaultsTable(w, r.Msg.Defaults)
+			})
+		},
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&user, "user", "", "the user (default: you)")
+	fs.BoolVar(&defaults, "defaults", false, "change the defaults every user without a limit of its own follows")
+	for i, l := range quotaLimits {
+		fs.StringVar(&values[i], l.flag, "", "the limit, or \"default\" to follow the default")
+	}
+	return cmd
 }
 
 // quotaSetRequest turns the limit flags given into a request: a number
 // sets a limit, "default" unsets it.
-func quotaSetRequest(fs *flag.FlagSet, values []string) (*eitriv1.SetQuotaRequest, error) {
+func quotaSetRequest(fs *pflag.FlagSet, values []string) (*eitriv1.SetQuotaRequest, error) {
 	req := &eitriv1.SetQuotaRequest{Limits: &eitriv1.QuotaLimits{}}
-	given := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	ptrs := limitPtrs(req.Limits)
 	for i, l := range quotaLimits {
 		switch v := values[i]; {
-		case !given[l.flag]:
+		case !flagGiven(fs, l.flag):
 		case v == "default":
 			req.Unset = append(req.Unset, l.name)
 		default:

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"net"
 	"net/http"
@@ -16,6 +15,7 @@ import (
 	"time"
 
 	"github.com/go-chi/chi/v5"
+	"github.com/spf13/cobra"
 
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/frontend"
@@ -23,44 +23,60 @@ import (
 	"github.com/a73x/eitri/server/auth"
 )
 
-func cmdServer(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("server", flag.ContinueOnError)
-	listen := fs.String("listen", "0.0.0.0:7443", "address to serve the API, agents and console on")
-	dataDir := fs.String("data-dir", "/var/lib/eitri", "where the database, TLS material and admin token live")
-	publicURL := fs.String("public-url", "", "URL agents dial (default https://<hostname>:<port>)")
-	tlsCert := fs.String("tls-cert", "", "serving certificate (PEM); default: a self-made CA and certificate")
-	tlsKey := fs.String("tls-key", "", "key for --tls-cert")
-	tlsHosts := fs.String("tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
-	grace := fs.Duration("delete-grace", 24*time.Hour, "how long a deleted VM stays restorable")
-	var ports portRange
-	fs.Var(&ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
-	level := fs.String("log-level", "info", "debug, info, warn or error")
-	if _, err := parse(fs, args); err != nil {
-		return err
+// serverFlags are eitri server's flags.
+type serverFlags struct {
+	listen, dataDir, publicURL string
+	tlsCert, tlsKey, tlsHosts  string
+	grace                      time.Duration
+	ports                      portRange
+	level                      string
+}
+
+func newServerCmd() *cobra.Command {
+	var f serverFlags
+	cmd := &cobra.Command{
+		Use:   "server",
+		Short: "Run the control plane",
+		Args:  noArgs,
+		RunE:  func(cmd *cobra.Command, _ []string) error { return runServer(cmd.Context(), f) },
 	}
-	log := newLogger(*level)
-	ln, err := net.Listen("tcp", *listen)
+	fs := cmd.Flags()
+	fs.StringVar(&f.listen, "listen", "0.0.0.0:7443", "address to serve the API, agents and console on")
+	fs.StringVar(&f.dataDir, "data-dir", "/var/lib/eitri", "where the database, TLS material and admin token live")
+	fs.StringVar(&f.publicURL, "public-url", "", "URL agents dial (default https://<hostname>:<port>)")
+	fs.StringVar(&f.tlsCert, "tls-cert", "", "serving certificate (PEM); default: a self-made CA and certificate")
+	fs.StringVar(&f.tlsKey, "tls-key", "", "key for --tls-cert")
+	fs.StringVar(&f.tlsHosts, "tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
+	fs.DurationVar(&f.grace, "delete-grace", 24*time.Hour, "how long a deleted VM stays restorable")
+	fs.Var(&f.ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
+	fs.StringVar(&f.level, "log-level", "info", "debug, info, warn or error")
+	return cmd
+}
+
+func runServer(ctx context.Context, f serverFlags) error {
+	log := newLogger(f.level)
+	ln, err := net.Listen("tcp", f.listen)
 	if err != nil {
 		return err
 	}
-	pub := *publicURL
+	pub := f.publicURL
 	if pub == "" {
 		hn, _ := os.Hostname()
 		pub = "https://" + net.JoinHostPort(hn, portOf(ln.Addr()))
 	}
 	var hosts []string
-	if *tlsHosts != "" {
-		hosts = strings.Split(*tlsHosts, ",")
+	if f.tlsHosts != "" {
+		hosts = strings.Split(f.tlsHosts, ",")
 	}
 	srv, err := server.New(ctx, server.Config{
-		DataDir: *dataDir, PublicURL: pub, TLSCert: *tlsCert, TLSKey: *tlsKey, TLSHosts: hosts,
-		DeleteGrace: *grace, PortMin: ports.min, PortMax: ports.max, Console: consoleHandler(), Log: log,
+		DataDir: f.dataDir, PublicURL: pub, TLSCert: f.tlsCert, TLSKey: f.tlsKey, TLSHosts: hosts,
+		DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max, Console: consoleHandler(), Log: log,
 	})
 	if err != nil {
 		return err
 	}
 	defer srv.Close()
-	announce(srv, *dataDir, pub)
+	announce(srv, f.dataDir, pub)
 	log.Info("control plane listening", "addr", ln.Addr().String(), "url", pub, "fingerprint", srv.Fingerprint)
 	return srv.Serve(ctx, ln)
 }
@@ -90,22 +106,38 @@ func portOf(a net.Addr) string {
 	return p
 }
 
-func cmdDev(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("dev", flag.ContinueOnError)
-	listen := fs.String("listen", "127.0.0.1:8080", "loopback address (plain h2c, so curl works)")
-	dataDir := fs.String("data-dir", ".data/dev", "state for the control plane and the local agent")
-	guestImage := fs.String("guest-image", "", "directory holding the built test guest (eitri-guest.qcow2/.raw), served for the quickstart")
-	grace := fs.Duration("delete-grace", 10*time.Minute, "how long a deleted VM stays restorable")
-	var ports portRange
-	fs.Var(&ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
-	level := fs.String("log-level", "info", "debug, info, warn or error")
-	var ac agentFlags
-	ac.register(fs)
-	if _, err := parse(fs, args); err != nil {
-		return err
+// devFlags are eitri dev's flags: its own and the agent's.
+type devFlags struct {
+	listen, dataDir, guestImage string
+	grace                       time.Duration
+	ports                       portRange
+	level                       string
+	agent                       agentFlags
+}
+
+func newDevCmd() *cobra.Command {
+	var f devFlags
+	cmd := &cobra.Command{
+		Use:   "dev",
+		Short: "Run the control plane and a local agent in one process (h2c on loopback)",
+		Args:  noArgs,
+		RunE:  func(cmd *cobra.Command, _ []string) error { return runDev(cmd.Context(), f) },
 	}
-	log := newLogger(*level)
-	addr, err := loopbackAddr(ctx, *listen, lookupHost)
+	fs := cmd.Flags()
+	fs.StringVar(&f.listen, "listen", "127.0.0.1:8080", "loopback address (plain h2c, so curl works)")
+	fs.StringVar(&f.dataDir, "data-dir", ".data/dev", "state for the control plane and the local agent")
+	fs.StringVar(&f.guestImage, "guest-image", "", "directory holding the built test guest (eitri-guest.qcow2/.raw), served for the quickstart")
+	fs.DurationVar(&f.grace, "delete-grace", 10*time.Minute, "how long a deleted VM stays restorable")
+	fs.Var(&f.ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
+	fs.StringVar(&f.level, "log-level", "info", "debug, info, warn or error")
+	f.agent.register(fs)
+	return cmd
+}
+
+func runDev(ctx context.Context, f devFlags) error {
+	ac := f.agent
+	log := newLogger(f.level)
+	addr, err := loopbackAddr(ctx, f.listen, lookupHost)
 	if err != nil {
 		return err
 	}
@@ -114,11 +146,11 @@ func cmdDev(ctx context.Context, args []string) error {
 		return err
 	}
 	url := "http://" + ln.Addr().String()
-	cpDir := filepath.Join(*dataDir, "control")
+	cpDir := filepath.Join(f.dataDir, "control")
 	srv, err := server.New(ctx, server.Config{
-		DataDir: cpDir, PublicURL: url, Plaintext: true, DeleteGrace: *grace, PortMin: ports.min, PortMax: ports.max,
+		DataDir: cpDir, PublicURL: url, Plaintext: true, DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max,
 		Console: consoleHandler(), Log: log.With("part", "control"),
-		Routes: func(r chi.Router) { serveGuestImage(r, *guestImage, url) },
+		Routes: func(r chi.Router) { serveGuestImage(r, f.guestImage, url) },
 	})
 	if err != nil {
 		return err
@@ -133,8 +165,8 @@ func cmdDev(ctx context.Context, args []string) error {
 
 	// The local agent enrolls itself with a token minted in-process, so dev
 	// mode needs no copy and paste.
-	ac.dataDir = filepath.Join(*dataDir, "agent")
-	if *guestImage != "" {
+	ac.dataDir = filepath.Join(f.dataDir, "agent")
+	if f.guestImage != "" {
 		ac.imageEndpoints = guestImageEndpoints(ln.Addr())
 	}
 	ac.joinToken = func(ctx context.Context) (string, error) {
@@ -270,6 +302,8 @@ func (p *portRange) String() string {
 	}
 	return fmt.Sprintf("%d-%d", p.min, p.max)
 }
+
+func (p *portRange) Type() string { return "LOW-HIGH" }
 
 func (p *portRange) Set(s string) error {
 	lo, hi, ok := strings.Cut(s, "-")
