@@ -439,12 +439,14 @@ func TestAPIDocRuns(t *testing.T) {
 // The README's snippets that cannot run here, and why. Every other sh block
 // in it runs; a new one runs unless it is added here with its reason.
 var readmeNotRun = map[string]string{
-	"make run":                 "builds and starts eitri dev for good (make test runs this test)",
-	`export PATH="$PWD/bin`:    "points at eitri dev's port 8080 and data dir; this test has its own control plane",
-	"img=$(curl -s $EITRI_URL": "needs eitri dev's test guest and QEMU, and `eitri vm watch` mid-block runs until stopped (cmd/eitri's dev e2e test does this)",
-	"install -m 0644 deploy":   "installs systemd units on this machine",
-	"eitri host join-token":    "installs and starts an agent under systemd",
-	"sqlite3 /var/lib/eitri":   "backs up /var/lib/eitri of an installed control plane",
+	"make run":                               "builds and starts eitri dev for good (make test runs this test)",
+	`export PATH="$PWD/bin`:                  "logs in to eitri dev's port 8080 with its data dir's token; this test has its own control plane (cmd/eitri's login tests cover eitri login)",
+	"export EITRI_URL=http://127.0.0.1:8080": "points at eitri dev's port 8080 and data dir; this test sets EITRI_URL and EITRI_TOKEN for its own control plane",
+	"img=$(curl -s $EITRI_URL":               "needs eitri dev's test guest and QEMU (cmd/eitri's TestWaitFollowsARealCreate runs this create --wait against a real dev instance)",
+	"install -m 0644 deploy":                 "installs systemd units on this machine",
+	"eitri host join-token":                  "installs and starts an agent under systemd",
+	"sqlite3 /var/lib/eitri":                 "backs up /var/lib/eitri of an installed control plane",
+	"npm pack /path/to/eitri":                "installs packages into the directory it runs in; make test's gen/ts node test uses the same package with connect-node",
 }
 
 func TestREADMERuns(t *testing.T) {
