@@ -68,7 +68,7 @@ func TestATenantCannotTakeAWellKnownPortOrOneOutsideTheRange(t *testing.T) {
 	for _, c := range []struct {
 		port  uint32
 		proto string
-	}{{22, "tcp"}, {25, "tcp"}, {443, "tcp"}, {53, "udp"}, {7443, "tcp"}, {29999, "tcp"}, {32768, "udp"}, {65535, "tcp"}} {
+	}{{22, "tcp"}, {25, "tcp"}, {443, "tcp"}, {123, "udp"}, {7443, "tcp"}, {29999, "tcp"}, {32768, "udp"}, {65535, "tcp"}} {
 		_, err := expose(e, alice, vm.Id, c.port, c.proto)
 		require.Equal(t, connect.CodePermissionDenied, code(err), "%d/%s", c.port, c.proto)
 		assert.Contains(t, err.Error(), "host_port:")
@@ -131,6 +131,9 @@ func TestNobodyTakesTheControlPlanesOrTheAgentsOwnPort(t *testing.T) {
 		{"tenant", alice, avm.Id, uint32(port), "tcp", "control plane"},
 		{"admin", e.admin, vm.Id, 8443, "tcp", "control plane"},
 		{"admin", e.admin, vm.Id, 67, "udp", "DHCP"},
+		{"admin", e.admin, vm.Id, 53, "udp", "DNS forwarder"},
+		{"tenant", alice, avm.Id, 53, "tcp", "DNS forwarder"},
+		{"admin", e.admin, vm.Id, 7480, "tcp", "phone-home"},
 	}
 	for _, c := range cases {
 		_, err := expose(e, c.tok, c.vm, c.port, c.proto)
