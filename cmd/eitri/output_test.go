@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/stretchr/testify/assert"
@@ -40,6 +41,13 @@ func TestOutputJSONAndYAMLParseBackToTheSameMessage(t *testing.T) {
 	})
 	_, err := e.eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32), "--mem-mb", "768", "--wait")
 	require.NoError(t, err)
+	// --wait ends on the live report; the row's stored status follows it a
+	// moment later, and the calls below must read one settled VM.
+	require.Eventually(t, func() bool {
+		js, err := e.eitri("vm", "get", "web-1", "-o", "json")
+		var r eitriv1.GetVMResponse
+		return err == nil && protojson.Unmarshal([]byte(js), &r) == nil && r.GetVm().GetStatus() == "ready"
+	}, 10*time.Second, 20*time.Millisecond, "the stored status catches up with the report")
 
 	cases := []struct {
 		args []string
