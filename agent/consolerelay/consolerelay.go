@@ -168,11 +168,17 @@ func (r *relay) answer(ctx context.Context, c *eitriv1.CallsResponse) {
 	switch call := c.GetCall().(type) {
 	case *eitriv1.CallsResponse_ConsoleOutput:
 		o := call.ConsoleOutput
-		err = r.serial.FollowSerial(ctx, o.GetVmId(), qemu.SerialFrom{Boot: o.GetBoot(), Offset: o.GetOffset(), Tail: int64(o.GetTailBytes())},
-			func(ch qemu.SerialChunk) error {
-				return st.Send(&eitriv1.ConsoleRequest{Data: ch.Data, Boot: ch.Boot, Offset: ch.Offset, NewBoot: ch.NewBoot})
-			})
-		if err == nil || ctx.Err() != nil {
+		from := qemu.SerialFrom{Boot: o.GetBoot(), Offset: o.GetOffset(), Tail: int64(o.GetTailBytes()), NoFollow: o.GetNoFollow()}
+		err = r.serial.FollowSerial(ctx, o.GetVmId(), from, func(ch qemu.SerialChunk) error {
+			return st.Send(&eitriv1.ConsoleRequest{Data: ch.Data, Boot: ch.Boot, Offset: ch.Offset, NewBoot: ch.NewBoot})
+		})
+		if ctx.Err() != nil {
+			return
+		}
+		if err == nil {
+			if o.GetNoFollow() {
+				_ = st.Send(&eitriv1.ConsoleRequest{Done: true})
+			}
 			return
 		}
 	case *eitriv1.CallsResponse_ConsoleInput:

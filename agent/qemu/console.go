@@ -88,6 +88,8 @@ type SerialFrom struct {
 	Boot   string
 	Offset int64
 	Tail   int64
+	// NoFollow: return once the output written so far is emitted.
+	NoFollow bool
 }
 
 // FollowSerial hands the VM's serial output to emit from the start point,
@@ -115,6 +117,9 @@ func (b *Backend) FollowSerial(ctx context.Context, id string, from SerialFrom, 
 	for {
 		if err := fl.drain(); err != nil {
 			return err
+		}
+		if from.NoFollow {
+			return nil
 		}
 		select {
 		case <-ctx.Done():

@@ -168,3 +168,11 @@ func TestTheSerialPortListensForInputAndLogsAsBefore(t *testing.T) {
 	assert.Equal(t, "file,id=serial0,path="+long.serialPath(id), long.serialArgs(id)[1],
 		"a socket path too long for a unix socket leaves the console read-only")
 }
+
+func TestFollowSerialWithoutFollowingReturnsOnceCaughtUp(t *testing.T) {
+	b, id := serialBackend(t)
+	appendLog(t, b.serialPath(id), "all there is\n")
+	c := &chunks{}
+	require.NoError(t, b.FollowSerial(context.Background(), id, SerialFrom{NoFollow: true}, c.emit))
+	assert.Equal(t, "all there is\n", c.text())
+}

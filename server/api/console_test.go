@@ -85,6 +85,17 @@ func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
 	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return out.String() == "booting...\nlogin: " }, 10*time.Second, 20*time.Millisecond,
 		"the log's tail, then what is written, arrive")
 
+	t.Run("without following, the stream ends after the output so far", func(t *testing.T) {
+		st, err := vms.StreamConsole(ctx, connect.NewRequest(&eitriv1.StreamConsoleRequest{VmId: id, NoFollow: true}))
+		require.NoError(t, err)
+		var got bytes.Buffer
+		for st.Receive() {
+			got.Write(st.Msg().GetData())
+		}
+		require.NoError(t, st.Err())
+		assert.Equal(t, "booting...\nlogin: ", got.String())
+	})
+
 	t.Run("input to a VM whose QEMU is not running is refused by its host", func(t *testing.T) {
 		_, err := vms.SendConsoleInput(ctx, connect.NewRequest(&eitriv1.SendConsoleInputRequest{VmId: id, Data: []byte("root\r")}))
 		assert.Equal(t, connect.CodeFailedPrecondition, code(err), "%v", err)

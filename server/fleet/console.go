@@ -282,7 +282,7 @@ func (f *Fleet) StreamConsole(ctx context.Context, r *eitriv1.StreamConsoleReque
 		return err
 	}
 	pc, end, err := f.call(ctx, hostID, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_ConsoleOutput{ConsoleOutput: &eitriv1.ConsoleOutputCall{
-		VmId: r.GetVmId(), Boot: r.GetBoot(), Offset: r.GetOffset(), TailBytes: r.GetTailBytes(),
+		VmId: r.GetVmId(), Boot: r.GetBoot(), Offset: r.GetOffset(), TailBytes: r.GetTailBytes(), NoFollow: r.GetNoFollow(),
 	}}})
 	if err != nil {
 		return err
@@ -299,6 +299,9 @@ func (f *Fleet) StreamConsole(ctx context.Context, r *eitriv1.StreamConsoleReque
 			}
 			if m.GetErrorCode() != "" {
 				return agentError(m)
+			}
+			if m.GetDone() {
+				return nil // no_follow: the output so far is sent
 			}
 			if err := send(&eitriv1.StreamConsoleResponse{Data: m.GetData(), Boot: m.GetBoot(), Offset: m.GetOffset(), NewBoot: m.GetNewBoot()}); err != nil {
 				return err

@@ -1715,11 +1715,13 @@ func (*CallsResponse_ConsoleInput) isCallsResponse_Call() {}
 // ConsoleOutputCall asks for a VM's serial output, as
 // StreamConsoleRequest.
 type ConsoleOutputCall struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	VmId          string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
-	Boot          string                 `protobuf:"bytes,2,opt,name=boot,proto3" json:"boot,omitempty"`
-	Offset        int64                  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
-	TailBytes     uint32                 `protobuf:"varint,4,opt,name=tail_bytes,json=tailBytes,proto3" json:"tail_bytes,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	VmId      string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	Boot      string                 `protobuf:"bytes,2,opt,name=boot,proto3" json:"boot,omitempty"`
+	Offset    int64                  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
+	TailBytes uint32                 `protobuf:"varint,4,opt,name=tail_bytes,json=tailBytes,proto3" json:"tail_bytes,omitempty"`
+	// Send the output written so far, then done, rather than follow it.
+	NoFollow      bool `protobuf:"varint,5,opt,name=no_follow,json=noFollow,proto3" json:"no_follow,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1780,6 +1782,13 @@ func (x *ConsoleOutputCall) GetTailBytes() uint32 {
 		return x.TailBytes
 	}
 	return 0
+}
+
+func (x *ConsoleOutputCall) GetNoFollow() bool {
+	if x != nil {
+		return x.NoFollow
+	}
+	return false
 }
 
 // ConsoleInputCall types data into a VM's serial console.
@@ -1845,7 +1854,8 @@ type ConsoleRequest struct {
 	Boot    string `protobuf:"bytes,3,opt,name=boot,proto3" json:"boot,omitempty"`
 	Offset  int64  `protobuf:"varint,4,opt,name=offset,proto3" json:"offset,omitempty"`
 	NewBoot bool   `protobuf:"varint,5,opt,name=new_boot,json=newBoot,proto3" json:"new_boot,omitempty"`
-	// The call is answered (input written); the agent closes the stream.
+	// The call is answered (input written, or the output so far sent for a
+	// no_follow call); the agent closes the stream.
 	Done bool `protobuf:"varint,6,opt,name=done,proto3" json:"done,omitempty"`
 	// Set on the last frame of a call that failed: "not_found" (no such VM
 	// on this host), "failed_precondition" (not running, or no console
@@ -2124,13 +2134,14 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12D\n" +
 	"\x0econsole_output\x18\x02 \x01(\v2\x1b.eitri.v1.ConsoleOutputCallH\x00R\rconsoleOutput\x12A\n" +
 	"\rconsole_input\x18\x03 \x01(\v2\x1a.eitri.v1.ConsoleInputCallH\x00R\fconsoleInputB\x06\n" +
-	"\x04call\"s\n" +
+	"\x04call\"\x90\x01\n" +
 	"\x11ConsoleOutputCall\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04boot\x18\x02 \x01(\tR\x04boot\x12\x16\n" +
 	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x1d\n" +
 	"\n" +
-	"tail_bytes\x18\x04 \x01(\rR\ttailBytes\";\n" +
+	"tail_bytes\x18\x04 \x01(\rR\ttailBytes\x12\x1b\n" +
+	"\tno_follow\x18\x05 \x01(\bR\bnoFollow\";\n" +
 	"\x10ConsoleInputCall\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\"\xcd\x01\n" +

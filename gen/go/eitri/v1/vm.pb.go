@@ -1872,13 +1872,17 @@ type StreamConsoleRequest struct {
 	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
 	// Resume where an earlier stream left off: the boot and the offset after
 	// the last data received. A boot that is no longer the VM's latest (it
-	// rebooted meanwhile) starts the stream at the latest boot's beginning.
+	// rebooted meanwhile) starts the stream at the latest boot's beginning
+	// (at most its last 1 MiB).
 	// Empty: start with the last tail_bytes of the latest boot.
 	Boot   string `protobuf:"bytes,2,opt,name=boot,proto3" json:"boot,omitempty"`
 	Offset int64  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
 	// How much of the output already written to send first when not
 	// resuming: 0 means 16 KiB; at most 1 MiB.
-	TailBytes     uint32 `protobuf:"varint,4,opt,name=tail_bytes,json=tailBytes,proto3" json:"tail_bytes,omitempty"`
+	TailBytes uint32 `protobuf:"varint,4,opt,name=tail_bytes,json=tailBytes,proto3" json:"tail_bytes,omitempty"`
+	// End the stream once the output written so far is sent, instead of
+	// following it live (`eitri vm logs` without -f).
+	NoFollow      bool `protobuf:"varint,5,opt,name=no_follow,json=noFollow,proto3" json:"no_follow,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1939,6 +1943,13 @@ func (x *StreamConsoleRequest) GetTailBytes() uint32 {
 		return x.TailBytes
 	}
 	return 0
+}
+
+func (x *StreamConsoleRequest) GetNoFollow() bool {
+	if x != nil {
+		return x.NoFollow
+	}
+	return false
 }
 
 type StreamConsoleResponse struct {
@@ -2236,13 +2247,14 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x18DestroyOrphanedVMRequest\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12\x13\n" +
 	"\x05vm_id\x18\x02 \x01(\tR\x04vmId\"\x1b\n" +
-	"\x19DestroyOrphanedVMResponse\"v\n" +
+	"\x19DestroyOrphanedVMResponse\"\x93\x01\n" +
 	"\x14StreamConsoleRequest\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04boot\x18\x02 \x01(\tR\x04boot\x12\x16\n" +
 	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x1d\n" +
 	"\n" +
-	"tail_bytes\x18\x04 \x01(\rR\ttailBytes\"r\n" +
+	"tail_bytes\x18\x04 \x01(\rR\ttailBytes\x12\x1b\n" +
+	"\tno_follow\x18\x05 \x01(\bR\bnoFollow\"r\n" +
 	"\x15StreamConsoleResponse\x12\x12\n" +
 	"\x04data\x18\x01 \x01(\fR\x04data\x12\x12\n" +
 	"\x04boot\x18\x02 \x01(\tR\x04boot\x12\x16\n" +

@@ -991,6 +991,13 @@ export declare type ConsoleOutputCall = Message<"eitri.v1.ConsoleOutputCall"> & 
    * @generated from field: uint32 tail_bytes = 4;
    */
   tailBytes: number;
+
+  /**
+   * Send the output written so far, then done, rather than follow it.
+   *
+   * @generated from field: bool no_follow = 5;
+   */
+  noFollow: boolean;
 };
 
 /**
@@ -1058,7 +1065,8 @@ export declare type ConsoleRequest = Message<"eitri.v1.ConsoleRequest"> & {
   newBoot: boolean;
 
   /**
-   * The call is answered (input written); the agent closes the stream.
+   * The call is answered (input written, or the output so far sent for a
+   * no_follow call); the agent closes the stream.
    *
    * @generated from field: bool done = 6;
    */

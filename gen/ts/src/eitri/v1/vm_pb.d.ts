@@ -879,7 +879,8 @@ export declare type StreamConsoleRequest = Message<"eitri.v1.StreamConsoleReques
   /**
    * Resume where an earlier stream left off: the boot and the offset after
    * the last data received. A boot that is no longer the VM's latest (it
-   * rebooted meanwhile) starts the stream at the latest boot's beginning.
+   * rebooted meanwhile) starts the stream at the latest boot's beginning
+   * (at most its last 1 MiB).
    * Empty: start with the last tail_bytes of the latest boot.
    *
    * @generated from field: string boot = 2;
@@ -898,6 +899,14 @@ export declare type StreamConsoleRequest = Message<"eitri.v1.StreamConsoleReques
    * @generated from field: uint32 tail_bytes = 4;
    */
   tailBytes: number;
+
+  /**
+   * End the stream once the output written so far is sent, instead of
+   * following it live (`eitri vm logs` without -f).
+   *
+   * @generated from field: bool no_follow = 5;
+   */
+  noFollow: boolean;
 };
 
 /**
