@@ -3,8 +3,11 @@ package qemu
 import (
 	"bytes"
 	"context"
+	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -175,4 +178,60 @@ func TestFollowSerialWithoutFollowingReturnsOnceCaughtUp(t *testing.T) {
 	c := &chunks{}
 	require.NoError(t, b.FollowSerial(context.Background(), id, SerialFrom{NoFollow: true}, c.emit))
 	assert.Equal(t, "all there is\n", c.text())
+}
+
+// fakeQEMU runs a process the backend takes for the VM's QEMU (its command
+// line names the VM's pidfile), with extra arguments.
+func fakeQEMU(t *testing.T, b *Backend, id string, extra ...string) {
+	t.Helper()
+	args := append([]string{"-c", "sleep 60", "-pidfile", b.pidPath(id)}, extra...)
+	cmd := exec.Command("sh", args...)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	require.NoError(t, os.WriteFile(b.pidPath(id), []byte(strconv.Itoa(cmd.Process.Pid)), 0o600))
+}
+
+func TestInputToAQEMUWithoutTheSocketSaysWhy(t *testing.T) {
+	b, id := serialBackend(t)
+	fakeQEMU(t, b, id, "-chardev", "file,id=serial0,path="+b.serialPath(id))
+	err := b.SerialInput(context.Background(), id, []byte("x"))
+	require.ErrorIs(t, err, ErrNoSerialInput)
+	assert.Contains(t, err.Error(), "older agent")
+}
+
+func TestInputIsWrittenToTheSerialSocket(t *testing.T) {
+	b, id := serialBackend(t)
+	ln, err := net.Listen("unix", b.serialSockPath(id))
+	require.NoError(t, err)
+	defer ln.Close()
+	fakeQEMU(t, b, id, b.serialArgs(id)...)
+
+	got := make(chan string, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_, _ = c.Write([]byte("output the log holds too")) // drained by the agent
+		buf := make([]byte, 64)
+		var all []byte
+		for len(all) < len("ls\rpwd\r") {
+			n, err := c.Read(buf)
+			if err != nil {
+				return
+			}
+			all = append(all, buf[:n]...)
+		}
+		got <- string(all)
+	}()
+	require.NoError(t, b.SerialInput(context.Background(), id, []byte("ls\r")))
+	require.NoError(t, b.SerialInput(context.Background(), id, []byte("pwd\r")))
+	select {
+	case s := <-got:
+		assert.Equal(t, "ls\rpwd\r", s, "both batches, in order, on one connection")
+	case <-time.After(5 * time.Second):
+		t.Fatal("nothing arrived on the socket")
+	}
+	b.forgetSerial(id)
 }
