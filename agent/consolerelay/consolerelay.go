@@ -90,7 +90,8 @@ type relay struct {
 	slots  chan struct{}
 }
 
-// listen runs one Calls stream; healthy reports that it opened.
+// listen runs one Calls stream; healthy reports that it was up: it
+// carried a call, or lasted (calls may be rare).
 func (r *relay) listen(ctx context.Context, instance string) (healthy bool, err error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -99,6 +100,8 @@ func (r *relay) listen(ctx context.Context, instance string) (healthy bool, err 
 		return false, err
 	}
 	defer st.Close()
+	opened := time.Now()
+	defer func() { healthy = healthy || time.Since(opened) > 10*time.Second }()
 	for st.Receive() {
 		healthy = true
 		c := st.Msg()
