@@ -102,6 +102,8 @@ type Backend struct {
 	// launched is the accelerator of each QEMU this Backend started, so a
 	// KVM failure can be blamed on the right candidate after QEMU is gone.
 	launched map[string]Accel
+	// serial holds the open console input connections (console.go).
+	serial serialConns
 
 	// Probe bounds and the KVM device, fields so tests can change them.
 	kvmProbeTimeout, tcgProbeTimeout time.Duration
@@ -430,6 +432,7 @@ func (b *Backend) Start(ctx context.Context, vm VM) error {
 func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, rootFormat string) error {
 	_ = os.Remove(b.pidPath(vm.ID))
 	_ = os.Remove(b.sockPath(vm.ID))
+	_ = os.Remove(b.serialSockPath(vm.ID))
 	_ = os.Remove(b.logPath(vm.ID))
 	if err := b.rotateSerial(vm.ID); err != nil {
 		b.log.Warn("cannot keep the previous serial log; the new boot overwrites it", "id", vm.ID, "err", err)
@@ -489,8 +492,9 @@ func (b *Backend) args(vm VM, accel Accel, rootFormat string) []string {
 		"-nodefaults", "-no-user-config",
 		"-display", "none",
 		"-rtc", "base=utc",
-		"-chardev", "file,id=serial0,path="+optEscape(b.serialPath(vm.ID)),
-		"-serial", "chardev:serial0",
+	)
+	args = append(args, b.serialArgs(vm.ID)...)
+	args = append(args,
 		"-chardev", "socket,id=qmp,path="+optEscape(b.sockPath(vm.ID))+",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		// The pidfile argument also identifies the process as this VM's
@@ -759,8 +763,10 @@ func (b *Backend) killLocked(ctx context.Context, id string, pid int) error {
 // request (or was reported by Exited); logs and disks stay.
 func (b *Backend) cleanRuntime(id string) {
 	b.unwatch(id)
+	b.forgetSerial(id)
 	_ = os.Remove(b.pidPath(id))
 	_ = os.Remove(b.sockPath(id))
+	_ = os.Remove(b.serialSockPath(id))
 }
 
 // waitGone polls until the process is no longer this VM's QEMU or d passes.

@@ -129,6 +129,9 @@ type Config struct {
 	Log                    *slog.Logger
 	// OnSnapshot is told each applied generation (tests, metrics).
 	OnSnapshot func(generation uint64)
+	// Client is the HTTP client to use (nil: HTTPClient of the identity's
+	// pin); share one so the agent's other streams ride the same connection.
+	Client *http.Client
 }
 
 // refusedBackoff is the shortest wait after the control plane refused the
@@ -152,7 +155,11 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	client := eitriv1connect.NewAgentServiceClient(HTTPClient(cfg.Identity.Fingerprint), cfg.Identity.ServerURL,
+	hc := cfg.Client
+	if hc == nil {
+		hc = HTTPClient(cfg.Identity.Fingerprint)
+	}
+	client := eitriv1connect.NewAgentServiceClient(hc, cfg.Identity.ServerURL,
 		connect.WithInterceptors(Bearer(cfg.Identity.Credential)))
 	backoff := cfg.MinBackoff
 	for {

@@ -16,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/a73x/eitri/agent/consolerelay"
 	"github.com/a73x/eitri/agent/exposeproxy"
 	"github.com/a73x/eitri/agent/hostvm"
 	"github.com/a73x/eitri/agent/imagecache"
@@ -257,8 +258,13 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	}
 	instance := rand.Text()
 	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", qb.Accel().Name, "address", addr)
+	// One connection carries the Sync stream and the console calls.
+	hc := syncclient.HTTPClient(id.Fingerprint)
+	go func() {
+		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: instance, Serial: qb, Log: log})
+	}()
 	return syncclient.Run(ctx, syncclient.Config{
-		Identity: id, Source: n, Log: log,
+		Identity: id, Source: n, Log: log, Client: hc,
 		Hello: func() *eitriv1.Hello {
 			acc := qb.Accel()
 			cp, epoch, gen := eng.Lineage()

@@ -58,6 +58,8 @@ func newVMCmd(a *app) *cobra.Command {
 		}),
 		newVMEventsCmd(a),
 		newVMWatchCmd(a),
+		newVMConsoleCmd(a),
+		newVMLogsCmd(a),
 		newVMWaitCmd(a),
 		newVMOrphansCmd(a),
 		newVMAdoptCmd(a),

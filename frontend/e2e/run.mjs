@@ -387,6 +387,20 @@ async function inside(bin, guest) {
 			await shot('vm-detail');
 		}).then(async (ok) => ok || (await failShot('create-vm'), false));
 
+		// 2b. The serial console panel shows what the guest printed, live,
+		// under the console's CSP (errors would be logged above), and types.
+		if (!vmReady) fail('the serial console shows the guest and takes keys', 'no ready VM');
+		else
+			await check('the serial console shows the guest\'s ready line and echoes what is typed', async () => {
+				const term = page.locator('div[aria-label="Serial console"]');
+				await term.getByText(/EITRI-GUEST-READY/).first().waitFor({ timeout: 60_000 });
+				await term.locator('.xterm-screen').click();
+				await page.keyboard.type('typed-in-e2e');
+				await page.keyboard.press('Enter');
+				await term.getByText(/typed-in-e2e/).first().waitFor({ timeout: 30_000 });
+				await shot('vm-console');
+			}).then(async (ok) => ok || (await failShot('vm-console'), false));
+
 		// 3. Publish a port and watch its session counters move.
 		if (!vmReady) fail('publish a port and see the session summary change', 'no ready VM');
 		else

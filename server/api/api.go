@@ -68,6 +68,7 @@ var codes = map[fleet.Kind]connect.Code{
 	fleet.Precondition:    connect.CodeFailedPrecondition,
 	fleet.Unauthenticated: connect.CodeUnauthenticated,
 	fleet.Exhausted:       connect.CodeResourceExhausted,
+	fleet.Unavailable:     connect.CodeUnavailable,
 }
 
 // toConnect maps a fleet error to its Connect code. Internal errors are

@@ -35,6 +35,9 @@ const (
 	Unauthenticated
 	// Exhausted: a quota or cap would be exceeded.
 	Exhausted
+	// Unavailable: a host the request needs is not reachable now; trying
+	// again later may work.
+	Unavailable
 )
 
 // Error is a domain error with a message meant for the caller.
@@ -108,6 +111,8 @@ type Fleet struct {
 	creds credStreams // open streams by credential, ended on revoke
 
 	published published // the rows watchers last heard, for narration
+
+	consoles consoleHub // console calls relayed by hosts (console.go)
 }
 
 // New returns a fleet over st.

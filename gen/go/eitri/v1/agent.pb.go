@@ -1574,6 +1574,422 @@ func (x *JoinToken) GetSecret() string {
 	return ""
 }
 
+type CallsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// As Hello.instance_id: a Calls stream from another agent process than
+	// the one holding the host's Sync stream (a cloned disk) is refused.
+	InstanceId    string `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CallsRequest) Reset() {
+	*x = CallsRequest{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CallsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CallsRequest) ProtoMessage() {}
+
+func (x *CallsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CallsRequest.ProtoReflect.Descriptor instead.
+func (*CallsRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *CallsRequest) GetInstanceId() string {
+	if x != nil {
+		return x.InstanceId
+	}
+	return ""
+}
+
+// CallsResponse is one call from the control plane. The agent answers it by
+// opening Console with the call's id in its first message.
+type CallsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Types that are valid to be assigned to Call:
+	//
+	//	*CallsResponse_ConsoleOutput
+	//	*CallsResponse_ConsoleInput
+	Call          isCallsResponse_Call `protobuf_oneof:"call"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CallsResponse) Reset() {
+	*x = CallsResponse{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CallsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CallsResponse) ProtoMessage() {}
+
+func (x *CallsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CallsResponse.ProtoReflect.Descriptor instead.
+func (*CallsResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *CallsResponse) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *CallsResponse) GetCall() isCallsResponse_Call {
+	if x != nil {
+		return x.Call
+	}
+	return nil
+}
+
+func (x *CallsResponse) GetConsoleOutput() *ConsoleOutputCall {
+	if x != nil {
+		if x, ok := x.Call.(*CallsResponse_ConsoleOutput); ok {
+			return x.ConsoleOutput
+		}
+	}
+	return nil
+}
+
+func (x *CallsResponse) GetConsoleInput() *ConsoleInputCall {
+	if x != nil {
+		if x, ok := x.Call.(*CallsResponse_ConsoleInput); ok {
+			return x.ConsoleInput
+		}
+	}
+	return nil
+}
+
+type isCallsResponse_Call interface {
+	isCallsResponse_Call()
+}
+
+type CallsResponse_ConsoleOutput struct {
+	ConsoleOutput *ConsoleOutputCall `protobuf:"bytes,2,opt,name=console_output,json=consoleOutput,proto3,oneof"`
+}
+
+type CallsResponse_ConsoleInput struct {
+	ConsoleInput *ConsoleInputCall `protobuf:"bytes,3,opt,name=console_input,json=consoleInput,proto3,oneof"`
+}
+
+func (*CallsResponse_ConsoleOutput) isCallsResponse_Call() {}
+
+func (*CallsResponse_ConsoleInput) isCallsResponse_Call() {}
+
+// ConsoleOutputCall asks for a VM's serial output, as
+// StreamConsoleRequest.
+type ConsoleOutputCall struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	VmId      string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	Boot      string                 `protobuf:"bytes,2,opt,name=boot,proto3" json:"boot,omitempty"`
+	Offset    int64                  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
+	TailBytes uint32                 `protobuf:"varint,4,opt,name=tail_bytes,json=tailBytes,proto3" json:"tail_bytes,omitempty"`
+	// Send the output written so far, then done, rather than follow it.
+	NoFollow      bool `protobuf:"varint,5,opt,name=no_follow,json=noFollow,proto3" json:"no_follow,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConsoleOutputCall) Reset() {
+	*x = ConsoleOutputCall{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConsoleOutputCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConsoleOutputCall) ProtoMessage() {}
+
+func (x *ConsoleOutputCall) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConsoleOutputCall.ProtoReflect.Descriptor instead.
+func (*ConsoleOutputCall) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *ConsoleOutputCall) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *ConsoleOutputCall) GetBoot() string {
+	if x != nil {
+		return x.Boot
+	}
+	return ""
+}
+
+func (x *ConsoleOutputCall) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *ConsoleOutputCall) GetTailBytes() uint32 {
+	if x != nil {
+		return x.TailBytes
+	}
+	return 0
+}
+
+func (x *ConsoleOutputCall) GetNoFollow() bool {
+	if x != nil {
+		return x.NoFollow
+	}
+	return false
+}
+
+// ConsoleInputCall types data into a VM's serial console.
+type ConsoleInputCall struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	VmId          string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	Data          []byte                 `protobuf:"bytes,2,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConsoleInputCall) Reset() {
+	*x = ConsoleInputCall{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConsoleInputCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConsoleInputCall) ProtoMessage() {}
+
+func (x *ConsoleInputCall) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConsoleInputCall.ProtoReflect.Descriptor instead.
+func (*ConsoleInputCall) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *ConsoleInputCall) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *ConsoleInputCall) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+// ConsoleRequest is one frame from the agent on a Console stream.
+type ConsoleRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Set on the first frame only: the call this stream answers.
+	CallId string `protobuf:"bytes,1,opt,name=call_id,json=callId,proto3" json:"call_id,omitempty"`
+	// Output, as StreamConsoleResponse.
+	Data    []byte `protobuf:"bytes,2,opt,name=data,proto3" json:"data,omitempty"`
+	Boot    string `protobuf:"bytes,3,opt,name=boot,proto3" json:"boot,omitempty"`
+	Offset  int64  `protobuf:"varint,4,opt,name=offset,proto3" json:"offset,omitempty"`
+	NewBoot bool   `protobuf:"varint,5,opt,name=new_boot,json=newBoot,proto3" json:"new_boot,omitempty"`
+	// The call is answered (input written, or the output so far sent for a
+	// no_follow call); the agent closes the stream.
+	Done bool `protobuf:"varint,6,opt,name=done,proto3" json:"done,omitempty"`
+	// Set on the last frame of a call that failed: "not_found" (no such VM
+	// on this host), "failed_precondition" (not running, or no console
+	// input) or "unavailable"; error says why, for people.
+	ErrorCode     string `protobuf:"bytes,7,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	Error         string `protobuf:"bytes,8,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConsoleRequest) Reset() {
+	*x = ConsoleRequest{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConsoleRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConsoleRequest) ProtoMessage() {}
+
+func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConsoleRequest.ProtoReflect.Descriptor instead.
+func (*ConsoleRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *ConsoleRequest) GetCallId() string {
+	if x != nil {
+		return x.CallId
+	}
+	return ""
+}
+
+func (x *ConsoleRequest) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *ConsoleRequest) GetBoot() string {
+	if x != nil {
+		return x.Boot
+	}
+	return ""
+}
+
+func (x *ConsoleRequest) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *ConsoleRequest) GetNewBoot() bool {
+	if x != nil {
+		return x.NewBoot
+	}
+	return false
+}
+
+func (x *ConsoleRequest) GetDone() bool {
+	if x != nil {
+		return x.Done
+	}
+	return false
+}
+
+func (x *ConsoleRequest) GetErrorCode() string {
+	if x != nil {
+		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *ConsoleRequest) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+// ConsoleResponse is reserved: the control plane sends nothing on a Console
+// stream; it ends it.
+type ConsoleResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConsoleResponse) Reset() {
+	*x = ConsoleResponse{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConsoleResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConsoleResponse) ProtoMessage() {}
+
+func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConsoleResponse.ProtoReflect.Descriptor instead.
+func (*ConsoleResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
+}
+
 var File_eitri_v1_agent_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_agent_proto_rawDesc = "" +
@@ -1710,10 +2126,41 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\tJoinToken\x12\x10\n" +
 	"\x03url\x18\x01 \x01(\tR\x03url\x12)\n" +
 	"\x10cert_fingerprint\x18\x02 \x01(\tR\x0fcertFingerprint\x12\x16\n" +
-	"\x06secret\x18\x03 \x01(\tR\x06secret2\x86\x01\n" +
+	"\x06secret\x18\x03 \x01(\tR\x06secret\"/\n" +
+	"\fCallsRequest\x12\x1f\n" +
+	"\vinstance_id\x18\x01 \x01(\tR\n" +
+	"instanceId\"\xb0\x01\n" +
+	"\rCallsResponse\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12D\n" +
+	"\x0econsole_output\x18\x02 \x01(\v2\x1b.eitri.v1.ConsoleOutputCallH\x00R\rconsoleOutput\x12A\n" +
+	"\rconsole_input\x18\x03 \x01(\v2\x1a.eitri.v1.ConsoleInputCallH\x00R\fconsoleInputB\x06\n" +
+	"\x04call\"\x90\x01\n" +
+	"\x11ConsoleOutputCall\x12\x13\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
+	"\x04boot\x18\x02 \x01(\tR\x04boot\x12\x16\n" +
+	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x1d\n" +
+	"\n" +
+	"tail_bytes\x18\x04 \x01(\rR\ttailBytes\x12\x1b\n" +
+	"\tno_follow\x18\x05 \x01(\bR\bnoFollow\";\n" +
+	"\x10ConsoleInputCall\x12\x13\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\"\xcd\x01\n" +
+	"\x0eConsoleRequest\x12\x17\n" +
+	"\acall_id\x18\x01 \x01(\tR\x06callId\x12\x12\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\x12\x12\n" +
+	"\x04boot\x18\x03 \x01(\tR\x04boot\x12\x16\n" +
+	"\x06offset\x18\x04 \x01(\x03R\x06offset\x12\x19\n" +
+	"\bnew_boot\x18\x05 \x01(\bR\anewBoot\x12\x12\n" +
+	"\x04done\x18\x06 \x01(\bR\x04done\x12\x1d\n" +
+	"\n" +
+	"error_code\x18\a \x01(\tR\terrorCode\x12\x14\n" +
+	"\x05error\x18\b \x01(\tR\x05error\"\x11\n" +
+	"\x0fConsoleResponse2\x86\x02\n" +
 	"\fAgentService\x12;\n" +
 	"\x06Enroll\x12\x17.eitri.v1.EnrollRequest\x1a\x18.eitri.v1.EnrollResponse\x129\n" +
-	"\x04Sync\x12\x15.eitri.v1.SyncRequest\x1a\x16.eitri.v1.SyncResponse(\x010\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\x04Sync\x12\x15.eitri.v1.SyncRequest\x1a\x16.eitri.v1.SyncResponse(\x010\x01\x12:\n" +
+	"\x05Calls\x12\x16.eitri.v1.CallsRequest\x1a\x17.eitri.v1.CallsResponse0\x01\x12B\n" +
+	"\aConsole\x12\x18.eitri.v1.ConsoleRequest\x1a\x19.eitri.v1.ConsoleResponse(\x010\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_agent_proto_rawDescOnce sync.Once
@@ -1727,7 +2174,7 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
@@ -1745,10 +2192,16 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*ExposureDesired)(nil),      // 13: eitri.v1.ExposureDesired
 	(*ExposureActual)(nil),       // 14: eitri.v1.ExposureActual
 	(*JoinToken)(nil),            // 15: eitri.v1.JoinToken
-	(*Capacity)(nil),             // 16: eitri.v1.Capacity
-	(*Metrics)(nil),              // 17: eitri.v1.Metrics
-	(*Progress)(nil),             // 18: eitri.v1.Progress
-	(*ExposureSessions)(nil),     // 19: eitri.v1.ExposureSessions
+	(*CallsRequest)(nil),         // 16: eitri.v1.CallsRequest
+	(*CallsResponse)(nil),        // 17: eitri.v1.CallsResponse
+	(*ConsoleOutputCall)(nil),    // 18: eitri.v1.ConsoleOutputCall
+	(*ConsoleInputCall)(nil),     // 19: eitri.v1.ConsoleInputCall
+	(*ConsoleRequest)(nil),       // 20: eitri.v1.ConsoleRequest
+	(*ConsoleResponse)(nil),      // 21: eitri.v1.ConsoleResponse
+	(*Capacity)(nil),             // 22: eitri.v1.Capacity
+	(*Metrics)(nil),              // 23: eitri.v1.Metrics
+	(*Progress)(nil),             // 24: eitri.v1.Progress
+	(*ExposureSessions)(nil),     // 25: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
@@ -1756,26 +2209,32 @@ var file_eitri_v1_agent_proto_depIdxs = []int32{
 	10, // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
 	7,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
 	9,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	16, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	17, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	22, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	23, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
 	14, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
 	6,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
 	8,  // 9: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
-	18, // 10: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
+	24, // 10: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
 	11, // 11: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
 	11, // 12: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
 	12, // 13: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
 	13, // 14: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	19, // 15: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	0,  // 16: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 17: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	1,  // 18: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 19: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	18, // [18:20] is the sub-list for method output_type
-	16, // [16:18] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	25, // 15: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	18, // 16: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
+	19, // 17: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
+	0,  // 18: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 19: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	16, // 20: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
+	20, // 21: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
+	1,  // 22: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 23: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	17, // 24: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
+	21, // 25: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
+	22, // [22:26] is the sub-list for method output_type
+	18, // [18:22] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -1791,13 +2250,17 @@ func file_eitri_v1_agent_proto_init() {
 	file_eitri_v1_agent_proto_msgTypes[3].OneofWrappers = []any{
 		(*SyncResponse_Snapshot)(nil),
 	}
+	file_eitri_v1_agent_proto_msgTypes[17].OneofWrappers = []any{
+		(*CallsResponse_ConsoleOutput)(nil),
+		(*CallsResponse_ConsoleInput)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   16,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -1867,6 +1867,255 @@ func (*DestroyOrphanedVMResponse) Descriptor() ([]byte, []int) {
 	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{29}
 }
 
+type StreamConsoleRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	// Resume where an earlier stream left off: the boot and the offset after
+	// the last data received. A boot that is no longer the VM's latest (it
+	// rebooted meanwhile) starts the stream at the latest boot's beginning
+	// (at most its last 1 MiB).
+	// Empty: start with the last tail_bytes of the latest boot.
+	Boot   string `protobuf:"bytes,2,opt,name=boot,proto3" json:"boot,omitempty"`
+	Offset int64  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
+	// How much of the output already written to send first when not
+	// resuming: 0 means 16 KiB; at most 1 MiB.
+	TailBytes uint32 `protobuf:"varint,4,opt,name=tail_bytes,json=tailBytes,proto3" json:"tail_bytes,omitempty"`
+	// End the stream once the output written so far is sent, instead of
+	// following it live (`eitri vm logs` without -f).
+	NoFollow      bool `protobuf:"varint,5,opt,name=no_follow,json=noFollow,proto3" json:"no_follow,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamConsoleRequest) Reset() {
+	*x = StreamConsoleRequest{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamConsoleRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamConsoleRequest) ProtoMessage() {}
+
+func (x *StreamConsoleRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamConsoleRequest.ProtoReflect.Descriptor instead.
+func (*StreamConsoleRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *StreamConsoleRequest) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *StreamConsoleRequest) GetBoot() string {
+	if x != nil {
+		return x.Boot
+	}
+	return ""
+}
+
+func (x *StreamConsoleRequest) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *StreamConsoleRequest) GetTailBytes() uint32 {
+	if x != nil {
+		return x.TailBytes
+	}
+	return 0
+}
+
+func (x *StreamConsoleRequest) GetNoFollow() bool {
+	if x != nil {
+		return x.NoFollow
+	}
+	return false
+}
+
+type StreamConsoleResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The bytes as the guest wrote them, terminal escapes and all. The first
+	// message may carry none: it says the stream is open.
+	Data []byte `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	// Which boot of the VM the bytes belong to (opaque; for resuming), and
+	// where data starts in that boot's output.
+	Boot   string `protobuf:"bytes,2,opt,name=boot,proto3" json:"boot,omitempty"`
+	Offset int64  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
+	// data starts a boot other than the one the stream was on (or asked to
+	// resume): the VM started again. A terminal draws a separator.
+	NewBoot       bool `protobuf:"varint,4,opt,name=new_boot,json=newBoot,proto3" json:"new_boot,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamConsoleResponse) Reset() {
+	*x = StreamConsoleResponse{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamConsoleResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamConsoleResponse) ProtoMessage() {}
+
+func (x *StreamConsoleResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamConsoleResponse.ProtoReflect.Descriptor instead.
+func (*StreamConsoleResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *StreamConsoleResponse) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *StreamConsoleResponse) GetBoot() string {
+	if x != nil {
+		return x.Boot
+	}
+	return ""
+}
+
+func (x *StreamConsoleResponse) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *StreamConsoleResponse) GetNewBoot() bool {
+	if x != nil {
+		return x.NewBoot
+	}
+	return false
+}
+
+type SendConsoleInputRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	// The keys, as bytes (a terminal's escape sequences included); 1 to 4096
+	// bytes. A paste is sent in several calls.
+	Data          []byte `protobuf:"bytes,2,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SendConsoleInputRequest) Reset() {
+	*x = SendConsoleInputRequest{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SendConsoleInputRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SendConsoleInputRequest) ProtoMessage() {}
+
+func (x *SendConsoleInputRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SendConsoleInputRequest.ProtoReflect.Descriptor instead.
+func (*SendConsoleInputRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *SendConsoleInputRequest) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *SendConsoleInputRequest) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+type SendConsoleInputResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SendConsoleInputResponse) Reset() {
+	*x = SendConsoleInputResponse{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SendConsoleInputResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SendConsoleInputResponse) ProtoMessage() {}
+
+func (x *SendConsoleInputResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SendConsoleInputResponse.ProtoReflect.Descriptor instead.
+func (*SendConsoleInputResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{33}
+}
+
 var File_eitri_v1_vm_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_vm_proto_rawDesc = "" +
@@ -1998,7 +2247,23 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x18DestroyOrphanedVMRequest\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12\x13\n" +
 	"\x05vm_id\x18\x02 \x01(\tR\x04vmId\"\x1b\n" +
-	"\x19DestroyOrphanedVMResponse2\xb0\a\n" +
+	"\x19DestroyOrphanedVMResponse\"\x93\x01\n" +
+	"\x14StreamConsoleRequest\x12\x13\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
+	"\x04boot\x18\x02 \x01(\tR\x04boot\x12\x16\n" +
+	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x1d\n" +
+	"\n" +
+	"tail_bytes\x18\x04 \x01(\rR\ttailBytes\x12\x1b\n" +
+	"\tno_follow\x18\x05 \x01(\bR\bnoFollow\"r\n" +
+	"\x15StreamConsoleResponse\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x12\n" +
+	"\x04boot\x18\x02 \x01(\tR\x04boot\x12\x16\n" +
+	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x19\n" +
+	"\bnew_boot\x18\x04 \x01(\bR\anewBoot\"B\n" +
+	"\x17SendConsoleInputRequest\x12\x13\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\"\x1a\n" +
+	"\x18SendConsoleInputResponse2\xdf\b\n" +
 	"\tVMService\x12A\n" +
 	"\bCreateVM\x12\x19.eitri.v1.CreateVMRequest\x1a\x1a.eitri.v1.CreateVMResponse\x128\n" +
 	"\x05GetVM\x12\x16.eitri.v1.GetVMRequest\x1a\x17.eitri.v1.GetVMResponse\x12>\n" +
@@ -2012,7 +2277,9 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x0fListOrphanedVMs\x12 .eitri.v1.ListOrphanedVMsRequest\x1a!.eitri.v1.ListOrphanedVMsResponse\x12V\n" +
 	"\x0fAdoptOrphanedVM\x12 .eitri.v1.AdoptOrphanedVMRequest\x1a!.eitri.v1.AdoptOrphanedVMResponse\x12\\\n" +
 	"\x11DestroyOrphanedVM\x12\".eitri.v1.DestroyOrphanedVMRequest\x1a#.eitri.v1.DestroyOrphanedVMResponse\x12C\n" +
-	"\bWatchVMs\x12\x19.eitri.v1.WatchVMsRequest\x1a\x1a.eitri.v1.WatchVMsResponse0\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\bWatchVMs\x12\x19.eitri.v1.WatchVMsRequest\x1a\x1a.eitri.v1.WatchVMsResponse0\x01\x12R\n" +
+	"\rStreamConsole\x12\x1e.eitri.v1.StreamConsoleRequest\x1a\x1f.eitri.v1.StreamConsoleResponse0\x01\x12Y\n" +
+	"\x10SendConsoleInput\x12!.eitri.v1.SendConsoleInputRequest\x1a\".eitri.v1.SendConsoleInputResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_vm_proto_rawDescOnce sync.Once
@@ -2026,7 +2293,7 @@ func file_eitri_v1_vm_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_vm_proto_rawDescData
 }
 
-var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_eitri_v1_vm_proto_goTypes = []any{
 	(*VM)(nil),                        // 0: eitri.v1.VM
 	(*CreateVMRequest)(nil),           // 1: eitri.v1.CreateVMRequest
@@ -2058,14 +2325,18 @@ var file_eitri_v1_vm_proto_goTypes = []any{
 	(*AdoptOrphanedVMResponse)(nil),   // 27: eitri.v1.AdoptOrphanedVMResponse
 	(*DestroyOrphanedVMRequest)(nil),  // 28: eitri.v1.DestroyOrphanedVMRequest
 	(*DestroyOrphanedVMResponse)(nil), // 29: eitri.v1.DestroyOrphanedVMResponse
-	(*timestamppb.Timestamp)(nil),     // 30: google.protobuf.Timestamp
-	(*Progress)(nil),                  // 31: eitri.v1.Progress
+	(*StreamConsoleRequest)(nil),      // 30: eitri.v1.StreamConsoleRequest
+	(*StreamConsoleResponse)(nil),     // 31: eitri.v1.StreamConsoleResponse
+	(*SendConsoleInputRequest)(nil),   // 32: eitri.v1.SendConsoleInputRequest
+	(*SendConsoleInputResponse)(nil),  // 33: eitri.v1.SendConsoleInputResponse
+	(*timestamppb.Timestamp)(nil),     // 34: google.protobuf.Timestamp
+	(*Progress)(nil),                  // 35: eitri.v1.Progress
 }
 var file_eitri_v1_vm_proto_depIdxs = []int32{
-	30, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
-	30, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
-	30, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
-	31, // 3: eitri.v1.VM.progress:type_name -> eitri.v1.Progress
+	34, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
+	34, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
+	34, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
+	35, // 3: eitri.v1.VM.progress:type_name -> eitri.v1.Progress
 	0,  // 4: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 5: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 6: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
@@ -2074,12 +2345,12 @@ var file_eitri_v1_vm_proto_depIdxs = []int32{
 	0,  // 9: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 10: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 11: eitri.v1.RetryVMResponse.vm:type_name -> eitri.v1.VM
-	30, // 12: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
+	34, // 12: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
 	17, // 13: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
 	0,  // 14: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
 	21, // 15: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
 	0,  // 16: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
-	30, // 17: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
+	34, // 17: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
 	23, // 18: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
 	0,  // 19: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
 	1,  // 20: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
@@ -2095,21 +2366,25 @@ var file_eitri_v1_vm_proto_depIdxs = []int32{
 	26, // 30: eitri.v1.VMService.AdoptOrphanedVM:input_type -> eitri.v1.AdoptOrphanedVMRequest
 	28, // 31: eitri.v1.VMService.DestroyOrphanedVM:input_type -> eitri.v1.DestroyOrphanedVMRequest
 	20, // 32: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
-	2,  // 33: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
-	4,  // 34: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
-	6,  // 35: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
-	8,  // 36: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
-	10, // 37: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
-	12, // 38: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
-	14, // 39: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
-	16, // 40: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
-	19, // 41: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
-	25, // 42: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
-	27, // 43: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
-	29, // 44: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
-	22, // 45: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
-	33, // [33:46] is the sub-list for method output_type
-	20, // [20:33] is the sub-list for method input_type
+	30, // 33: eitri.v1.VMService.StreamConsole:input_type -> eitri.v1.StreamConsoleRequest
+	32, // 34: eitri.v1.VMService.SendConsoleInput:input_type -> eitri.v1.SendConsoleInputRequest
+	2,  // 35: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
+	4,  // 36: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
+	6,  // 37: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
+	8,  // 38: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
+	10, // 39: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
+	12, // 40: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
+	14, // 41: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
+	16, // 42: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
+	19, // 43: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
+	25, // 44: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
+	27, // 45: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
+	29, // 46: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
+	22, // 47: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
+	31, // 48: eitri.v1.VMService.StreamConsole:output_type -> eitri.v1.StreamConsoleResponse
+	33, // 49: eitri.v1.VMService.SendConsoleInput:output_type -> eitri.v1.SendConsoleInputResponse
+	35, // [35:50] is the sub-list for method output_type
+	20, // [20:35] is the sub-list for method input_type
 	20, // [20:20] is the sub-list for extension type_name
 	20, // [20:20] is the sub-list for extension extendee
 	0,  // [0:20] is the sub-list for field type_name
@@ -2132,7 +2407,7 @@ func file_eitri_v1_vm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_vm_proto_rawDesc), len(file_eitri_v1_vm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   30,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -37,6 +37,10 @@ const (
 	AgentServiceEnrollProcedure = "/eitri.v1.AgentService/Enroll"
 	// AgentServiceSyncProcedure is the fully-qualified name of the AgentService's Sync RPC.
 	AgentServiceSyncProcedure = "/eitri.v1.AgentService/Sync"
+	// AgentServiceCallsProcedure is the fully-qualified name of the AgentService's Calls RPC.
+	AgentServiceCallsProcedure = "/eitri.v1.AgentService/Calls"
+	// AgentServiceConsoleProcedure is the fully-qualified name of the AgentService's Console RPC.
+	AgentServiceConsoleProcedure = "/eitri.v1.AgentService/Console"
 )
 
 // AgentServiceClient is a client for the eitri.v1.AgentService service.
@@ -48,6 +52,16 @@ type AgentServiceClient interface {
 	// DesiredStateSnapshots. Either side may lose the stream at any moment: both
 	// messages are complete, so the next one heals whatever was lost.
 	Sync(context.Context) *connect.BidiStreamForClient[v1.SyncRequest, v1.SyncResponse]
+	// Calls carries the control plane's requests to this host that are not
+	// desired state (open a VM's console), so nothing ever dials a host. The
+	// agent keeps it open beside Sync, with the same credential, and answers
+	// each call on a stream of its own (Console), opened for it.
+	Calls(context.Context, *connect.Request[v1.CallsRequest]) (*connect.ServerStreamForClient[v1.CallsResponse], error)
+	// Console answers one console call: the first message names the call,
+	// then the agent sends the VM's serial output (console_output) or the
+	// outcome of the input (console_input). The control plane ends the
+	// stream when its caller leaves; it sends nothing on it.
+	Console(context.Context) *connect.BidiStreamForClient[v1.ConsoleRequest, v1.ConsoleResponse]
 }
 
 // NewAgentServiceClient constructs a client for the eitri.v1.AgentService service. By default, it
@@ -73,13 +87,27 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Sync")),
 			connect.WithClientOptions(opts...),
 		),
+		calls: connect.NewClient[v1.CallsRequest, v1.CallsResponse](
+			httpClient,
+			baseURL+AgentServiceCallsProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Calls")),
+			connect.WithClientOptions(opts...),
+		),
+		console: connect.NewClient[v1.ConsoleRequest, v1.ConsoleResponse](
+			httpClient,
+			baseURL+AgentServiceConsoleProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Console")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // agentServiceClient implements AgentServiceClient.
 type agentServiceClient struct {
-	enroll *connect.Client[v1.EnrollRequest, v1.EnrollResponse]
-	sync   *connect.Client[v1.SyncRequest, v1.SyncResponse]
+	enroll  *connect.Client[v1.EnrollRequest, v1.EnrollResponse]
+	sync    *connect.Client[v1.SyncRequest, v1.SyncResponse]
+	calls   *connect.Client[v1.CallsRequest, v1.CallsResponse]
+	console *connect.Client[v1.ConsoleRequest, v1.ConsoleResponse]
 }
 
 // Enroll calls eitri.v1.AgentService.Enroll.
@@ -92,6 +120,16 @@ func (c *agentServiceClient) Sync(ctx context.Context) *connect.BidiStreamForCli
 	return c.sync.CallBidiStream(ctx)
 }
 
+// Calls calls eitri.v1.AgentService.Calls.
+func (c *agentServiceClient) Calls(ctx context.Context, req *connect.Request[v1.CallsRequest]) (*connect.ServerStreamForClient[v1.CallsResponse], error) {
+	return c.calls.CallServerStream(ctx, req)
+}
+
+// Console calls eitri.v1.AgentService.Console.
+func (c *agentServiceClient) Console(ctx context.Context) *connect.BidiStreamForClient[v1.ConsoleRequest, v1.ConsoleResponse] {
+	return c.console.CallBidiStream(ctx)
+}
+
 // AgentServiceHandler is an implementation of the eitri.v1.AgentService service.
 type AgentServiceHandler interface {
 	// Enroll trades a single-use join token for a host id and a host credential.
@@ -101,6 +139,16 @@ type AgentServiceHandler interface {
 	// DesiredStateSnapshots. Either side may lose the stream at any moment: both
 	// messages are complete, so the next one heals whatever was lost.
 	Sync(context.Context, *connect.BidiStream[v1.SyncRequest, v1.SyncResponse]) error
+	// Calls carries the control plane's requests to this host that are not
+	// desired state (open a VM's console), so nothing ever dials a host. The
+	// agent keeps it open beside Sync, with the same credential, and answers
+	// each call on a stream of its own (Console), opened for it.
+	Calls(context.Context, *connect.Request[v1.CallsRequest], *connect.ServerStream[v1.CallsResponse]) error
+	// Console answers one console call: the first message names the call,
+	// then the agent sends the VM's serial output (console_output) or the
+	// outcome of the input (console_input). The control plane ends the
+	// stream when its caller leaves; it sends nothing on it.
+	Console(context.Context, *connect.BidiStream[v1.ConsoleRequest, v1.ConsoleResponse]) error
 }
 
 // NewAgentServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -122,12 +170,28 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Sync")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceCallsHandler := connect.NewServerStreamHandler(
+		AgentServiceCallsProcedure,
+		svc.Calls,
+		connect.WithSchema(agentServiceMethods.ByName("Calls")),
+		connect.WithHandlerOptions(opts...),
+	)
+	agentServiceConsoleHandler := connect.NewBidiStreamHandler(
+		AgentServiceConsoleProcedure,
+		svc.Console,
+		connect.WithSchema(agentServiceMethods.ByName("Console")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.AgentService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AgentServiceEnrollProcedure:
 			agentServiceEnrollHandler.ServeHTTP(w, r)
 		case AgentServiceSyncProcedure:
 			agentServiceSyncHandler.ServeHTTP(w, r)
+		case AgentServiceCallsProcedure:
+			agentServiceCallsHandler.ServeHTTP(w, r)
+		case AgentServiceConsoleProcedure:
+			agentServiceConsoleHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -143,4 +207,12 @@ func (UnimplementedAgentServiceHandler) Enroll(context.Context, *connect.Request
 
 func (UnimplementedAgentServiceHandler) Sync(context.Context, *connect.BidiStream[v1.SyncRequest, v1.SyncResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.AgentService.Sync is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Calls(context.Context, *connect.Request[v1.CallsRequest], *connect.ServerStream[v1.CallsResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.AgentService.Calls is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Console(context.Context, *connect.BidiStream[v1.ConsoleRequest, v1.ConsoleResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.AgentService.Console is not implemented"))
 }

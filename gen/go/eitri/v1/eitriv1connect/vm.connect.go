@@ -62,6 +62,11 @@ const (
 	VMServiceDestroyOrphanedVMProcedure = "/eitri.v1.VMService/DestroyOrphanedVM"
 	// VMServiceWatchVMsProcedure is the fully-qualified name of the VMService's WatchVMs RPC.
 	VMServiceWatchVMsProcedure = "/eitri.v1.VMService/WatchVMs"
+	// VMServiceStreamConsoleProcedure is the fully-qualified name of the VMService's StreamConsole RPC.
+	VMServiceStreamConsoleProcedure = "/eitri.v1.VMService/StreamConsole"
+	// VMServiceSendConsoleInputProcedure is the fully-qualified name of the VMService's
+	// SendConsoleInput RPC.
+	VMServiceSendConsoleInputProcedure = "/eitri.v1.VMService/SendConsoleInput"
 )
 
 // VMServiceClient is a client for the eitri.v1.VMService service.
@@ -100,6 +105,17 @@ type VMServiceClient interface {
 	// its removal), in order. A slow reader is coalesced to the latest state of
 	// each VM.
 	WatchVMs(context.Context, *connect.Request[v1.WatchVMsRequest]) (*connect.ServerStreamForClient[v1.WatchVMsResponse], error)
+	// StreamConsole sends the VM's serial console output: what it wrote
+	// already (the last tail_bytes, or from a resume point), then live, until
+	// the caller leaves. It follows the VM across reboots. The VM's host
+	// relays it; Unavailable while the host is not connected. Counts as one of
+	// the caller's open streams.
+	StreamConsole(context.Context, *connect.Request[v1.StreamConsoleRequest]) (*connect.ServerStreamForClient[v1.StreamConsoleResponse], error)
+	// SendConsoleInput types bytes into the VM's serial console, as keys.
+	// FailedPrecondition when the VM is not running, or its QEMU was started
+	// by an agent that gave it no console input. Bounded: see
+	// SendConsoleInputRequest.data and ResourceExhausted for typing too fast.
+	SendConsoleInput(context.Context, *connect.Request[v1.SendConsoleInputRequest]) (*connect.Response[v1.SendConsoleInputResponse], error)
 }
 
 // NewVMServiceClient constructs a client for the eitri.v1.VMService service. By default, it uses
@@ -191,6 +207,18 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("WatchVMs")),
 			connect.WithClientOptions(opts...),
 		),
+		streamConsole: connect.NewClient[v1.StreamConsoleRequest, v1.StreamConsoleResponse](
+			httpClient,
+			baseURL+VMServiceStreamConsoleProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("StreamConsole")),
+			connect.WithClientOptions(opts...),
+		),
+		sendConsoleInput: connect.NewClient[v1.SendConsoleInputRequest, v1.SendConsoleInputResponse](
+			httpClient,
+			baseURL+VMServiceSendConsoleInputProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("SendConsoleInput")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -209,6 +237,8 @@ type vMServiceClient struct {
 	adoptOrphanedVM   *connect.Client[v1.AdoptOrphanedVMRequest, v1.AdoptOrphanedVMResponse]
 	destroyOrphanedVM *connect.Client[v1.DestroyOrphanedVMRequest, v1.DestroyOrphanedVMResponse]
 	watchVMs          *connect.Client[v1.WatchVMsRequest, v1.WatchVMsResponse]
+	streamConsole     *connect.Client[v1.StreamConsoleRequest, v1.StreamConsoleResponse]
+	sendConsoleInput  *connect.Client[v1.SendConsoleInputRequest, v1.SendConsoleInputResponse]
 }
 
 // CreateVM calls eitri.v1.VMService.CreateVM.
@@ -276,6 +306,16 @@ func (c *vMServiceClient) WatchVMs(ctx context.Context, req *connect.Request[v1.
 	return c.watchVMs.CallServerStream(ctx, req)
 }
 
+// StreamConsole calls eitri.v1.VMService.StreamConsole.
+func (c *vMServiceClient) StreamConsole(ctx context.Context, req *connect.Request[v1.StreamConsoleRequest]) (*connect.ServerStreamForClient[v1.StreamConsoleResponse], error) {
+	return c.streamConsole.CallServerStream(ctx, req)
+}
+
+// SendConsoleInput calls eitri.v1.VMService.SendConsoleInput.
+func (c *vMServiceClient) SendConsoleInput(ctx context.Context, req *connect.Request[v1.SendConsoleInputRequest]) (*connect.Response[v1.SendConsoleInputResponse], error) {
+	return c.sendConsoleInput.CallUnary(ctx, req)
+}
+
 // VMServiceHandler is an implementation of the eitri.v1.VMService service.
 type VMServiceHandler interface {
 	CreateVM(context.Context, *connect.Request[v1.CreateVMRequest]) (*connect.Response[v1.CreateVMResponse], error)
@@ -312,6 +352,17 @@ type VMServiceHandler interface {
 	// its removal), in order. A slow reader is coalesced to the latest state of
 	// each VM.
 	WatchVMs(context.Context, *connect.Request[v1.WatchVMsRequest], *connect.ServerStream[v1.WatchVMsResponse]) error
+	// StreamConsole sends the VM's serial console output: what it wrote
+	// already (the last tail_bytes, or from a resume point), then live, until
+	// the caller leaves. It follows the VM across reboots. The VM's host
+	// relays it; Unavailable while the host is not connected. Counts as one of
+	// the caller's open streams.
+	StreamConsole(context.Context, *connect.Request[v1.StreamConsoleRequest], *connect.ServerStream[v1.StreamConsoleResponse]) error
+	// SendConsoleInput types bytes into the VM's serial console, as keys.
+	// FailedPrecondition when the VM is not running, or its QEMU was started
+	// by an agent that gave it no console input. Bounded: see
+	// SendConsoleInputRequest.data and ResourceExhausted for typing too fast.
+	SendConsoleInput(context.Context, *connect.Request[v1.SendConsoleInputRequest]) (*connect.Response[v1.SendConsoleInputResponse], error)
 }
 
 // NewVMServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -399,6 +450,18 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("WatchVMs")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServiceStreamConsoleHandler := connect.NewServerStreamHandler(
+		VMServiceStreamConsoleProcedure,
+		svc.StreamConsole,
+		connect.WithSchema(vMServiceMethods.ByName("StreamConsole")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceSendConsoleInputHandler := connect.NewUnaryHandler(
+		VMServiceSendConsoleInputProcedure,
+		svc.SendConsoleInput,
+		connect.WithSchema(vMServiceMethods.ByName("SendConsoleInput")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.VMService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case VMServiceCreateVMProcedure:
@@ -427,6 +490,10 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServiceDestroyOrphanedVMHandler.ServeHTTP(w, r)
 		case VMServiceWatchVMsProcedure:
 			vMServiceWatchVMsHandler.ServeHTTP(w, r)
+		case VMServiceStreamConsoleProcedure:
+			vMServiceStreamConsoleHandler.ServeHTTP(w, r)
+		case VMServiceSendConsoleInputProcedure:
+			vMServiceSendConsoleInputHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -486,4 +553,12 @@ func (UnimplementedVMServiceHandler) DestroyOrphanedVM(context.Context, *connect
 
 func (UnimplementedVMServiceHandler) WatchVMs(context.Context, *connect.Request[v1.WatchVMsRequest], *connect.ServerStream[v1.WatchVMsResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.WatchVMs is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) StreamConsole(context.Context, *connect.Request[v1.StreamConsoleRequest], *connect.ServerStream[v1.StreamConsoleResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.StreamConsole is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) SendConsoleInput(context.Context, *connect.Request[v1.SendConsoleInputRequest]) (*connect.Response[v1.SendConsoleInputResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.SendConsoleInput is not implemented"))
 }

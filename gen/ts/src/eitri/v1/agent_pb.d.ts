@@ -911,6 +911,204 @@ export declare type JoinToken = Message<"eitri.v1.JoinToken"> & {
 export declare const JoinTokenSchema: GenMessage<JoinToken>;
 
 /**
+ * @generated from message eitri.v1.CallsRequest
+ */
+export declare type CallsRequest = Message<"eitri.v1.CallsRequest"> & {
+  /**
+   * As Hello.instance_id: a Calls stream from another agent process than
+   * the one holding the host's Sync stream (a cloned disk) is refused.
+   *
+   * @generated from field: string instance_id = 1;
+   */
+  instanceId: string;
+};
+
+/**
+ * Describes the message eitri.v1.CallsRequest.
+ * Use `create(CallsRequestSchema)` to create a new message.
+ */
+export declare const CallsRequestSchema: GenMessage<CallsRequest>;
+
+/**
+ * CallsResponse is one call from the control plane. The agent answers it by
+ * opening Console with the call's id in its first message.
+ *
+ * @generated from message eitri.v1.CallsResponse
+ */
+export declare type CallsResponse = Message<"eitri.v1.CallsResponse"> & {
+  /**
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * @generated from oneof eitri.v1.CallsResponse.call
+   */
+  call: {
+    /**
+     * @generated from field: eitri.v1.ConsoleOutputCall console_output = 2;
+     */
+    value: ConsoleOutputCall;
+    case: "consoleOutput";
+  } | {
+    /**
+     * @generated from field: eitri.v1.ConsoleInputCall console_input = 3;
+     */
+    value: ConsoleInputCall;
+    case: "consoleInput";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message eitri.v1.CallsResponse.
+ * Use `create(CallsResponseSchema)` to create a new message.
+ */
+export declare const CallsResponseSchema: GenMessage<CallsResponse>;
+
+/**
+ * ConsoleOutputCall asks for a VM's serial output, as
+ * StreamConsoleRequest.
+ *
+ * @generated from message eitri.v1.ConsoleOutputCall
+ */
+export declare type ConsoleOutputCall = Message<"eitri.v1.ConsoleOutputCall"> & {
+  /**
+   * @generated from field: string vm_id = 1;
+   */
+  vmId: string;
+
+  /**
+   * @generated from field: string boot = 2;
+   */
+  boot: string;
+
+  /**
+   * @generated from field: int64 offset = 3;
+   */
+  offset: bigint;
+
+  /**
+   * @generated from field: uint32 tail_bytes = 4;
+   */
+  tailBytes: number;
+
+  /**
+   * Send the output written so far, then done, rather than follow it.
+   *
+   * @generated from field: bool no_follow = 5;
+   */
+  noFollow: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.ConsoleOutputCall.
+ * Use `create(ConsoleOutputCallSchema)` to create a new message.
+ */
+export declare const ConsoleOutputCallSchema: GenMessage<ConsoleOutputCall>;
+
+/**
+ * ConsoleInputCall types data into a VM's serial console.
+ *
+ * @generated from message eitri.v1.ConsoleInputCall
+ */
+export declare type ConsoleInputCall = Message<"eitri.v1.ConsoleInputCall"> & {
+  /**
+   * @generated from field: string vm_id = 1;
+   */
+  vmId: string;
+
+  /**
+   * @generated from field: bytes data = 2;
+   */
+  data: Uint8Array;
+};
+
+/**
+ * Describes the message eitri.v1.ConsoleInputCall.
+ * Use `create(ConsoleInputCallSchema)` to create a new message.
+ */
+export declare const ConsoleInputCallSchema: GenMessage<ConsoleInputCall>;
+
+/**
+ * ConsoleRequest is one frame from the agent on a Console stream.
+ *
+ * @generated from message eitri.v1.ConsoleRequest
+ */
+export declare type ConsoleRequest = Message<"eitri.v1.ConsoleRequest"> & {
+  /**
+   * Set on the first frame only: the call this stream answers.
+   *
+   * @generated from field: string call_id = 1;
+   */
+  callId: string;
+
+  /**
+   * Output, as StreamConsoleResponse.
+   *
+   * @generated from field: bytes data = 2;
+   */
+  data: Uint8Array;
+
+  /**
+   * @generated from field: string boot = 3;
+   */
+  boot: string;
+
+  /**
+   * @generated from field: int64 offset = 4;
+   */
+  offset: bigint;
+
+  /**
+   * @generated from field: bool new_boot = 5;
+   */
+  newBoot: boolean;
+
+  /**
+   * The call is answered (input written, or the output so far sent for a
+   * no_follow call); the agent closes the stream.
+   *
+   * @generated from field: bool done = 6;
+   */
+  done: boolean;
+
+  /**
+   * Set on the last frame of a call that failed: "not_found" (no such VM
+   * on this host), "failed_precondition" (not running, or no console
+   * input) or "unavailable"; error says why, for people.
+   *
+   * @generated from field: string error_code = 7;
+   */
+  errorCode: string;
+
+  /**
+   * @generated from field: string error = 8;
+   */
+  error: string;
+};
+
+/**
+ * Describes the message eitri.v1.ConsoleRequest.
+ * Use `create(ConsoleRequestSchema)` to create a new message.
+ */
+export declare const ConsoleRequestSchema: GenMessage<ConsoleRequest>;
+
+/**
+ * ConsoleResponse is reserved: the control plane sends nothing on a Console
+ * stream; it ends it.
+ *
+ * @generated from message eitri.v1.ConsoleResponse
+ */
+export declare type ConsoleResponse = Message<"eitri.v1.ConsoleResponse"> & {
+};
+
+/**
+ * Describes the message eitri.v1.ConsoleResponse.
+ * Use `create(ConsoleResponseSchema)` to create a new message.
+ */
+export declare const ConsoleResponseSchema: GenMessage<ConsoleResponse>;
+
+/**
  * AgentService is the only surface a host agent talks to. Enroll is
  * authorized by a join token; Sync by the host credential Enroll returned
  * (Authorization: Bearer <credential>). User tokens open neither.
@@ -940,6 +1138,32 @@ export declare const AgentService: GenService<{
     methodKind: "bidi_streaming";
     input: typeof SyncRequestSchema;
     output: typeof SyncResponseSchema;
+  },
+  /**
+   * Calls carries the control plane's requests to this host that are not
+   * desired state (open a VM's console), so nothing ever dials a host. The
+   * agent keeps it open beside Sync, with the same credential, and answers
+   * each call on a stream of its own (Console), opened for it.
+   *
+   * @generated from rpc eitri.v1.AgentService.Calls
+   */
+  calls: {
+    methodKind: "server_streaming";
+    input: typeof CallsRequestSchema;
+    output: typeof CallsResponseSchema;
+  },
+  /**
+   * Console answers one console call: the first message names the call,
+   * then the agent sends the VM's serial output (console_output) or the
+   * outcome of the input (console_input). The control plane ends the
+   * stream when its caller leaves; it sends nothing on it.
+   *
+   * @generated from rpc eitri.v1.AgentService.Console
+   */
+  console: {
+    methodKind: "bidi_streaming";
+    input: typeof ConsoleRequestSchema;
+    output: typeof ConsoleResponseSchema;
   },
 }>;
 

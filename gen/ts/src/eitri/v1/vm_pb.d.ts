@@ -868,6 +868,130 @@ export declare type DestroyOrphanedVMResponse = Message<"eitri.v1.DestroyOrphane
 export declare const DestroyOrphanedVMResponseSchema: GenMessage<DestroyOrphanedVMResponse>;
 
 /**
+ * @generated from message eitri.v1.StreamConsoleRequest
+ */
+export declare type StreamConsoleRequest = Message<"eitri.v1.StreamConsoleRequest"> & {
+  /**
+   * @generated from field: string vm_id = 1;
+   */
+  vmId: string;
+
+  /**
+   * Resume where an earlier stream left off: the boot and the offset after
+   * the last data received. A boot that is no longer the VM's latest (it
+   * rebooted meanwhile) starts the stream at the latest boot's beginning
+   * (at most its last 1 MiB).
+   * Empty: start with the last tail_bytes of the latest boot.
+   *
+   * @generated from field: string boot = 2;
+   */
+  boot: string;
+
+  /**
+   * @generated from field: int64 offset = 3;
+   */
+  offset: bigint;
+
+  /**
+   * How much of the output already written to send first when not
+   * resuming: 0 means 16 KiB; at most 1 MiB.
+   *
+   * @generated from field: uint32 tail_bytes = 4;
+   */
+  tailBytes: number;
+
+  /**
+   * End the stream once the output written so far is sent, instead of
+   * following it live (`eitri vm logs` without -f).
+   *
+   * @generated from field: bool no_follow = 5;
+   */
+  noFollow: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.StreamConsoleRequest.
+ * Use `create(StreamConsoleRequestSchema)` to create a new message.
+ */
+export declare const StreamConsoleRequestSchema: GenMessage<StreamConsoleRequest>;
+
+/**
+ * @generated from message eitri.v1.StreamConsoleResponse
+ */
+export declare type StreamConsoleResponse = Message<"eitri.v1.StreamConsoleResponse"> & {
+  /**
+   * The bytes as the guest wrote them, terminal escapes and all. The first
+   * message may carry none: it says the stream is open.
+   *
+   * @generated from field: bytes data = 1;
+   */
+  data: Uint8Array;
+
+  /**
+   * Which boot of the VM the bytes belong to (opaque; for resuming), and
+   * where data starts in that boot's output.
+   *
+   * @generated from field: string boot = 2;
+   */
+  boot: string;
+
+  /**
+   * @generated from field: int64 offset = 3;
+   */
+  offset: bigint;
+
+  /**
+   * data starts a boot other than the one the stream was on (or asked to
+   * resume): the VM started again. A terminal draws a separator.
+   *
+   * @generated from field: bool new_boot = 4;
+   */
+  newBoot: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.StreamConsoleResponse.
+ * Use `create(StreamConsoleResponseSchema)` to create a new message.
+ */
+export declare const StreamConsoleResponseSchema: GenMessage<StreamConsoleResponse>;
+
+/**
+ * @generated from message eitri.v1.SendConsoleInputRequest
+ */
+export declare type SendConsoleInputRequest = Message<"eitri.v1.SendConsoleInputRequest"> & {
+  /**
+   * @generated from field: string vm_id = 1;
+   */
+  vmId: string;
+
+  /**
+   * The keys, as bytes (a terminal's escape sequences included); 1 to 4096
+   * bytes. A paste is sent in several calls.
+   *
+   * @generated from field: bytes data = 2;
+   */
+  data: Uint8Array;
+};
+
+/**
+ * Describes the message eitri.v1.SendConsoleInputRequest.
+ * Use `create(SendConsoleInputRequestSchema)` to create a new message.
+ */
+export declare const SendConsoleInputRequestSchema: GenMessage<SendConsoleInputRequest>;
+
+/**
+ * @generated from message eitri.v1.SendConsoleInputResponse
+ */
+export declare type SendConsoleInputResponse = Message<"eitri.v1.SendConsoleInputResponse"> & {
+};
+
+/**
+ * Describes the message eitri.v1.SendConsoleInputResponse.
+ * Use `create(SendConsoleInputResponseSchema)` to create a new message.
+ */
+export declare const SendConsoleInputResponseSchema: GenMessage<SendConsoleInputResponse>;
+
+/**
  * VMService manages virtual machines. A caller sees and touches only its own
  * VMs (another user's VM is NotFound); an admin sees all.
  *
@@ -1007,6 +1131,33 @@ export declare const VMService: GenService<{
     methodKind: "server_streaming";
     input: typeof WatchVMsRequestSchema;
     output: typeof WatchVMsResponseSchema;
+  },
+  /**
+   * StreamConsole sends the VM's serial console output: what it wrote
+   * already (the last tail_bytes, or from a resume point), then live, until
+   * the caller leaves. It follows the VM across reboots. The VM's host
+   * relays it; Unavailable while the host is not connected. Counts as one of
+   * the caller's open streams.
+   *
+   * @generated from rpc eitri.v1.VMService.StreamConsole
+   */
+  streamConsole: {
+    methodKind: "server_streaming";
+    input: typeof StreamConsoleRequestSchema;
+    output: typeof StreamConsoleResponseSchema;
+  },
+  /**
+   * SendConsoleInput types bytes into the VM's serial console, as keys.
+   * FailedPrecondition when the VM is not running, or its QEMU was started
+   * by an agent that gave it no console input. Bounded: see
+   * SendConsoleInputRequest.data and ResourceExhausted for typing too fast.
+   *
+   * @generated from rpc eitri.v1.VMService.SendConsoleInput
+   */
+  sendConsoleInput: {
+    methodKind: "unary";
+    input: typeof SendConsoleInputRequestSchema;
+    output: typeof SendConsoleInputResponseSchema;
   },
 }>;
 

@@ -1,0 +1,211 @@
+// Package consolerelay serves the control plane's console calls: it keeps
+// AgentService.Calls open beside the Sync stream, on the same connection
+// and credential, and answers each call on a Console stream of its own —
+// a VM's serial output followed live, or input typed into it. Nothing ever
+// dials the host.
+package consolerelay
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/a73x/eitri/agent/qemu"
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+)
+
+// Serial is what the relay needs of the hypervisor.
+type Serial interface {
+	FollowSerial(ctx context.Context, id string, from qemu.SerialFrom, emit func(qemu.SerialChunk) error) error
+	SerialInput(ctx context.Context, id string, data []byte) error
+}
+
+// Config wires Run.
+type Config struct {
+	// Client is the agent's HTTP/2 client to the control plane (the Sync
+	// stream's, so calls share its connection and pinned TLS).
+	Client     *http.Client
+	Identity   syncclient.Identity
+	InstanceID string
+	Serial     Serial
+	Log        *slog.Logger
+	// MinBackoff/MaxBackoff bound reconnect delays (default 500ms / 30s).
+	MinBackoff, MaxBackoff time.Duration
+}
+
+// maxCalls bounds the calls answered at once (the control plane bounds
+// them too; this keeps a confused one from costing the host more).
+const maxCalls = 256
+
+// Run keeps the Calls stream up until ctx ends.
+func Run(ctx context.Context, cfg Config) error {
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.MinBackoff == 0 {
+		cfg.MinBackoff = 500 * time.Millisecond
+	}
+	if cfg.MaxBackoff == 0 {
+		cfg.MaxBackoff = 30 * time.Second
+	}
+	client := eitriv1connect.NewAgentServiceClient(cfg.Client, cfg.Identity.ServerURL,
+		connect.WithInterceptors(syncclient.Bearer(cfg.Identity.Credential)))
+	r := &relay{client: client, serial: cfg.Serial, log: cfg.Log, slots: make(chan struct{}, maxCalls)}
+	backoff := cfg.MinBackoff
+	for {
+		healthy, err := r.listen(ctx, cfg.InstanceID)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if healthy {
+			backoff = cfg.MinBackoff
+		}
+		if connect.CodeOf(err) == connect.CodeUnimplemented {
+			// A control plane that predates console relaying: ask again
+			// rarely, it may be upgraded.
+			backoff = cfg.MaxBackoff
+		}
+		wait := backoff/2 + time.Duration(rand.Int64N(int64(backoff/2)+1))
+		cfg.Log.Debug("console calls stream lost; reconnecting", "err", err, "in", wait.Round(time.Millisecond))
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+		backoff = min(backoff*2, cfg.MaxBackoff)
+	}
+}
+
+type relay struct {
+	client eitriv1connect.AgentServiceClient
+	serial Serial
+	log    *slog.Logger
+	slots  chan struct{}
+}
+
+// listen runs one Calls stream; healthy reports that it was up: it
+// carried a call, or lasted (calls may be rare).
+func (r *relay) listen(ctx context.Context, instance string) (healthy bool, err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	st, err := r.client.Calls(ctx, connect.NewRequest(&eitriv1.CallsRequest{InstanceId: instance}))
+	if err != nil {
+		return false, err
+	}
+	defer st.Close()
+	opened := time.Now()
+	defer func() { healthy = healthy || time.Since(opened) > 10*time.Second }()
+	for st.Receive() {
+		healthy = true
+		c := st.Msg()
+		select {
+		case r.slots <- struct{}{}:
+		default:
+			r.log.Warn("too many console calls at once; refusing one", "call", c.GetId())
+			go r.refuse(context.WithoutCancel(ctx), c.GetId(), "the host answers too many console calls at once")
+			continue
+		}
+		// A call outlives this stream's loss: its own stream carries it.
+		go func() {
+			defer func() { <-r.slots }()
+			r.answer(context.WithoutCancel(ctx), c)
+		}()
+	}
+	return healthy, st.Err()
+}
+
+// answerStream is one call's Console stream.
+type answerStream = connect.BidiStreamForClient[eitriv1.ConsoleRequest, eitriv1.ConsoleResponse]
+
+func (r *relay) open(ctx context.Context, callID string) (*answerStream, error) {
+	st := r.client.Console(ctx)
+	if err := st.Send(&eitriv1.ConsoleRequest{CallId: callID}); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+func (r *relay) refuse(ctx context.Context, callID, why string) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	st, err := r.open(ctx, callID)
+	if err != nil {
+		return
+	}
+	_ = st.Send(&eitriv1.ConsoleRequest{ErrorCode: "unavailable", Error: why})
+	_ = st.CloseRequest()
+	_, _ = st.Receive()
+}
+
+// answer serves one call until the control plane ends its stream (output)
+// or the input is typed.
+func (r *relay) answer(ctx context.Context, c *eitriv1.CallsResponse) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	st, err := r.open(ctx, c.GetId())
+	if err != nil {
+		r.log.Debug("cannot answer a console call", "call", c.GetId(), "err", err)
+		return
+	}
+	defer func() {
+		_ = st.CloseRequest()
+		_ = st.CloseResponse()
+	}()
+	// The control plane sends nothing; its end of the stream is the caller
+	// leaving.
+	go func() {
+		for {
+			if _, err := st.Receive(); err != nil {
+				cancel()
+				return
+			}
+		}
+	}()
+	switch call := c.GetCall().(type) {
+	case *eitriv1.CallsResponse_ConsoleOutput:
+		o := call.ConsoleOutput
+		from := qemu.SerialFrom{Boot: o.GetBoot(), Offset: o.GetOffset(), Tail: int64(o.GetTailBytes()), NoFollow: o.GetNoFollow()}
+		err = r.serial.FollowSerial(ctx, o.GetVmId(), from, func(ch qemu.SerialChunk) error {
+			return st.Send(&eitriv1.ConsoleRequest{Data: ch.Data, Boot: ch.Boot, Offset: ch.Offset, NewBoot: ch.NewBoot})
+		})
+		if ctx.Err() != nil {
+			return
+		}
+		if err == nil {
+			if o.GetNoFollow() {
+				_ = st.Send(&eitriv1.ConsoleRequest{Done: true})
+			}
+			return
+		}
+	case *eitriv1.CallsResponse_ConsoleInput:
+		in := call.ConsoleInput
+		ictx, icancel := context.WithTimeout(ctx, 10*time.Second)
+		err = r.serial.SerialInput(ictx, in.GetVmId(), in.GetData())
+		icancel()
+		if err == nil {
+			_ = st.Send(&eitriv1.ConsoleRequest{Done: true})
+			return
+		}
+	default:
+		err = errors.New("this agent does not know that call; upgrade it")
+	}
+	_ = st.Send(&eitriv1.ConsoleRequest{ErrorCode: errorCode(err), Error: err.Error()})
+}
+
+func errorCode(err error) string {
+	switch {
+	case errors.Is(err, qemu.ErrUnknownVM):
+		return "not_found"
+	case errors.Is(err, qemu.ErrNotRunning), errors.Is(err, qemu.ErrNoSerialInput):
+		return "failed_precondition"
+	default:
+		return "unavailable"
+	}
+}

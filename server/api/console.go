@@ -1,0 +1,106 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"net/http"
+
+	"connectrpc.com/connect"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/auth"
+)
+
+// StreamConsole relays the VM's serial output from its host.
+func (s vmService) StreamConsole(ctx context.Context, r *connect.Request[eitriv1.StreamConsoleRequest], out *connect.ServerStream[eitriv1.StreamConsoleResponse]) error {
+	err := s.f.StreamConsole(ctx, r.Msg, out.Send)
+	if err == nil {
+		return shutdownErr(ctx)
+	}
+	return s.toConnect(err)
+}
+
+// SendConsoleInput types into the VM's serial console through its host.
+func (s vmService) SendConsoleInput(ctx context.Context, r *connect.Request[eitriv1.SendConsoleInputRequest]) (*connect.Response[eitriv1.SendConsoleInputResponse], error) {
+	err := s.f.SendConsoleInput(ctx, r.Msg)
+	return reply(s.handlers, &eitriv1.SendConsoleInputResponse{}, err)
+}
+
+// hostOf is the host a host credential names.
+func (s agentService) hostOf(ctx context.Context, h http.Header) (string, error) {
+	cred := auth.Secret(h)
+	if cred == "" {
+		return "", connect.NewError(connect.CodeUnauthenticated, errors.New("missing host credential"))
+	}
+	id, err := s.f.HostByCredential(ctx, cred)
+	if err != nil {
+		return "", s.toConnect(err)
+	}
+	return id, nil
+}
+
+// Calls sends the host's agent the console calls made for its VMs.
+func (s agentService) Calls(ctx context.Context, r *connect.Request[eitriv1.CallsRequest], out *connect.ServerStream[eitriv1.CallsResponse]) error {
+	hostID, err := s.hostOf(ctx, r.Header())
+	if err != nil {
+		return err
+	}
+	line, err := s.f.OpenCalls(ctx, hostID, r.Msg.GetInstanceId())
+	if err != nil {
+		return s.toConnect(err)
+	}
+	defer line.Close()
+	for {
+		c, err := line.Next(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return shutdownErr(ctx)
+			}
+			return connect.NewError(connect.CodeAborted, err)
+		}
+		if err := out.Send(c); err != nil {
+			return err
+		}
+	}
+}
+
+// Console carries the agent's answer to one call to whoever made it, and
+// ends when they leave.
+func (s agentService) Console(ctx context.Context, st *connect.BidiStream[eitriv1.ConsoleRequest, eitriv1.ConsoleResponse]) error {
+	hostID, err := s.hostOf(ctx, st.RequestHeader())
+	if err != nil {
+		return err
+	}
+	first, err := st.Receive()
+	if err != nil {
+		return err
+	}
+	if first.GetCallId() == "" {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("call_id: the first message on a Console stream names its call"))
+	}
+	a, err := s.f.AnswerConsole(hostID, first.GetCallId())
+	if err != nil {
+		return s.toConnect(err)
+	}
+	go func() {
+		m := first
+		for {
+			if len(m.GetData()) > 0 || m.GetDone() || m.GetErrorCode() != "" || m.GetBoot() != "" || m != first {
+				if !a.Deliver(ctx, m) {
+					return
+				}
+			}
+			var err error
+			if m, err = st.Receive(); err != nil {
+				a.Hangup(ctx, err)
+				return
+			}
+		}
+	}()
+	select {
+	case <-a.Done():
+		return nil
+	case <-ctx.Done():
+		return shutdownErr(ctx)
+	}
+}
