@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -173,4 +174,32 @@ func apiError(err error) error {
 func flagGiven(fs *pflag.FlagSet, name string) bool {
 	f := fs.Lookup(name)
 	return f != nil && f.Changed
+}
+
+// withClient is the RunE of a command that talks to the control plane: it
+// dials it, then runs fn.
+func (a *app) withClient(fn func(ctx context.Context, c *client) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, _ []string) error {
+		c, err := a.dial()
+		if err != nil {
+			return err
+		}
+		return fn(cmd.Context(), c)
+	}
+}
+
+// onVM is the RunE of a command on one VM, named or by id in its first
+// argument: it dials the control plane and resolves the VM, then runs fn.
+func (a *app) onVM(fn func(ctx context.Context, c *client, id string) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		c, err := a.dial()
+		if err != nil {
+			return err
+		}
+		id, err := c.vmID(cmd.Context(), args[0])
+		if err != nil {
+			return err
+		}
+		return fn(cmd.Context(), c, id)
+	}
 }

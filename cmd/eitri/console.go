@@ -31,15 +31,9 @@ func newVMConsoleCmd(a *app) *cobra.Command {
 		Args:              needArgs("a VM name or id"),
 		ValidArgsFunction: a.completeVMs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			id, err := c.vmID(cmd.Context(), args[0])
-			if err != nil {
-				return err
-			}
-			return c.attachConsole(cmd.Context(), id, args[0], a.io.in)
+			return a.onVM(func(ctx context.Context, c *client, id string) error {
+				return c.attachConsole(ctx, id, args[0], a.io.in)
+			})(cmd, args)
 		},
 	}
 }
@@ -52,23 +46,15 @@ func newVMLogsCmd(a *app) *cobra.Command {
 		Short:             "Print a VM's serial console output (-f: and follow it)",
 		Args:              needArgs("a VM name or id"),
 		ValidArgsFunction: a.completeVMs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			id, err := c.vmID(cmd.Context(), args[0])
-			if err != nil {
-				return err
-			}
+		RunE: a.onVM(func(ctx context.Context, c *client, id string) error {
 			req := &eitriv1.StreamConsoleRequest{VmId: id, TailBytes: tail, NoFollow: !follow}
-			return c.streamConsole(cmd.Context(), req, follow, func(data []byte, newBoot bool) {
+			return c.streamConsole(ctx, req, follow, func(data []byte, newBoot bool) {
 				if newBoot {
 					fmt.Fprintln(c.out, "---- the VM started again ----")
 				}
 				_, _ = c.out.Write(data)
 			})
-		},
+		}),
 	}
 	cmd.Flags().BoolVarP(&follow, "follow", "f", false, "keep printing what the VM writes, across reboots, until interrupted")
 	cmd.Flags().Uint32Var(&tail, "tail", 0, "bytes of recent output to print first (default 16 KiB, at most 1 MiB)")

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"strings"
@@ -26,17 +27,13 @@ func newHostListCmd(a *app) *cobra.Command {
 		Aliases: []string{"list"},
 		Short:   "List the hosts",
 		Args:    noArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			r, err := c.host.ListHosts(cmd.Context(), connect.NewRequest(&eitriv1.ListHostsRequest{}))
+		RunE: a.withClient(func(ctx context.Context, c *client) error {
+			r, err := c.host.ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
 			if err != nil {
 				return apiError(err)
 			}
 			return c.show(r.Msg, func(w io.Writer) { hostTable(w, r.Msg.Hosts...) })
-		},
+		}),
 	}
 }
 
@@ -69,23 +66,19 @@ func newHostJoinTokenCmd(a *app) *cobra.Command {
 		Use:   "join-token",
 		Short: "Admins: mint a single-use token that enrolls a new host",
 		Args:  noArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
+		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			req := &eitriv1.CreateJoinTokenRequest{}
 			if ttl > 0 {
 				req.Ttl = durationpb.New(ttl)
 			}
-			r, err := c.host.CreateJoinToken(cmd.Context(), connect.NewRequest(req))
+			r, err := c.host.CreateJoinToken(ctx, connect.NewRequest(req))
 			if err != nil {
 				return apiError(err)
 			}
 			return c.show(r.Msg, func(w io.Writer) {
 				fmt.Fprintf(w, "Run this on the new host (single use, expires %s):\n\n  %s\n", when(r.Msg.ExpiresAt.AsTime()), r.Msg.Command)
 			})
-		},
+		}),
 	}
 	cmd.Flags().DurationVar(&ttl, "ttl", 0, "how long the token is good for (default: the server's)")
 	return cmd

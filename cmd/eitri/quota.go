@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"strconv"
@@ -42,17 +43,13 @@ func newQuotaGetCmd(a *app) *cobra.Command {
 		Use:   "get",
 		Short: "Show a quota: each limit, what is used and where the limit comes from",
 		Args:  noArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			r, err := c.quota.GetQuota(cmd.Context(), connect.NewRequest(&eitriv1.GetQuotaRequest{UserName: user}))
+		RunE: a.withClient(func(ctx context.Context, c *client) error {
+			r, err := c.quota.GetQuota(ctx, connect.NewRequest(&eitriv1.GetQuotaRequest{UserName: user}))
 			if err != nil {
 				return apiError(err)
 			}
 			return c.show(r.Msg, func(w io.Writer) { quotaTable(w, r.Msg.Quota) })
-		},
+		}),
 	}
 	cmd.Flags().StringVar(&user, "user", "", "the user (default: you)")
 	return cmd

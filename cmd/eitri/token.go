@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"time"
@@ -55,12 +56,8 @@ func newTokenListCmd(a *app) *cobra.Command {
 		Aliases: []string{"list"},
 		Short:   "List tokens",
 		Args:    noArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			r, err := c.token.ListTokens(cmd.Context(), connect.NewRequest(&eitriv1.ListTokensRequest{}))
+		RunE: a.withClient(func(ctx context.Context, c *client) error {
+			r, err := c.token.ListTokens(ctx, connect.NewRequest(&eitriv1.ListTokensRequest{}))
 			if err != nil {
 				return apiError(err)
 			}
@@ -70,7 +67,7 @@ func newTokenListCmd(a *app) *cobra.Command {
 					fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", t.Id, t.Name, t.UserName, when(t.CreatedAt.AsTime()), whenPB(t.ExpiresAt, "never"), whenPB(t.LastUsedAt, "never"))
 				}
 			})
-		},
+		}),
 	}
 }
 
@@ -99,12 +96,8 @@ func newSessionsCmd(a *app) *cobra.Command {
 		Use:   "sessions",
 		Short: "List console sessions and the token each acts for",
 		Args:  noArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			r, err := c.token.ListSessions(cmd.Context(), connect.NewRequest(&eitriv1.ListSessionsRequest{}))
+		RunE: a.withClient(func(ctx context.Context, c *client) error {
+			r, err := c.token.ListSessions(ctx, connect.NewRequest(&eitriv1.ListSessionsRequest{}))
 			if err != nil {
 				return apiError(err)
 			}
@@ -115,7 +108,7 @@ func newSessionsCmd(a *app) *cobra.Command {
 						when(s.CreatedAt.AsTime()), whenPB(s.ExpiresAt, "never"), whenPB(s.LastUsedAt, "never"))
 				}
 			})
-		},
+		}),
 	}
 }
 

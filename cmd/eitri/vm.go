@@ -164,17 +164,13 @@ func newVMListCmd(a *app) *cobra.Command {
 		Aliases: []string{"list"},
 		Short:   "List your VMs (an admin sees everyone's)",
 		Args:    noArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			r, err := c.vm.ListVMs(cmd.Context(), connect.NewRequest(&eitriv1.ListVMsRequest{}))
+		RunE: a.withClient(func(ctx context.Context, c *client) error {
+			r, err := c.vm.ListVMs(ctx, connect.NewRequest(&eitriv1.ListVMsRequest{}))
 			if err != nil {
 				return apiError(err)
 			}
 			return c.show(r.Msg, func(w io.Writer) { vmTable(w, r.Msg.Vms...) })
-		},
+		}),
 	}
 }
 
@@ -184,21 +180,13 @@ func newVMGetCmd(a *app) *cobra.Command {
 		Short:             "Show one VM",
 		Args:              needArgs("a VM name or id"),
 		ValidArgsFunction: a.completeVMs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			id, err := c.vmID(cmd.Context(), args[0])
-			if err != nil {
-				return err
-			}
-			r, err := c.vm.GetVM(cmd.Context(), connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+		RunE: a.onVM(func(ctx context.Context, c *client, id string) error {
+			r, err := c.vm.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
 			if err != nil {
 				return apiError(err)
 			}
 			return c.show(r.Msg, func(w io.Writer) { vmDetail(w, r.Msg.Vm) })
-		},
+		}),
 	}
 }
 
@@ -256,17 +244,9 @@ lines otherwise). A ready VM's address is the last line; a failed one's
 error is the command's own, with exit status 1.`,
 		Args:              needArgs("a VM name or id"),
 		ValidArgsFunction: a.completeVMs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			id, err := c.vmID(cmd.Context(), args[0])
-			if err != nil {
-				return err
-			}
-			return c.waitAndShow(cmd.Context(), id, timeout)
-		},
+		RunE: a.onVM(func(ctx context.Context, c *client, id string) error {
+			return c.waitAndShow(ctx, id, timeout)
+		}),
 	}
 	cmd.Flags().DurationVar(&timeout, "timeout", 0, "give up after this long (default: no limit)")
 	return cmd
@@ -278,21 +258,13 @@ func newVMEventsCmd(a *app) *cobra.Command {
 		Short:             "What happened to a VM, oldest first",
 		Args:              needArgs("a VM name or id"),
 		ValidArgsFunction: a.completeVMs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			id, err := c.vmID(cmd.Context(), args[0])
-			if err != nil {
-				return err
-			}
-			r, err := c.vm.ListVMEvents(cmd.Context(), connect.NewRequest(&eitriv1.ListVMEventsRequest{VmId: id}))
+		RunE: a.onVM(func(ctx context.Context, c *client, id string) error {
+			r, err := c.vm.ListVMEvents(ctx, connect.NewRequest(&eitriv1.ListVMEventsRequest{VmId: id}))
 			if err != nil {
 				return apiError(err)
 			}
 			return c.show(r.Msg, func(w io.Writer) { eventTable(w, r.Msg.Events...) })
-		},
+		}),
 	}
 }
 
@@ -301,13 +273,9 @@ func newVMWatchCmd(a *app) *cobra.Command {
 		Use:   "watch",
 		Short: "Every VM now, then each change as it happens",
 		Args:  noArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			return c.watchVMs(cmd.Context())
-		},
+		RunE: a.withClient(func(ctx context.Context, c *client) error {
+			return c.watchVMs(ctx)
+		}),
 	}
 }
 
@@ -354,17 +322,13 @@ func newVMOrphansCmd(a *app) *cobra.Command {
 		Use:   "orphans",
 		Short: "Admins: VMs hosts hold but this control plane lost or has older records of",
 		Args:  noArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c, err := a.dial()
-			if err != nil {
-				return err
-			}
-			r, err := c.vm.ListOrphanedVMs(cmd.Context(), connect.NewRequest(&eitriv1.ListOrphanedVMsRequest{}))
+		RunE: a.withClient(func(ctx context.Context, c *client) error {
+			r, err := c.vm.ListOrphanedVMs(ctx, connect.NewRequest(&eitriv1.ListOrphanedVMsRequest{}))
 			if err != nil {
 				return apiError(err)
 			}
 			return c.show(r.Msg, func(w io.Writer) { orphanTable(w, r.Msg.Vms...) })
-		},
+		}),
 	}
 }
 
