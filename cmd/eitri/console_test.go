@@ -26,7 +26,7 @@ import (
 // consoleHost is an enrolled host whose agent runs the real console relay
 // over a real QEMU backend in a temp dir; the test writes the serial log
 // (and plays QEMU's input socket) itself.
-func (e *cliEnv) consoleHost(name string) *qemu.Backend {
+func (e *cliEnv) consoleHost(name string) (*qemu.Backend, syncclient.Identity) {
 	e.t.Helper()
 	id := e.enroll(name)
 	qb, err := qemu.New(qemu.Config{Dir: e.t.TempDir()})
@@ -46,12 +46,12 @@ func (e *cliEnv) consoleHost(name string) *qemu.Backend {
 		var r eitriv1.GetHostResponse
 		return err == nil && protojson.Unmarshal([]byte(out), &r) == nil && r.Host.Connected && r.Host.Capacity != nil
 	}, 10*time.Second, 10*time.Millisecond, "the host is connected and has reported its capacity")
-	return qb
+	return qb, id
 }
 
 func TestVMLogsPrintsTheSerialConsoleAndFollowsIt(t *testing.T) {
 	e := newCLIEnv(t, server.Config{})
-	qb := e.consoleHost("h1")
+	qb, _ := e.consoleHost("h1")
 	out, err := e.eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32), "-o", "json")
 	require.NoError(t, err)
 	var created eitriv1.CreateVMResponse
@@ -92,7 +92,7 @@ func TestVMLogsPrintsTheSerialConsoleAndFollowsIt(t *testing.T) {
 
 func TestVMConsoleTypesIntoTheGuestUntilCtrlRightBracket(t *testing.T) {
 	e := newCLIEnv(t, server.Config{})
-	qb := e.consoleHost("h1")
+	qb, _ := e.consoleHost("h1")
 	out, err := e.eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32), "-o", "json")
 	require.NoError(t, err)
 	var created eitriv1.CreateVMResponse

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -175,25 +177,7 @@ func TestEnrollRefusesACertificateThatDoesNotMatchThePin(t *testing.T) {
 	assert.Equal(t, connect.CodeUnauthenticated, connect.CodeOf(err), "and only once")
 }
 
-// logBuffer is a concurrency-safe sink for an agent's log lines.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf strings.Builder
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
-func runAgentStream(t *testing.T, id syncclient.Identity, instance string, logs *logBuffer) *source {
+func runAgentStream(t *testing.T, id syncclient.Identity, instance string, logs *hosttest.LogBuffer) *source {
 	t.Helper()
 	src := &source{}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -222,7 +206,7 @@ func TestAnAgentSaysWhyItWillNotTalkToAnImposter(t *testing.T) {
 	addr := cp.addr
 	cp.stop()
 	imposter := startControlPlane(t, t.TempDir(), addr)
-	var logs logBuffer
+	var logs hosttest.LogBuffer
 	runAgentStream(t, id, "a", &logs)
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "does not match the pinned") }, 10*time.Second, 20*time.Millisecond,
 		"the agent's log names the refused certificate, not just a lost stream:\n%s", logs.String())
@@ -238,7 +222,7 @@ func TestASecondAgentWithOneIdentityIsRefusedAndBacksOff(t *testing.T) {
 	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
 	require.NoError(t, err)
 
-	var firstLogs, cloneLogs logBuffer
+	var firstLogs, cloneLogs hosttest.LogBuffer
 	first := runAgentStream(t, id, "first", &firstLogs)
 	require.Eventually(t, func() bool { return first.last() != nil }, 10*time.Second, 10*time.Millisecond)
 

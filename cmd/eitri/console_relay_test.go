@@ -1,4 +1,4 @@
-package api_test
+package main
 
 import (
 	"bytes"
@@ -14,51 +14,50 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/a73x/eitri/agent/consolerelay"
-	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/server"
 )
 
-// The console relay without a guest: the agent's real relay over a real
-// QEMU backend whose VM has a serial log the test writes (the QEMU side
-// runs in cmd/eitri's console e2e test).
+// The console relay without a guest, through the API: the agent's real
+// relay over a real QEMU backend whose VM has a serial log the test writes
+// (the QEMU side runs in the console e2e test). It lives here, where the
+// control plane and the agent are composed, because server code and its
+// tests import no agent code.
 func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
-	e := newEnv(t)
+	e := newCLIEnv(t, server.Config{})
 	ctx := context.Background()
-	hostID, cred := e.enroll("h1")
-	e.connectWith(hostID, cred, big(), &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-a"})
-	created, err := e.vms(e.admin).CreateVM(ctx, connect.NewRequest(createReq("con")))
-	require.NoError(t, err)
-	id := created.Msg.Vm.Id
-	vms := e.vms(e.admin)
+	hc := syncclient.HTTPClient("")
+	vms := eitriv1connect.NewVMServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(e.srv.AdminToken)))
+	code := connect.CodeOf
+	mkVM := func(name, host string) string {
+		r, err := vms.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{Name: name, HostId: host,
+			ImageUrl: "http://images.test/g.raw", ImageSha256: strings.Repeat("ab", 32), Vcpus: 1, MemMb: 256, DiskGb: 1}))
+		require.NoError(t, err)
+		return r.Msg.Vm.Id
+	}
 
+	e.connectHost("quiet")
 	t.Run("a host that does not relay says so", func(t *testing.T) {
-		_, err := vms.SendConsoleInput(ctx, connect.NewRequest(&eitriv1.SendConsoleInputRequest{VmId: id, Data: []byte("x")}))
+		quiet := mkVM("quiet-1", hostIDOf(t, e, "quiet"))
+		_, err := vms.SendConsoleInput(ctx, connect.NewRequest(&eitriv1.SendConsoleInputRequest{VmId: quiet, Data: []byte("x")}))
 		assert.Equal(t, connect.CodeUnavailable, code(err), "%v", err)
 		assert.Contains(t, err.Error(), "does not relay consoles")
 	})
 
-	qb, err := qemu.New(qemu.Config{Dir: t.TempDir()})
-	require.NoError(t, err)
+	qb, ident := e.consoleHost("h1")
+	id := mkVM("con", ident.HostID)
 	log := filepath.Join(qb.VMDir(id), "serial.log")
 	require.NoError(t, os.MkdirAll(qb.VMDir(id), 0o700))
 	require.NoError(t, os.WriteFile(log, []byte("booting...\n"), 0o600))
-	rctx, stopRelay := context.WithCancel(ctx)
-	relayDone := make(chan struct{})
-	go func() {
-		defer close(relayDone)
-		_ = consolerelay.Run(rctx, consolerelay.Config{Client: e.http, InstanceID: "agent-a", Serial: qb,
-			Identity: syncclient.Identity{ServerURL: e.url, HostID: hostID, Credential: cred}})
-	}()
-	t.Cleanup(func() { stopRelay(); <-relayDone })
 
 	var mu sync.Mutex
 	var out bytes.Buffer
 	sctx, stopStream := context.WithCancel(ctx)
 	defer stopStream()
 	var st *connect.ServerStreamForClient[eitriv1.StreamConsoleResponse]
+	var err error
 	require.Eventually(t, func() bool {
 		st, err = vms.StreamConsole(sctx, connect.NewRequest(&eitriv1.StreamConsoleRequest{VmId: id}))
 		if err != nil {
@@ -119,9 +118,10 @@ func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
 	})
 
 	t.Run("another user's VM is not found", func(t *testing.T) {
-		tok, err := e.tokens(e.admin).CreateToken(ctx, connect.NewRequest(&eitriv1.CreateTokenRequest{Name: "t", UserName: "mallory"}))
+		tokens := eitriv1connect.NewTokenServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(e.srv.AdminToken)))
+		tok, err := tokens.CreateToken(ctx, connect.NewRequest(&eitriv1.CreateTokenRequest{Name: "t", UserName: "mallory"}))
 		require.NoError(t, err)
-		other := e.vms(tok.Msg.Secret)
+		other := eitriv1connect.NewVMServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(tok.Msg.Secret)))
 		st, err := other.StreamConsole(ctx, connect.NewRequest(&eitriv1.StreamConsoleRequest{VmId: id}))
 		require.NoError(t, err)
 		assert.False(t, st.Receive())
@@ -143,7 +143,7 @@ func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
 	})
 
 	t.Run("another agent process with the host's identity gets no calls", func(t *testing.T) {
-		ac := eitriv1connect.NewAgentServiceClient(e.http, e.url, connect.WithInterceptors(syncclient.Bearer(cred)))
+		ac := eitriv1connect.NewAgentServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(ident.Credential)))
 		calls, err := ac.Calls(ctx, connect.NewRequest(&eitriv1.CallsRequest{InstanceId: "agent-clone"}))
 		require.NoError(t, err)
 		assert.False(t, calls.Receive())
@@ -151,10 +151,24 @@ func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
 	})
 
 	t.Run("a host cannot answer a call it was not sent", func(t *testing.T) {
-		ac := eitriv1connect.NewAgentServiceClient(e.http, e.url, connect.WithInterceptors(syncclient.Bearer(cred)))
+		ac := eitriv1connect.NewAgentServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(ident.Credential)))
 		c := ac.Console(ctx)
 		require.NoError(t, c.Send(&eitriv1.ConsoleRequest{CallId: "call-made-up"}))
 		_, err := c.Receive()
 		assert.Equal(t, connect.CodeNotFound, code(err), "%v", err)
 	})
+}
+
+// hostIDOf is the id of the host enrolled under name.
+func hostIDOf(t *testing.T, e *cliEnv, name string) string {
+	t.Helper()
+	r, err := e.srv.Fleet.ListHosts(e.adminCtx())
+	require.NoError(t, err)
+	for _, h := range r {
+		if h.GetName() == name {
+			return h.GetId()
+		}
+	}
+	t.Fatalf("no host named %s", name)
+	return ""
 }
