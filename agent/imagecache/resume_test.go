@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -16,6 +15,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/a73x/eitri/agent/hosttest"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -158,26 +159,6 @@ func (p *progressLog) wentBack() int {
 	return n
 }
 
-// logBuffer is a logger whose output a test can read.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
-func (l *logBuffer) logger() *slog.Logger { return slog.New(slog.NewTextHandler(l, nil)) }
-
 func readFile(t *testing.T, p string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(p)
@@ -254,8 +235,8 @@ func TestAServerThatIgnoresRangeGetsTheDownloadStartedOverAndItSaysSo(t *testing
 	srv := newRangeServer(t, body, `"v1"`)
 	srv.ignoreRange = true
 	srv.cut = cutFirst(300 << 10)
-	var logs logBuffer
-	c := loopbackCache(t.TempDir(), WithMinProgress(64<<10), WithProgressStep(32<<10), WithLogger(logs.logger()))
+	var logs hosttest.LogBuffer
+	c := loopbackCache(t.TempDir(), WithMinProgress(64<<10), WithProgressStep(32<<10), WithLogger(logs.Logger()))
 
 	var prog progressLog
 	p, err := c.Ensure(context.Background(), srv.URL+"/img", sum, prog.report)
@@ -287,8 +268,8 @@ func TestAChangedETagStartsTheDownloadOver(t *testing.T) {
 				}
 				return -1
 			}
-			var logs logBuffer
-			c := loopbackCache(t.TempDir(), WithMinProgress(64<<10), WithLogger(logs.logger()))
+			var logs hosttest.LogBuffer
+			c := loopbackCache(t.TempDir(), WithMinProgress(64<<10), WithLogger(logs.Logger()))
 			p, err := c.Ensure(context.Background(), srv.URL+"/img", digest(v2), nil)
 			require.NoError(t, err)
 			assert.True(t, bytes.Equal(v2, readFile(t, p)), "the new image, whole")
@@ -574,8 +555,8 @@ func TestATruncatedCachedImageIsFetchedAgainNotUsed(t *testing.T) {
 
 			// Within the process that placed it, the image is known good.
 			// A restart checks it before it is used.
-			var logs logBuffer
-			c := loopbackCache(dir, WithLogger(logs.logger()))
+			var logs hosttest.LogBuffer
+			c := loopbackCache(dir, WithLogger(logs.Logger()))
 			p2, err := c.Ensure(context.Background(), ts.URL, sum, nil)
 			require.NoError(t, err)
 			assert.Equal(t, p, p2)

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -28,13 +30,6 @@ type engine struct {
 func (e *engine) Apply(*eitriv1.DesiredStateSnapshot) bool { return !e.refuse }
 func (e *engine) Fill(rep *eitriv1.ActualStateReport)      { rep.Vms = e.vms }
 func (e *engine) Changed() <-chan struct{}                 { return e.changed }
-
-func freePort(t *testing.T) uint32 {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer l.Close()
-	return uint32(l.Addr().(*net.TCPAddr).Port)
-}
 
 func TestAPublishedPortCarriesTrafficAndItsCountersReachTheReport(t *testing.T) {
 	// The "guest" is a loopback echo server.
@@ -56,7 +51,7 @@ func TestAPublishedPortCarriesTrafficAndItsCountersReachTheReport(t *testing.T) 
 	defer proxy.Close()
 	n = New(Config{Engine: eng, Ports: proxy, Capacity: func() *eitriv1.Capacity { return &eitriv1.Capacity{Vcpus: 2} }})
 
-	hostPort := freePort(t)
+	hostPort := uint32(hosttest.FreePort(t, "tcp"))
 	snap := &eitriv1.DesiredStateSnapshot{Generation: 1, Exposures: []*eitriv1.ExposureDesired{{
 		Id: "x1", VmId: "vm1", Protocol: "tcp", Scope: "local", HostPort: hostPort,
 		GuestPort: uint32(guest.Addr().(*net.TCPAddr).Port),

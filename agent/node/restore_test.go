@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/hosttest"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -82,7 +84,7 @@ func exposure(id, vm string, hostPort, guestPort uint32) *eitriv1.ExposureDesire
 func TestARestartedAgentServesItsPublishedPortsBeforeTheControlPlaneAnswers(t *testing.T) {
 	dir := t.TempDir()
 	guestPort := echoGuest(t, "127.0.0.2")
-	hostPort := freePort(t)
+	hostPort := uint32(hosttest.FreePort(t, "tcp"))
 	leased := func(id string) (netip.Addr, bool) {
 		if id == "vm1" {
 			return netip.MustParseAddr("127.0.0.2"), true
@@ -115,7 +117,7 @@ func TestARestartedAgentServesItsPublishedPortsBeforeTheControlPlaneAnswers(t *t
 func TestEveryAppliedSnapshotReplacesTheKeptPorts(t *testing.T) {
 	dir := t.TempDir()
 	guestPort := echoGuest(t, "127.0.0.2")
-	p1, p2 := freePort(t), freePort(t)
+	p1, p2 := uint32(hosttest.FreePort(t, "tcp")), uint32(hosttest.FreePort(t, "tcp"))
 	leased := func(string) (netip.Addr, bool) { return netip.MustParseAddr("127.0.0.2"), true }
 
 	first := startAgent(t, dir, leased)
@@ -140,7 +142,7 @@ func TestEveryAppliedSnapshotReplacesTheKeptPorts(t *testing.T) {
 func TestASnapshotTheEngineRefusesDoesNotReplaceTheKeptPorts(t *testing.T) {
 	dir := t.TempDir()
 	guestPort := echoGuest(t, "127.0.0.2")
-	p1, p2 := freePort(t), freePort(t)
+	p1, p2 := uint32(hosttest.FreePort(t, "tcp")), uint32(hosttest.FreePort(t, "tcp"))
 	leased := func(string) (netip.Addr, bool) { return netip.MustParseAddr("127.0.0.2"), true }
 
 	first := startAgent(t, dir, leased)
@@ -158,7 +160,7 @@ func TestASnapshotTheEngineRefusesDoesNotReplaceTheKeptPorts(t *testing.T) {
 func TestASnapshotAppliedBeforeRestoreWins(t *testing.T) {
 	dir := t.TempDir()
 	guestPort := echoGuest(t, "127.0.0.2")
-	old, cur := freePort(t), freePort(t)
+	old, cur := uint32(hosttest.FreePort(t, "tcp")), uint32(hosttest.FreePort(t, "tcp"))
 	leased := func(string) (netip.Addr, bool) { return netip.MustParseAddr("127.0.0.2"), true }
 
 	first := startAgent(t, dir, leased)
@@ -175,7 +177,7 @@ func TestASnapshotAppliedBeforeRestoreWins(t *testing.T) {
 func TestAGuestTheEngineReportsStoppedIsNotDialedOnTheHostsWord(t *testing.T) {
 	dir := t.TempDir()
 	guestPort := echoGuest(t, "127.0.0.2")
-	hostPort := freePort(t)
+	hostPort := uint32(hosttest.FreePort(t, "tcp"))
 	leased := func(string) (netip.Addr, bool) { return netip.MustParseAddr("127.0.0.2"), true }
 
 	r := startAgent(t, dir, leased)
