@@ -152,9 +152,6 @@ func New(cfg Config, st *store.Store) *Fleet {
 
 func (f *Fleet) now() time.Time { return f.cfg.Now().UTC() }
 
-// Registry exposes the live state (for tests and diagnostics).
-func (f *Fleet) Registry() *registry.Registry { return f.reg }
-
 // storeErr maps store sentinels to domain errors; what names the object.
 func storeErr(err error, what string) error {
 	switch {

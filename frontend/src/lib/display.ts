@@ -224,13 +224,3 @@ export const sizePresets: SizePreset[] = [
 	{ name: 'medium', vcpus: 2, memMb: 4096, diskGb: 20 },
 	{ name: 'large', vcpus: 4, memMb: 8192, diskGb: 40 }
 ];
-
-/** A short fingerprint-like form of an SSH public key for a table cell:
- *  type and the key's tail, with the comment when it has one. */
-export function sshKeySummary(key: string): string {
-	const parts = key.trim().split(/\s+/);
-	if (parts.length < 2) return key.trim();
-	const [type, body, ...comment] = parts;
-	const tail = body.length > 12 ? `…${body.slice(-12)}` : body;
-	return [type, tail, comment.join(' ')].filter(Boolean).join(' ');
-}
