@@ -358,8 +358,13 @@ func TestFaultAgentKilledMidBootLeavesOneGuestTapAndLease(t *testing.T) {
 	})
 	// Kill once QEMU has been started, so there is a guest to adopt.
 	var before []int
-	require.Eventually(t, func() bool { before = qemusOf(t, agentDir, id); return len(before) > 0 }, 30*time.Second, 10*time.Millisecond,
-		"QEMU is started while the VM boots")
+	// QEMU daemonizes: until its pidfile names it, the process seen may be
+	// the parent about to exit, not the guest.
+	require.Eventually(t, func() bool {
+		before = qemusOf(t, agentDir, id)
+		b, err := os.ReadFile(filepath.Join(agentDir, "vms", id, "qemu.pid"))
+		return len(before) == 1 && err == nil && strings.TrimSpace(string(b)) == strconv.Itoa(before[0])
+	}, 30*time.Second, 10*time.Millisecond, "QEMU is started while the VM boots")
 	t.Logf("killing the agent at %q, QEMU %v", v.StatusDetail, before)
 	dev.kill()
 	require.Len(t, before, 1, "one QEMU before the kill")

@@ -454,7 +454,20 @@ func qemuPID(t *testing.T, agentDir, vmID string) int {
 	return pid
 }
 
-func alive(pid int) bool { return syscall.Kill(pid, 0) == nil }
+// alive reports whether pid runs; a zombie (exited, not yet reaped by
+// whoever inherited it) does not.
+func alive(pid int) bool {
+	if syscall.Kill(pid, 0) != nil {
+		return false
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	// The state follows the command name, which ends at the last ')'.
+	rest := string(b[bytes.LastIndexByte(b, ')')+1:])
+	return !strings.HasPrefix(strings.TrimSpace(rest), "Z")
+}
 
 var pinRefused = regexp.MustCompile(`(?i)certificate[^\n]*(pin)`)
 
