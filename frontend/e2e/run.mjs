@@ -377,8 +377,20 @@ async function inside(bin, guest) {
 				image.release();
 			}
 			await factsValue(page, 'Address').getByText(/^10\.81\.0\.\d+$/).waitFor({ timeout: 180_000 });
-			const word = (await status.textContent())?.trim().replace(/\s+/g, ' ');
-			if (!/^ready$/.test(word ?? '')) throw new Error(`status is "${word}" once the address is set, want "ready" alone`);
+			// The address is shown while the guest finishes booting ("waiting for
+			// cloud-init"); ready follows when the guest phones home, and the page
+			// says which signal made it ready.
+			let word = '';
+			await waitFor(
+				async () => {
+					word = (await status.textContent())?.trim().replace(/\s+/g, ' ') ?? '';
+					return /^ready \(ready by cloud-init\)$/.test(word);
+				},
+				120_000,
+				'the status reads "ready (ready by cloud-init)" alone, no narration left'
+			).catch((err) => {
+				throw new Error(`${err.message}; status is "${word}"`);
+			});
 			if (!(await page.evaluate(() => window.__e2eNoReload === true))) throw new Error('the page reloaded');
 			const seen = await page.evaluate(() => window.__e2eStatus);
 			log(`status lines seen: ${seen.map((t) => JSON.stringify(t)).join(' → ')}`);
