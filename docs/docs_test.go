@@ -36,6 +36,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/syncclient"
+
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
 
@@ -120,36 +122,17 @@ func controlPlane(t *testing.T) (url, token string) {
 	return url, srv.AdminToken
 }
 
-type bearer string
-
-func (b bearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		req.Header().Set("Authorization", "Bearer "+string(b))
-		return next(ctx, req)
-	}
-}
-func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
-	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
-		c := next(ctx, spec)
-		c.RequestHeader().Set("Authorization", "Bearer "+string(b))
-		return c
-	}
-}
-func (bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return next
-}
-
 // host enrolls and connects the obliging host, and waits until it is
 // listed as connected with its capacity.
 func host(t *testing.T, ctx context.Context, hc *http.Client, url, admin string) {
 	t.Helper()
-	hosts := eitriv1connect.NewHostServiceClient(hc, url, connect.WithInterceptors(bearer(admin)))
+	hosts := eitriv1connect.NewHostServiceClient(hc, url, connect.WithInterceptors(syncclient.Bearer(admin)))
 	jt, err := hosts.CreateJoinToken(ctx, connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
 	require.NoError(t, err)
 	agent := eitriv1connect.NewAgentServiceClient(hc, url)
 	en, err := agent.Enroll(ctx, connect.NewRequest(&eitriv1.EnrollRequest{JoinToken: jt.Msg.Token, Hostname: "host-1"}))
 	require.NoError(t, err)
-	sync := eitriv1connect.NewAgentServiceClient(hc, url, connect.WithInterceptors(bearer(en.Msg.HostCredential))).Sync(ctx)
+	sync := eitriv1connect.NewAgentServiceClient(hc, url, connect.WithInterceptors(syncclient.Bearer(en.Msg.HostCredential))).Sync(ctx)
 	require.NoError(t, sync.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: &eitriv1.Hello{
 		AgentVersion: "docs", Address: "127.0.0.1", Accelerator: "tcg", AcceleratorReason: "no KVM here"}}}))
 	capacity := &eitriv1.Capacity{Vcpus: 8, MemMb: 16384, DiskGb: 200}
