@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
@@ -55,9 +56,10 @@ func TestAFailedVMIsRetriedByNameFromTheCLI(t *testing.T) {
 			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test"} }})
 	}()
 	require.Eventually(t, func() bool {
-		out, err := eitri("host", "ls")
-		return err == nil && strings.Contains(out, "true")
-	}, 10*time.Second, 20*time.Millisecond, "the host is connected")
+		out, err := eitri("host", "get", "h1", "-o", "json")
+		var r eitriv1.GetHostResponse
+		return err == nil && protojson.Unmarshal([]byte(out), &r) == nil && r.Host.Connected && r.Host.Capacity != nil
+	}, 10*time.Second, 20*time.Millisecond, "the host is connected and has reported its capacity (a VM can be placed)")
 
 	_, err := eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32))
 	require.NoError(t, err)
