@@ -79,8 +79,9 @@ func TestBuildingBlocksImportNoOtherEitriPackage(t *testing.T) {
 }
 
 func TestControlPlaneAndAgentShareOnlyTheWire(t *testing.T) {
-	// The control plane and the agent meet only through gen/ (the protocol):
-	// neither imports the other's code, tests included.
+	// The control plane and the agent meet only through gen/ (the protocol)
+	// and wire/ (what both sides of it must agree on): neither imports the
+	// other's code, tests included.
 	for _, side := range []struct{ dir, other string }{
 		{"server", "agent/"},
 		{"agent", "server/"},
@@ -90,6 +91,19 @@ func TestControlPlaneAndAgentShareOnlyTheWire(t *testing.T) {
 				if strings.HasPrefix(imp, module+side.other) {
 					t.Errorf("%s imports %s: %s code must not import %s code", p.ImportPath, imp, side.dir, strings.TrimSuffix(side.other, "/"))
 				}
+			}
+		}
+	}
+}
+
+func TestWireImportsOnlyTheSchema(t *testing.T) {
+	// wire/ is what every side shares beyond gen/ (codecs, words, client
+	// plumbing); the server, the agent and the clients all import it, so it
+	// may import none of them, tests included.
+	for _, p := range listPackages(t, "./wire/...") {
+		for _, imp := range append(append(p.Imports, p.TestImports...), p.XTestImports...) {
+			if strings.HasPrefix(imp, module) && !strings.HasPrefix(imp, module+"gen/") && !strings.HasPrefix(imp, module+"wire/") {
+				t.Errorf("%s imports %s: wire/ imports only gen/ and other wire/ packages from eitri", p.ImportPath, imp)
 			}
 		}
 	}

@@ -36,14 +36,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/agent/syncclient"
-
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // block is one fenced code block.
@@ -126,13 +125,13 @@ func controlPlane(t *testing.T) (url, token string) {
 // listed as connected with its capacity.
 func host(t *testing.T, ctx context.Context, hc *http.Client, url, admin string) {
 	t.Helper()
-	hosts := eitriv1connect.NewHostServiceClient(hc, url, connect.WithInterceptors(syncclient.Bearer(admin)))
+	hosts := eitriv1connect.NewHostServiceClient(hc, url, connect.WithInterceptors(connclient.Bearer(admin)))
 	jt, err := hosts.CreateJoinToken(ctx, connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
 	require.NoError(t, err)
 	agent := eitriv1connect.NewAgentServiceClient(hc, url)
 	en, err := agent.Enroll(ctx, connect.NewRequest(&eitriv1.EnrollRequest{JoinToken: jt.Msg.Token, Hostname: "host-1"}))
 	require.NoError(t, err)
-	sync := eitriv1connect.NewAgentServiceClient(hc, url, connect.WithInterceptors(syncclient.Bearer(en.Msg.HostCredential))).Sync(ctx)
+	sync := eitriv1connect.NewAgentServiceClient(hc, url, connect.WithInterceptors(connclient.Bearer(en.Msg.HostCredential))).Sync(ctx)
 	require.NoError(t, sync.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: &eitriv1.Hello{
 		AgentVersion: "docs", Address: "127.0.0.1", Accelerator: "tcg", AcceleratorReason: "no KVM here"}}}))
 	capacity := &eitriv1.Capacity{Vcpus: 8, MemMb: 16384, DiskGb: 200}

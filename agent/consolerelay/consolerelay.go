@@ -19,6 +19,7 @@ import (
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // Serial is what the relay needs of the hypervisor.
@@ -56,7 +57,7 @@ func Run(ctx context.Context, cfg Config) error {
 		cfg.MaxBackoff = 30 * time.Second
 	}
 	client := eitriv1connect.NewAgentServiceClient(cfg.Client, cfg.Identity.ServerURL,
-		connect.WithInterceptors(syncclient.Bearer(cfg.Identity.Credential)))
+		connect.WithInterceptors(connclient.Bearer(cfg.Identity.Credential)))
 	r := &relay{client: client, serial: cfg.Serial, log: cfg.Log, slots: make(chan struct{}, maxCalls)}
 	backoff := cfg.MinBackoff
 	for {

@@ -7,19 +7,12 @@ package syncclient
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/tls"
-	"crypto/x509"
-	"encoding/base64"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"math/rand/v2"
-	"net"
 	"net/http"
-	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -27,79 +20,25 @@ import (
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/wire/connclient"
+	"github.com/a73x/eitri/wire/jointoken"
 )
-
-const joinPrefix = "eitri_join_"
-
-// ParseJoinToken decodes a pasted join token: "eitri_join_" +
-// base64url(binary eitri.v1.JoinToken).
-func ParseJoinToken(s string) (*eitriv1.JoinToken, error) {
-	raw, ok := strings.CutPrefix(strings.TrimSpace(s), joinPrefix)
-	if !ok {
-		return nil, errors.New("not an eitri join token (it starts with " + joinPrefix + ")")
-	}
-	t := &eitriv1.JoinToken{}
-	b, err := base64.RawURLEncoding.DecodeString(raw)
-	if err != nil || proto.Unmarshal(b, t) != nil || t.GetSecret() == "" || t.GetUrl() == "" {
-		return nil, errors.New("join token is damaged; copy it again")
-	}
-	return t, nil
-}
 
 // Identity is what enrolling buys; the agent keeps it durably.
 type Identity struct {
 	ServerURL, Fingerprint, HostID, Credential string
 }
 
-// HTTPClient returns a client that speaks HTTP/2 to the control plane: TLS
-// pinned to fingerprint, or h2c when fingerprint is empty.
-func HTTPClient(fingerprint string) *http.Client {
-	tr := &http.Transport{
-		Proxy:             nil, // the control plane is dialed directly, never via a proxy
-		ForceAttemptHTTP2: true,
-		DialContext:       (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		Protocols:         new(http.Protocols),
-		// The control plane may be silent for long (snapshots go out on
-		// change only); a ping on an idle connection tells a dead path from a
-		// quiet one, so the agent reconnects instead of waiting on TCP.
-		HTTP2: &http.HTTP2Config{SendPingTimeout: 10 * time.Second, PingTimeout: 10 * time.Second},
-	}
-	if fingerprint == "" {
-		tr.Protocols.SetUnencryptedHTTP2(true)
-	} else {
-		tr.Protocols.SetHTTP2(true)
-		tr.TLSClientConfig = pinned(fingerprint)
-	}
-	return &http.Client{Transport: tr}
-}
-
-// pinned trusts exactly the certificate with this fingerprint: the join
-// token is the trust anchor, not a CA store.
-func pinned(fp string) *tls.Config {
-	return &tls.Config{
-		MinVersion:         tls.VersionTLS12,
-		NextProtos:         []string{"h2"},
-		InsecureSkipVerify: true, // replaced by the pin below
-		VerifyPeerCertificate: func(raw [][]byte, _ [][]*x509.Certificate) error {
-			if len(raw) == 0 {
-				return errors.New("control plane presented no certificate")
-			}
-			sum := sha256.Sum256(raw[0])
-			if got := hex.EncodeToString(sum[:]); got != fp {
-				return fmt.Errorf("control plane certificate %s does not match the pinned %s (wrong server, or its certificate changed)", got, fp)
-			}
-			return nil
-		},
-	}
-}
-
 // Enroll spends a join token and returns this host's identity.
 func Enroll(ctx context.Context, token, hostname, version string) (Identity, error) {
-	jt, err := ParseJoinToken(token)
+	jt, err := jointoken.Decode(token)
 	if err != nil {
 		return Identity{}, err
 	}
-	c := eitriv1connect.NewAgentServiceClient(HTTPClient(jt.GetCertFingerprint()), jt.GetUrl())
+	if err := jointoken.Dialable(jt); err != nil {
+		return Identity{}, err
+	}
+	c := eitriv1connect.NewAgentServiceClient(connclient.HTTPClient(jt.GetCertFingerprint()), jt.GetUrl())
 	resp, err := c.Enroll(ctx, connect.NewRequest(&eitriv1.EnrollRequest{JoinToken: token, Hostname: hostname, AgentVersion: version}))
 	if err != nil {
 		return Identity{}, fmt.Errorf("enroll with %s: %w", jt.GetUrl(), err)
@@ -129,7 +68,7 @@ type Config struct {
 	Log                    *slog.Logger
 	// OnSnapshot is told each applied generation (tests, metrics).
 	OnSnapshot func(generation uint64)
-	// Client is the HTTP client to use (nil: HTTPClient of the identity's
+	// Client is the HTTP client to use (nil: connclient.HTTPClient of the identity's
 	// pin); share one so the agent's other streams ride the same connection.
 	Client *http.Client
 }
@@ -157,10 +96,10 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	hc := cfg.Client
 	if hc == nil {
-		hc = HTTPClient(cfg.Identity.Fingerprint)
+		hc = connclient.HTTPClient(cfg.Identity.Fingerprint)
 	}
 	client := eitriv1connect.NewAgentServiceClient(hc, cfg.Identity.ServerURL,
-		connect.WithInterceptors(Bearer(cfg.Identity.Credential)))
+		connect.WithInterceptors(connclient.Bearer(cfg.Identity.Credential)))
 	backoff := cfg.MinBackoff
 	for {
 		healthy, err := session(ctx, client, cfg)
@@ -314,29 +253,6 @@ func sendErr(st *connect.BidiStreamForClient[eitriv1.SyncRequest, eitriv1.SyncRe
 		return rerr
 	}
 	return err
-}
-
-// Bearer is a client interceptor that sends token as
-// "Authorization: Bearer", on unary calls and streams alike.
-type Bearer string
-
-func (b Bearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		req.Header().Set("Authorization", "Bearer "+string(b))
-		return next(ctx, req)
-	}
-}
-
-func (b Bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
-	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
-		c := next(ctx, spec)
-		c.RequestHeader().Set("Authorization", "Bearer "+string(b))
-		return c
-	}
-}
-
-func (Bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return next
 }
 
 // limiter is a token bucket: burst sends at once, then one per every.

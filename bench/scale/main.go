@@ -49,6 +49,7 @@ import (
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 type config struct {
@@ -101,7 +102,7 @@ func run(ctx context.Context, c config) error {
 	defer srv.stop()
 
 	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, ForceAttemptHTTP2: true}}
-	auth := connect.WithInterceptors(syncclient.Bearer(srv.token))
+	auth := connect.WithInterceptors(connclient.Bearer(srv.token))
 	hostsAPI := eitriv1connect.NewHostServiceClient(hc, srv.url, auth)
 	quotaAPI := eitriv1connect.NewQuotaServiceClient(hc, srv.url, auth)
 	big := int64(1 << 40)
@@ -165,7 +166,7 @@ func run(ctx context.Context, c config) error {
 			}})); err != nil {
 				return fmt.Errorf("raise %s's quota: %w", user, err)
 			}
-			as := connect.WithInterceptors(syncclient.Bearer(tok.Msg.GetSecret()))
+			as := connect.WithInterceptors(connclient.Bearer(tok.Msg.GetSecret()))
 			vmsAPI := eitriv1connect.NewVMServiceClient(hc, srv.url, as)
 			expAPI := eitriv1connect.NewExposureServiceClient(hc, srv.url, as)
 			var first string

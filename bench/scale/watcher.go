@@ -11,9 +11,9 @@ import (
 
 	"connectrpc.com/connect"
 
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // tracks holds when each change left its agent, by object and sequence.
@@ -89,7 +89,7 @@ func (w *watcher) run(ctx context.Context, url, token string, t *tracks) {
 	tr := &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, Protocols: new(http.Protocols)}
 	tr.Protocols.SetHTTP2(true)
 	defer tr.CloseIdleConnections()
-	opts := []connect.ClientOption{connect.WithInterceptors(syncclient.Bearer(token)), connect.WithCodec(leanCodec{})}
+	opts := []connect.ClientOption{connect.WithInterceptors(connclient.Bearer(token)), connect.WithCodec(leanCodec{})}
 	if w.grpc {
 		opts = append(opts, connect.WithGRPC())
 	}

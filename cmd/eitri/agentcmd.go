@@ -27,6 +27,7 @@ import (
 	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 type agentFlags struct {
@@ -259,7 +260,7 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	instance := rand.Text()
 	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", qb.Accel().Name, "address", addr)
 	// One connection carries the Sync stream and the console calls.
-	hc := syncclient.HTTPClient(id.Fingerprint)
+	hc := connclient.HTTPClient(id.Fingerprint)
 	go func() {
 		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: instance, Serial: qb, Log: log})
 	}()

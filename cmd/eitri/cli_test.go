@@ -17,7 +17,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
-	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/wire/jointoken"
 )
 
 // cli runs eitri's client commands against a real control plane over h2c,
@@ -77,10 +77,10 @@ func (e *cliEnv) enroll(name string) syncclient.Identity {
 	e.t.Helper()
 	jt, err := e.srv.Fleet.CreateJoinToken(e.adminCtx(), time.Minute)
 	require.NoError(e.t, err)
-	tok, err := fleet.DecodeJoinToken(jt.Token)
+	tok, err := jointoken.Decode(jt.Token)
 	require.NoError(e.t, err)
 	tok.Url = e.url
-	id, err := syncclient.Enroll(context.Background(), fleet.EncodeJoinToken(tok), name, "test")
+	id, err := syncclient.Enroll(context.Background(), jointoken.Encode(tok), name, "test")
 	require.NoError(e.t, err)
 	return id
 }

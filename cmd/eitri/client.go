@@ -17,8 +17,8 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/a73x/eitri/agent/syncclient"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // app is what the client commands share: the process's stdio and the
@@ -93,7 +93,7 @@ func (a *app) dial() (*client, error) {
 
 func (a *app) clientFor(ep endpoint) *client {
 	hc := httpClient(ep)
-	opt := connect.WithInterceptors(syncclient.Bearer(ep.Token))
+	opt := connect.WithInterceptors(connclient.Bearer(ep.Token))
 	return &client{
 		vm:     eitriv1connect.NewVMServiceClient(hc, ep.URL, opt),
 		host:   eitriv1connect.NewHostServiceClient(hc, ep.URL, opt),
@@ -113,9 +113,9 @@ func (a *app) clientFor(ep endpoint) *client {
 func httpClient(ep endpoint) *http.Client {
 	switch {
 	case strings.HasPrefix(ep.URL, "http://"):
-		return syncclient.HTTPClient("")
+		return connclient.HTTPClient("")
 	case ep.Fingerprint != "":
-		return syncclient.HTTPClient(ep.Fingerprint)
+		return connclient.HTTPClient(ep.Fingerprint)
 	}
 	return http.DefaultClient
 }

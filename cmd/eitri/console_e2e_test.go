@@ -17,9 +17,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // serveImage serves the guest image on loopback.
@@ -178,11 +178,11 @@ func otherUser(t *testing.T, dir, name string) eitriv1connect.VMServiceClient {
 	t.Helper()
 	tokenBytes, err := os.ReadFile(dir + "/control/admin.token")
 	require.NoError(t, err)
-	hc := syncclient.HTTPClient("")
+	hc := connclient.HTTPClient("")
 	base := "http://127.0.0.1:18080"
-	admin := connect.WithInterceptors(syncclient.Bearer(strings.TrimSpace(string(tokenBytes))))
+	admin := connect.WithInterceptors(connclient.Bearer(strings.TrimSpace(string(tokenBytes))))
 	tok, err := eitriv1connect.NewTokenServiceClient(hc, base, admin).CreateToken(context.Background(),
 		connect.NewRequest(&eitriv1.CreateTokenRequest{Name: "t", UserName: name}))
 	require.NoError(t, err)
-	return eitriv1connect.NewVMServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(tok.Msg.Secret)))
+	return eitriv1connect.NewVMServiceClient(hc, base, connect.WithInterceptors(connclient.Bearer(tok.Msg.Secret)))
 }

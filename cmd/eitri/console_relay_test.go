@@ -14,10 +14,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // The console relay without a guest, through the API: the agent's real
@@ -28,8 +28,8 @@ import (
 func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
 	e := newCLIEnv(t, server.Config{})
 	ctx := context.Background()
-	hc := syncclient.HTTPClient("")
-	vms := eitriv1connect.NewVMServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(e.srv.AdminToken)))
+	hc := connclient.HTTPClient("")
+	vms := eitriv1connect.NewVMServiceClient(hc, e.url, connect.WithInterceptors(connclient.Bearer(e.srv.AdminToken)))
 	code := connect.CodeOf
 	mkVM := func(name, host string) string {
 		r, err := vms.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{Name: name, HostId: host,
@@ -118,10 +118,10 @@ func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
 	})
 
 	t.Run("another user's VM is not found", func(t *testing.T) {
-		tokens := eitriv1connect.NewTokenServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(e.srv.AdminToken)))
+		tokens := eitriv1connect.NewTokenServiceClient(hc, e.url, connect.WithInterceptors(connclient.Bearer(e.srv.AdminToken)))
 		tok, err := tokens.CreateToken(ctx, connect.NewRequest(&eitriv1.CreateTokenRequest{Name: "t", UserName: "mallory"}))
 		require.NoError(t, err)
-		other := eitriv1connect.NewVMServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(tok.Msg.Secret)))
+		other := eitriv1connect.NewVMServiceClient(hc, e.url, connect.WithInterceptors(connclient.Bearer(tok.Msg.Secret)))
 		st, err := other.StreamConsole(ctx, connect.NewRequest(&eitriv1.StreamConsoleRequest{VmId: id}))
 		require.NoError(t, err)
 		assert.False(t, st.Receive())
@@ -143,7 +143,7 @@ func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
 	})
 
 	t.Run("another agent process with the host's identity gets no calls", func(t *testing.T) {
-		ac := eitriv1connect.NewAgentServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(ident.Credential)))
+		ac := eitriv1connect.NewAgentServiceClient(hc, e.url, connect.WithInterceptors(connclient.Bearer(ident.Credential)))
 		calls, err := ac.Calls(ctx, connect.NewRequest(&eitriv1.CallsRequest{InstanceId: "agent-clone"}))
 		require.NoError(t, err)
 		assert.False(t, calls.Receive())
@@ -151,7 +151,7 @@ func TestTheConsoleIsRelayedByTheVMsHostOnly(t *testing.T) {
 	})
 
 	t.Run("a host cannot answer a call it was not sent", func(t *testing.T) {
-		ac := eitriv1connect.NewAgentServiceClient(hc, e.url, connect.WithInterceptors(syncclient.Bearer(ident.Credential)))
+		ac := eitriv1connect.NewAgentServiceClient(hc, e.url, connect.WithInterceptors(connclient.Bearer(ident.Credential)))
 		c := ac.Console(ctx)
 		require.NoError(t, c.Send(&eitriv1.ConsoleRequest{CallId: "call-made-up"}))
 		_, err := c.Receive()

@@ -21,6 +21,7 @@ import (
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // consoleHost is an enrolled host whose agent runs the real console relay
@@ -33,7 +34,7 @@ func (e *cliEnv) consoleHost(name string) (*qemu.Backend, syncclient.Identity) {
 	require.NoError(e.t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	e.t.Cleanup(cancel)
-	hc := syncclient.HTTPClient("")
+	hc := connclient.HTTPClient("")
 	go func() {
 		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: &scriptedHost{}, ReportEvery: 10 * time.Millisecond, Client: hc,
 			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-1"} }})

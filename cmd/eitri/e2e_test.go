@@ -25,9 +25,9 @@ import (
 
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // inNetns re-runs the calling test inside a network namespace it creates
@@ -115,9 +115,9 @@ func (d *devInstance) vms(t *testing.T, dir string) eitriv1connect.VMServiceClie
 	t.Helper()
 	tokenBytes, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
 	require.NoError(t, err)
-	hc := syncclient.HTTPClient("")
+	hc := connclient.HTTPClient("")
 	base := "http://127.0.0.1:18080"
-	auth := connect.WithInterceptors(syncclient.Bearer(strings.TrimSpace(string(tokenBytes))))
+	auth := connect.WithInterceptors(connclient.Bearer(strings.TrimSpace(string(tokenBytes))))
 	require.Eventually(t, func() bool {
 		r, err := eitriv1connect.NewHostServiceClient(hc, base, auth).ListHosts(context.Background(), connect.NewRequest(&eitriv1.ListHostsRequest{}))
 		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
@@ -197,12 +197,12 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	require.NoError(t, err)
 	token := strings.TrimSpace(string(tokenBytes))
 	base := "http://127.0.0.1:18080"
-	hc := syncclient.HTTPClient("")
-	vms := eitriv1connect.NewVMServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token)))
+	hc := connclient.HTTPClient("")
+	vms := eitriv1connect.NewVMServiceClient(hc, base, connect.WithInterceptors(connclient.Bearer(token)))
 	ctx := context.Background()
 
 	require.Eventually(t, func() bool {
-		r, err := eitriv1connect.NewHostServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token))).
+		r, err := eitriv1connect.NewHostServiceClient(hc, base, connect.WithInterceptors(connclient.Bearer(token))).
 			ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
 		return err == nil && len(r.Msg.Hosts) == 1 && r.Msg.Hosts[0].Capacity != nil
 	}, 90*time.Second, 100*time.Millisecond, "the local agent enrolls and reports its capacity (after proving its accelerator)")
@@ -229,7 +229,7 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 
 	// Publish ports while the VM is still being created: a caller now has
 	// nowhere to go, and that is counted as dropped, pushed to a watcher.
-	exps := eitriv1connect.NewExposureServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token)))
+	exps := eitriv1connect.NewExposureServiceClient(hc, base, connect.WithInterceptors(connclient.Bearer(token)))
 	httpExp, err := exps.CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{VmId: id, GuestPort: 80, Scope: "local", MaxSessions: 1}))
 	require.NoError(t, err)
 	udpExp, err := exps.CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{VmId: id, GuestPort: 7, Protocol: "udp", Scope: "local"}))

@@ -13,10 +13,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // dbFiles are the control plane's database and its WAL companions.
@@ -121,7 +121,7 @@ func TestAControlPlaneRestoredFromAnOlderBackupKeepsTheVMRunningForAnAdminToAdop
 	time.Sleep(7 * time.Second)
 	assert.True(t, alive(pid), "the host keeps the guest running")
 	assert.Equal(t, pid, qemuPID(t, agentDir, id))
-	hosts := eitriv1connect.NewHostServiceClient(syncclient.HTTPClient(""), "http://127.0.0.1:18080", adminAuth(t, dir))
+	hosts := eitriv1connect.NewHostServiceClient(connclient.HTTPClient(""), "http://127.0.0.1:18080", adminAuth(t, dir))
 	hl, err := hosts.ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
 	require.NoError(t, err)
 	require.Len(t, hl.Msg.Hosts, 1)
@@ -154,5 +154,5 @@ func adminAuth(t *testing.T, dir string) connect.ClientOption {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
 	require.NoError(t, err)
-	return connect.WithInterceptors(syncclient.Bearer(strings.TrimSpace(string(b))))
+	return connect.WithInterceptors(connclient.Bearer(strings.TrimSpace(string(b))))
 }

@@ -28,9 +28,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/a73x/eitri/agent/netnstest"
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/wire/connclient"
+	"github.com/a73x/eitri/wire/jointoken"
 )
 
 // The fleet test runs the real binary as separate processes: a TLS control
@@ -352,7 +353,7 @@ func (f *fleetRun) startServer(t *testing.T, name, dir string) (p *proc, fp, tok
 		if fp, err = fingerprint(cpIP + ":" + cpPort); err != nil {
 			return false, err.Error()
 		}
-		resp, err := syncclient.HTTPClient(fp).Get(cpURL + "/healthz")
+		resp, err := connclient.HTTPClient(fp).Get(cpURL + "/healthz")
 		if err != nil {
 			return false, err.Error()
 		}
@@ -372,7 +373,7 @@ func (f *fleetRun) joinToken(t *testing.T) string {
 	t.Helper()
 	r, err := f.hostClient().CreateJoinToken(context.Background(), connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
 	require.NoError(t, err)
-	jt, err := syncclient.ParseJoinToken(r.Msg.Token)
+	jt, err := jointoken.Decode(r.Msg.Token)
 	require.NoError(t, err)
 	assert.Equal(t, f.fp, jt.GetCertFingerprint(), "the join token carries the fingerprint of the certificate the control plane presents")
 	assert.Equal(t, cpURL, jt.GetUrl(), "the join token carries --public-url")
@@ -507,8 +508,8 @@ func runFleet(t *testing.T, base string) {
 	serverDir := filepath.Join(base, "server")
 	var token string
 	f.server, f.fp, token = f.startServer(t, "server", serverDir)
-	f.hc = syncclient.HTTPClient(f.fp) // pinned: an imposter never answers these clients
-	f.auth = connect.WithInterceptors(syncclient.Bearer(token))
+	f.hc = connclient.HTTPClient(f.fp) // pinned: an imposter never answers these clients
+	f.auth = connect.WithInterceptors(connclient.Bearer(token))
 	f.hosts = followHosts(ctx, f.hostClient())
 	vmc := eitriv1connect.NewVMServiceClient(f.hc, cpURL, f.auth)
 	f.vms = followVMs(ctx, vmc)
@@ -732,8 +733,8 @@ func runFleet(t *testing.T, base string) {
 				t.Logf("agent-%s does not say why it refused the imposter; its last words: %s", h, lastLines(agents[h].logSince(offsets[h]), 1))
 			}
 		}
-		impHosts := eitriv1connect.NewHostServiceClient(syncclient.HTTPClient(impFP), cpURL,
-			connect.WithInterceptors(syncclient.Bearer(impToken)))
+		impHosts := eitriv1connect.NewHostServiceClient(connclient.HTTPClient(impFP), cpURL,
+			connect.WithInterceptors(connclient.Bearer(impToken)))
 		r, err := impHosts.ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
 		require.NoError(t, err)
 		for _, h := range r.Msg.Hosts {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/wire/jointoken"
 
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/assert"
@@ -21,7 +22,6 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
-	"github.com/a73x/eitri/server/fleet"
 )
 
 // source stands in for the agent's node: it records snapshots and reports
@@ -160,13 +160,13 @@ func TestEnrollRefusesACertificateThatDoesNotMatchThePin(t *testing.T) {
 	cp := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
 	jt, err := cp.srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
 	require.NoError(t, err)
-	tok, err := syncclient.ParseJoinToken(jt.Token)
+	tok, err := jointoken.Decode(jt.Token)
 	require.NoError(t, err)
 
 	// The same token pinned to another certificate: a man in the middle.
 	other := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
 	tok.CertFingerprint = other.srv.Fingerprint
-	forged := fleet.EncodeJoinToken(tok)
+	forged := jointoken.Encode(tok)
 	_, err = syncclient.Enroll(context.Background(), forged, "h1", "test")
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "does not match the pinned")

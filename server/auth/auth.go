@@ -19,12 +19,11 @@ import (
 )
 
 // Secret prefixes say what a leaked string is at a glance (and let secret
-// scanners find them).
+// scanners find them). Join tokens carry wire/jointoken.Prefix.
 const (
 	PrefixPAT     = "eitri_pat_"
 	PrefixSession = "eitri_ses_"
 	PrefixHost    = "eitri_host_"
-	PrefixJoin    = "eitri_join_"
 )
 
 // The console's HttpOnly session cookie. Over TLS it is __Host- prefixed

@@ -2,43 +2,17 @@ package fleet
 
 import (
 	"context"
-	"encoding/base64"
 	"errors"
-	"fmt"
-	"strings"
 	"time"
 
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/jointoken"
 )
-
-// EncodeJoinToken renders a join token as one pasteable string.
-func EncodeJoinToken(t *eitriv1.JoinToken) string {
-	b, _ := proto.Marshal(t)
-	return auth.PrefixJoin + base64.RawURLEncoding.EncodeToString(b)
-}
-
-// DecodeJoinToken parses a token made by EncodeJoinToken.
-func DecodeJoinToken(s string) (*eitriv1.JoinToken, error) {
-	raw, ok := strings.CutPrefix(strings.TrimSpace(s), auth.PrefixJoin)
-	if !ok {
-		return nil, errors.New("not an eitri join token")
-	}
-	b, err := base64.RawURLEncoding.DecodeString(raw)
-	if err != nil {
-		return nil, fmt.Errorf("join token: %w", err)
-	}
-	t := &eitriv1.JoinToken{}
-	if err := proto.Unmarshal(b, t); err != nil || t.GetSecret() == "" {
-		return nil, errors.New("join token is damaged")
-	}
-	return t, nil
-}
 
 // CreateJoinToken mints a single-use token that enrolls one host.
 func (f *Fleet) CreateJoinToken(ctx context.Context, ttl time.Duration) (*eitriv1.CreateJoinTokenResponse, error) {
@@ -58,7 +32,7 @@ func (f *Fleet) CreateJoinToken(ctx context.Context, ttl time.Duration) (*eitriv
 	if err := f.st.CreateJoinToken(ctx, jt); err != nil {
 		return nil, err
 	}
-	tok := EncodeJoinToken(&eitriv1.JoinToken{Url: f.cfg.PublicURL, CertFingerprint: f.cfg.CertFingerprint, Secret: secret})
+	tok := jointoken.Encode(&eitriv1.JoinToken{Url: f.cfg.PublicURL, CertFingerprint: f.cfg.CertFingerprint, Secret: secret})
 	return &eitriv1.CreateJoinTokenResponse{
 		Token:     tok,
 		ExpiresAt: timestamppb.New(jt.ExpiresAt),
@@ -68,7 +42,7 @@ func (f *Fleet) CreateJoinToken(ctx context.Context, ttl time.Duration) (*eitriv
 
 // Enroll spends a join token on a new host and returns its credential.
 func (f *Fleet) Enroll(ctx context.Context, r *eitriv1.EnrollRequest) (*eitriv1.EnrollResponse, error) {
-	jt, err := DecodeJoinToken(r.GetJoinToken())
+	jt, err := jointoken.Decode(r.GetJoinToken())
 	if err != nil {
 		return nil, invalid("join_token", "%v", err)
 	}
