@@ -14,6 +14,7 @@ import (
 	"github.com/a73x/eitri/agent/exposeproxy"
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // Engine is what node needs of the reconcile engine.
@@ -172,7 +173,7 @@ func (n *Node) refreshAddrs() bool {
 	for _, v := range rep.GetVms() {
 		reported[v.GetVmId()] = true
 		// A stopped guest has no address worth dialing, whatever it last had.
-		if v.GetPower() != "running" {
+		if v.GetPower() != vmstate.PowerRunning {
 			continue
 		}
 		if a, err := netip.ParseAddr(v.GetIp()); err == nil {

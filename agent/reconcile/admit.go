@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/a73x/eitri/agent/state"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // Resources is an amount of what guests take from a host: a measured
@@ -108,7 +109,7 @@ func (e *Engine) holding(ctx context.Context, except string) (Resources, error) 
 			if rec.Failed || rec.Deleted || !e.admitted[id] {
 				continue
 			}
-		case !rec.Failed && !rec.Deleted && rec.Power == powerRunning:
+		case !rec.Failed && !rec.Deleted && rec.Power == vmstate.PowerRunning:
 		default:
 			// Built and not wanted running: its disk, and its guest only
 			// while it still runs (or its power cannot be read).

@@ -28,6 +28,7 @@ import (
 
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/vmstate"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -447,7 +448,7 @@ func (e *Engine) Fill(rep *eitriv1.ActualStateReport) {
 			destroyed = append(destroyed, id)
 			continue
 		}
-		vms = append(vms, &eitriv1.ActualVM{VmId: id, Power: powerStopped, Phase: phaseFailed, LastError: destroyedWords(at), Retry: d.GetRetry()})
+		vms = append(vms, &eitriv1.ActualVM{VmId: id, Power: vmstate.PowerStopped, Phase: vmstate.PhaseFailed, LastError: destroyedWords(at), Retry: d.GetRetry()})
 	}
 	slices.Sort(destroyed)
 	slices.SortFunc(vms, func(a, b *eitriv1.ActualVM) int { return cmpString(a.GetVmId(), b.GetVmId()) })

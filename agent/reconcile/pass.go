@@ -13,23 +13,7 @@ import (
 
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-)
-
-// Phases and power states as the wire spells them.
-const (
-	phaseCreating = "creating"
-	phaseReady    = "ready"
-	phaseStopped  = "stopped"
-	phaseFailed   = "failed"
-	phaseDeleting = "deleting"
-	// A created VM being booted (phaseRestarting: after its guest ended
-	// unasked, or a start failed) or shut down.
-	phaseStarting   = "starting"
-	phaseRestarting = "restarting"
-	phaseStopping   = "stopping"
-
-	powerRunning = "running"
-	powerStopped = "stopped"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // Narration, in the order a create says it.
@@ -172,7 +156,7 @@ func (e *Engine) pass(parent context.Context, id string, d *eitriv1.VMDesired, p
 func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, ok bool, pub publisher) outcome {
 	id := d.GetVmId()
 	if ok && rec.Failed {
-		return outcome{row: newRow(id, rec, powerStopped, phaseFailed, rec.LastError, "")}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseFailed, rec.LastError, "")}
 	}
 	if ctx.Err() != nil {
 		// Never start an attempt on a dead context.
@@ -180,7 +164,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 	}
 	if wait := rec.NextAttemptAt.Sub(e.cfg.Now()); ok && wait > 0 {
 		// The last attempt failed: the next waits out its backoff.
-		return outcome{row: newRow(id, rec, powerStopped, phaseCreating, rec.LastError, e.attemptFailedWords(rec, wait)), wakeAt: rec.NextAttemptAt}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseCreating, rec.LastError, e.attemptFailedWords(rec, wait)), wakeAt: rec.NextAttemptAt}
 	}
 	rec.Spec = specFrom(d) // an unfinished create follows the newest spec
 	if rec.HostPubKey == "" {
@@ -194,7 +178,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		// Without a durable record the host key would change on every try;
 		// this is the store's fault, not the VM's, so no attempt is spent.
 		e.log.Error("saving VM record", "vm", id, "err", err)
-		return outcome{row: newRow(id, rec, powerStopped, phaseCreating, err.Error(), "cannot save the VM record")}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseCreating, err.Error(), "cannot save the VM record")}
 	}
 
 	// say publishes the row this VM would report anyway (creating, not
@@ -210,7 +194,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		if pub == nil || ctx.Err() != nil {
 			return
 		}
-		row := newRow(id, rec, powerStopped, phaseCreating, "", detail)
+		row := newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseCreating, "", detail)
 		row.Progress = p
 		pub(row)
 	}
@@ -270,7 +254,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 
 	if wantRunning(d) {
 		say(sayBooting)
-		if err := e.cfg.Hyper.Boot(withNarrator(ctx, sayer(ctx, pub, id, &rec, powerRunning, phaseCreating)), rec.Spec, seedPath); err != nil {
+		if err := e.cfg.Hyper.Boot(withNarrator(ctx, sayer(ctx, pub, id, &rec, vmstate.PowerRunning, vmstate.PhaseCreating)), rec.Spec, seedPath); err != nil {
 			// A guest that died booting is an exit like any other: counted
 			// and described, besides failing the attempt.
 			rec = e.noteExit(ctx, rec)
@@ -289,7 +273,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		e.log.Error("saving created VM record", "vm", id, "err", err)
 	}
 	e.log.Info("VM created", "vm", id)
-	return e.observe(ctx, d, rec, "", phaseCreating)
+	return e.observe(ctx, d, rec, "", vmstate.PhaseCreating)
 }
 
 // failCreate settles a failed create attempt. A create the desired state
@@ -331,9 +315,9 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 		e.log.Error("saving VM record", "vm", id, "err", serr)
 	}
 	if rec.Failed {
-		return outcome{row: newRow(id, rec, powerStopped, phaseFailed, rec.LastError, "")}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseFailed, rec.LastError, "")}
 	}
-	return outcome{row: newRow(id, rec, powerStopped, phaseCreating, rec.LastError, detail), wakeAt: rec.NextAttemptAt}
+	return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseCreating, rec.LastError, detail), wakeAt: rec.NextAttemptAt}
 }
 
 // abandonCreate ends a create that newer desired state no longer wants,
@@ -353,7 +337,7 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 func (e *Engine) abandonCreate(id string, rec state.Record, why error) outcome {
 	e.log.Info("create cancelled", "vm", id, "why", why)
 	if errors.Is(why, errStopped) {
-		return outcome{row: newRow(id, rec, powerStopped, phaseStopped, "", ""), holdCreate: true}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseStopped, "", ""), holdCreate: true}
 	}
 	ctx, cancel := e.passContext(e.ctx)
 	defer cancel()
@@ -364,14 +348,14 @@ func (e *Engine) abandonCreate(id string, rec state.Record, why error) outcome {
 	if errors.Is(why, errUnnamed) {
 		return outcome{} // the next pass quarantines it
 	}
-	return outcome{row: newRow(id, rec, powerStopped, phaseDeleting, "", "")}
+	return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseDeleting, "", "")}
 }
 
 // keepUnbuilt reports a stopped VM whose create a stop cancelled. A boot the
 // stop cut short may have left its guest running; it is shut down.
 func (e *Engine) keepUnbuilt(ctx context.Context, id string, rec state.Record) outcome {
 	running, lastErr := e.stop(ctx, id)
-	return outcome{row: newRow(id, rec, powerWord(running), phaseStopped, lastErr, "")}
+	return outcome{row: newRow(id, rec, powerWord(running), vmstate.PhaseStopped, lastErr, "")}
 }
 
 // acquireCreateSlot waits for a create slot. release may be called more
@@ -395,7 +379,7 @@ func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 	if rec.Failed {
 		// Its restarts ran out: stopped until someone retries it.
 		running, lastErr := e.stop(ctx, id)
-		return outcome{row: newRow(id, rec, powerWord(running), phaseFailed, cmp.Or(rec.LastError, lastErr), "")}
+		return outcome{row: newRow(id, rec, powerWord(running), vmstate.PhaseFailed, cmp.Or(rec.LastError, lastErr), "")}
 	}
 	running, err := e.cfg.Hyper.Power(ctx, id)
 	if err != nil {
@@ -410,7 +394,7 @@ func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 		// Stopped as wanted. A guest that ended unasked just before a stop
 		// still ended unasked: counted, but not restarted.
 		rec = e.noteExit(ctx, rec)
-		return e.observeKnown(ctx, d, rec, false, "", phaseStopped)
+		return e.observeKnown(ctx, d, rec, false, "", vmstate.PhaseStopped)
 	}
 	rec = e.forgetStableFailures(rec)
 	return e.observeKnown(ctx, d, rec, true, "", e.bootPhase(rec))
@@ -452,16 +436,16 @@ func (e *Engine) observeKnown(ctx context.Context, d *eitriv1.VMDesired, rec sta
 	id := d.GetVmId()
 	rec, leased := e.refreshAddress(ctx, id, rec)
 	if !running {
-		return outcome{row: newRow(id, rec, powerStopped, phaseStopped, lastErr, "")}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseStopped, lastErr, "")}
 	}
 	if !leased {
-		return outcome{row: newRow(id, rec, powerRunning, waitPhase, lastErr, sayWaitingForIP)}
+		return outcome{row: newRow(id, rec, vmstate.PowerRunning, waitPhase, lastErr, sayWaitingForIP)}
 	}
 	signal, ready := e.cfg.Hyper.Ready(ctx, id)
 	if !ready {
-		return outcome{row: newRow(id, rec, powerRunning, waitPhase, lastErr, sayWaitingForReady)}
+		return outcome{row: newRow(id, rec, vmstate.PowerRunning, waitPhase, lastErr, sayWaitingForReady)}
 	}
-	row := newRow(id, rec, powerRunning, phaseReady, lastErr, "")
+	row := newRow(id, rec, vmstate.PowerRunning, vmstate.PhaseReady, lastErr, "")
 	row.ReadySignal = signal
 	return outcome{row: row}
 }
@@ -490,7 +474,7 @@ func (e *Engine) deleting(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 	if !ok {
 		// Nothing recorded: clear any leftovers and say it is gone.
 		if err := e.destroy(ctx, id); err != nil {
-			return outcome{row: newRow(id, rec, "", phaseDeleting, err.Error(), "")}
+			return outcome{row: newRow(id, rec, "", vmstate.PhaseDeleting, err.Error(), "")}
 		}
 		return outcome{gone: true, destroyed: true}
 	}
@@ -505,7 +489,7 @@ func (e *Engine) deleting(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 		}
 		lastErr = err.Error()
 	}
-	return outcome{row: newRow(id, rec, powerWord(running), phaseDeleting, lastErr, "")}
+	return outcome{row: newRow(id, rec, powerWord(running), vmstate.PhaseDeleting, lastErr, "")}
 }
 
 // hold keeps a VM the agent will not take the desired state's word on (no
@@ -529,7 +513,7 @@ func (e *Engine) hold(ctx context.Context, id string, rec state.Record, ok, stal
 	power := ""
 	running, err := e.cfg.Hyper.Power(ctx, id)
 	if err == nil {
-		if !running && rec.Power == powerRunning && !rec.Deleted && rec.BootID != "" {
+		if !running && rec.Power == vmstate.PowerRunning && !rec.Deleted && rec.BootID != "" {
 			if err := e.cfg.Hyper.Boot(ctx, rec.Spec, e.cfg.St.SeedPath(id)); err != nil {
 				e.log.Warn("booting a held VM failed", "vm", id, "err", err)
 			} else if running, err = e.cfg.Hyper.Power(ctx, id); err != nil {
@@ -561,16 +545,16 @@ func (e *Engine) hold(ctx context.Context, id string, rec state.Record, ok, stal
 		SinceUnix: rec.QuarantinedAt.Unix(),
 	}}
 	if stale {
-		phase := phaseStopped
+		phase := vmstate.PhaseStopped
 		switch {
 		case rec.Deleted:
-			phase = phaseDeleting
+			phase = vmstate.PhaseDeleting
 		case rec.BootID == "":
-			phase = phaseCreating
+			phase = vmstate.PhaseCreating
 		case running && rec.IP != "":
-			phase = phaseReady
+			phase = vmstate.PhaseReady
 		case running:
-			phase = phaseCreating
+			phase = vmstate.PhaseCreating
 		}
 		out.row = newRow(id, rec, power, phase, "", "")
 	}
@@ -658,12 +642,12 @@ func newRow(id string, rec state.Record, power, phase, lastErr, detail string) *
 // unknownPowerRow is the row for a VM whose power could not be read: the last
 // known power and phase stand (absent if none was known), with the error.
 func unknownPowerRow(id string, rec state.Record, prev *eitriv1.ActualVM, err error) *eitriv1.ActualVM {
-	power, phase := "", phaseStopped
+	power, phase := "", vmstate.PhaseStopped
 	if prev != nil && prev.GetPhase() != "" {
 		power, phase = prev.GetPower(), prev.GetPhase()
 	}
 	detail, progress := "", (*eitriv1.Progress)(nil)
-	if phase == phaseCreating {
+	if phase == vmstate.PhaseCreating {
 		detail, progress = prev.GetStatusDetail(), prev.GetProgress()
 	}
 	row := newRow(id, rec, power, phase, err.Error(), detail)
@@ -673,12 +657,12 @@ func unknownPowerRow(id string, rec state.Record, prev *eitriv1.ActualVM, err er
 
 func powerWord(running bool) string {
 	if running {
-		return powerRunning
+		return vmstate.PowerRunning
 	}
-	return powerStopped
+	return vmstate.PowerStopped
 }
 
-func wantRunning(d *eitriv1.VMDesired) bool { return d.GetPowerState() == powerRunning }
+func wantRunning(d *eitriv1.VMDesired) bool { return d.GetPowerState() == vmstate.PowerRunning }
 
 func specFrom(d *eitriv1.VMDesired) state.VMSpec {
 	return state.VMSpec{

@@ -8,6 +8,7 @@ import (
 
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 type narratorKey struct{}
@@ -54,9 +55,9 @@ func sayer(ctx context.Context, pub publisher, id string, rec *state.Record, pow
 // last runs failed, starting otherwise.
 func (e *Engine) bootPhase(rec state.Record) string {
 	if rec.Restarts > 0 {
-		return phaseRestarting
+		return vmstate.PhaseRestarting
 	}
-	return phaseStarting
+	return vmstate.PhaseStarting
 }
 
 // start boots a created VM that is wanted running and is not, and says so.
@@ -69,20 +70,20 @@ func (e *Engine) start(ctx context.Context, d *eitriv1.VMDesired, rec state.Reco
 		rec = e.recordExit(rec, x)
 		rec = e.failedRun(rec, x.Reason)
 		if rec.Failed {
-			return outcome{row: newRow(id, rec, powerStopped, phaseFailed, rec.LastError, "")}
+			return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseFailed, rec.LastError, "")}
 		}
 	}
 	if wait := rec.RestartAt.Sub(e.cfg.Now()); wait > 0 {
-		return outcome{row: newRow(id, rec, powerStopped, phaseRestarting, "", restartWords(rec, wait)), wakeAt: rec.RestartAt}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseRestarting, "", restartWords(rec, wait)), wakeAt: rec.RestartAt}
 	}
 
 	phase, detail := e.bootPhase(rec), sayStarting
 	if rec.Restarts > 0 {
 		detail = restartWords(rec, 0)
 	}
-	sayer(ctx, pub, id, &rec, powerStopped, phase)(detail, netip.Addr{})
+	sayer(ctx, pub, id, &rec, vmstate.PowerStopped, phase)(detail, netip.Addr{})
 	e.log.Info("starting VM", "vm", id, "restart", rec.Restarts)
-	bootCtx := withNarrator(ctx, sayer(ctx, pub, id, &rec, powerRunning, phase))
+	bootCtx := withNarrator(ctx, sayer(ctx, pub, id, &rec, vmstate.PowerRunning, phase))
 	err := e.cfg.Hyper.Boot(bootCtx, rec.Spec, e.cfg.St.SeedPath(id))
 	switch {
 	case err == nil:
@@ -100,7 +101,7 @@ func (e *Engine) start(ctx context.Context, d *eitriv1.VMDesired, rec state.Reco
 		return outcome{row: newRow(id, rec, "", phase, err.Error(), sayWaitingForIP)}
 	case isHostFault(err):
 		e.log.Warn("boot hit a host fault; trying again", "vm", id, "err", err)
-		return outcome{row: newRow(id, rec, powerStopped, phase, err.Error(), "host fault, will retry")}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, phase, err.Error(), "host fault, will retry")}
 	}
 	e.log.Warn("boot failed", "vm", id, "err", err)
 	// A guest that died booting is an exit like any other: counted and
@@ -113,10 +114,10 @@ func (e *Engine) start(ctx context.Context, d *eitriv1.VMDesired, rec state.Reco
 	rec.LastError = err.Error()
 	rec = e.failedRun(rec, reason)
 	if rec.Failed {
-		return outcome{row: newRow(id, rec, powerStopped, phaseFailed, rec.LastError, "")}
+		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseFailed, rec.LastError, "")}
 	}
 	return outcome{
-		row:    newRow(id, rec, powerStopped, phaseRestarting, rec.LastError, restartWords(rec, rec.RestartAt.Sub(e.cfg.Now()))),
+		row:    newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseRestarting, rec.LastError, restartWords(rec, rec.RestartAt.Sub(e.cfg.Now()))),
 		wakeAt: rec.RestartAt,
 	}
 }
@@ -196,7 +197,7 @@ func (e *Engine) forgetStableFailures(rec state.Record) state.Record {
 // grace.
 func (e *Engine) shutDown(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, pub publisher) outcome {
 	id := d.GetVmId()
-	say := sayer(ctx, pub, id, &rec, powerRunning, phaseStopping)
+	say := sayer(ctx, pub, id, &rec, vmstate.PowerRunning, vmstate.PhaseStopping)
 	say(sayShuttingDown, netip.Addr{})
 	var lastErr string
 	if err := e.cfg.Hyper.Shutdown(withNarrator(ctx, say), id); err != nil {

@@ -9,15 +9,16 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // statusLine is what a person reads beside the lifecycle: the host's
 // sentence while creating, the error when failed, nothing when settled.
 func statusLine(v *eitriv1.VM) string {
 	switch {
-	case inFlight(v.Lifecycle) && v.StatusDetail != "":
+	case vmstate.Narrated(v.Lifecycle) && v.StatusDetail != "":
 		return v.StatusDetail
-	case v.Lifecycle == "failed", v.Lifecycle == "lost":
+	case v.Lifecycle == vmstate.LifecycleFailed, v.Lifecycle == vmstate.LifecycleLost:
 		return v.LastError
 	case v.Deleted && v.RestorableUntil != nil:
 		if time.Now().Before(v.RestorableUntil.AsTime()) {
@@ -26,16 +27,6 @@ func statusLine(v *eitriv1.VM) string {
 		return "destroyed at " + when(v.DestroyAt.AsTime())
 	}
 	return ""
-}
-
-// inFlight says whether a lifecycle is work under way, whose host's
-// narration is worth showing; a settled VM shows none.
-func inFlight(lifecycle string) bool {
-	switch lifecycle {
-	case "creating", "starting", "stopping", "restarting", "restoring", "retrying":
-		return true
-	}
-	return false
 }
 
 // orphanTable lists VMs hosts hold without this control plane's trust in

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 func newVMCmd(a *app) *cobra.Command {
@@ -94,7 +95,7 @@ func newVMCreateCmd(a *app) *cobra.Command {
 			req := &eitriv1.CreateVMRequest{Name: args[0], ImageUrl: f.image, ImageSha256: f.sha,
 				Vcpus: int32(f.vcpus), MemMb: f.mem, DiskGb: f.disk, SshAuthorizedKey: sshKey(f.sshKey)}
 			if f.stopped {
-				req.PowerState = "stopped"
+				req.PowerState = vmstate.PowerStopped
 			}
 			if f.host != "" {
 				if req.HostId, err = c.hostID(ctx, f.host); err != nil {

@@ -12,6 +12,7 @@ import (
 	"github.com/vbauerster/mpb/v8/decor"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // waitFor follows the VM with this id over WatchVMs until it settles,
@@ -76,13 +77,13 @@ func (c *client) waitFor(ctx context.Context, id string, timeout time.Duration) 
 // asked to, so a VM just started reads "starting", never its old "stopped".
 func settled(v *eitriv1.VM) (bool, error) {
 	switch v.Lifecycle {
-	case "ready", "stopped":
+	case vmstate.LifecycleReady, vmstate.LifecycleStopped:
 		return true, nil
-	case "failed":
+	case vmstate.LifecycleFailed:
 		return true, fmt.Errorf("%s failed: %s", v.Name, v.LastError)
-	case "lost":
+	case vmstate.LifecycleLost:
 		return true, fmt.Errorf("%s is lost: %s", v.Name, v.LastError)
-	case "deleting":
+	case vmstate.LifecycleDeleting:
 		return true, fmt.Errorf("%s is being deleted", v.Name)
 	}
 	return false, nil
@@ -125,13 +126,13 @@ func newNarrator(w io.Writer, tty bool) *narrator {
 func (n *narrator) see(v *eitriv1.VM) (bool, error) {
 	at := n.now()
 	p := v.GetProgress()
-	measured := p != nil && inFlight(v.Lifecycle)
+	measured := p != nil && vmstate.Narrated(v.Lifecycle)
 	moved := v.Lifecycle != n.lifecycle
 	// The same measured step again is the meter moving, not a new line,
 	// whatever the sentence says.
 	same := n.measuring && measured && !moved && p.GetStep() == n.step
 	if n.measuring && !same {
-		n.meter.end(v.Lifecycle != "failed" && v.Lifecycle != "lost" && v.Lifecycle != "deleting")
+		n.meter.end(v.Lifecycle != vmstate.LifecycleFailed && v.Lifecycle != vmstate.LifecycleLost && v.Lifecycle != vmstate.LifecycleDeleting)
 		n.measuring = false
 	}
 	if !same && (moved || v.StatusDetail != n.detail) {
@@ -162,9 +163,9 @@ func (n *narrator) stop() {
 func (n *narrator) line(at time.Time, v *eitriv1.VM) {
 	s := v.Lifecycle
 	switch {
-	case v.Lifecycle == "ready" && v.AssignedIp != "":
+	case v.Lifecycle == vmstate.LifecycleReady && v.AssignedIp != "":
 		s += " at " + v.AssignedIp
-	case inFlight(v.Lifecycle) && v.StatusDetail != "":
+	case vmstate.Narrated(v.Lifecycle) && v.StatusDetail != "":
 		s += ": " + v.StatusDetail
 	}
 	fmt.Fprintf(n.w, "%s %s\n", at.Format(time.TimeOnly), s)

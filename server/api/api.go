@@ -18,6 +18,7 @@ import (
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/fleet"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // Mount registers every service on r, each under its /package.Service/
@@ -166,12 +167,12 @@ func (s vmService) ListVMs(ctx context.Context, _ *connect.Request[eitriv1.ListV
 }
 
 func (s vmService) StartVM(ctx context.Context, r *connect.Request[eitriv1.StartVMRequest]) (*connect.Response[eitriv1.StartVMResponse], error) {
-	vm, err := s.f.SetPower(ctx, r.Msg.GetId(), fleet.PowerRunning)
+	vm, err := s.f.SetPower(ctx, r.Msg.GetId(), vmstate.PowerRunning)
 	return reply(s.handlers, &eitriv1.StartVMResponse{Vm: vm}, err)
 }
 
 func (s vmService) StopVM(ctx context.Context, r *connect.Request[eitriv1.StopVMRequest]) (*connect.Response[eitriv1.StopVMResponse], error) {
-	vm, err := s.f.SetPower(ctx, r.Msg.GetId(), fleet.PowerStopped)
+	vm, err := s.f.SetPower(ctx, r.Msg.GetId(), vmstate.PowerStopped)
 	return reply(s.handlers, &eitriv1.StopVMResponse{Vm: vm}, err)
 }
 

@@ -12,6 +12,7 @@ import (
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // Host condition types the agents' fencing raises.
@@ -286,8 +287,8 @@ func (f *Fleet) AdoptOrphanedVM(ctx context.Context, r *eitriv1.AdoptOrphanedVMR
 		return nil, invalid("name", "%q is not a DNS label", name)
 	}
 	power := held.GetPowerState()
-	if power != PowerRunning && power != PowerStopped {
-		power = PowerRunning
+	if power != vmstate.PowerRunning && power != vmstate.PowerStopped {
+		power = vmstate.PowerRunning
 	}
 	now := f.now()
 	adopt := func(v *store.VM) {
@@ -313,7 +314,7 @@ func (f *Fleet) AdoptOrphanedVM(ctx context.Context, r *eitriv1.AdoptOrphanedVMR
 		}
 		vm, err = f.st.ReassertVM(ctx, id, func(v *store.VM) error { adopt(v); return nil })
 	case errors.Is(err, store.ErrNotFound):
-		vm = store.VM{ID: id, HostID: r.GetHostId(), Status: "pending", CreatedAt: now, UpdatedAt: now}
+		vm = store.VM{ID: id, HostID: r.GetHostId(), Status: vmstate.LifecyclePending, CreatedAt: now, UpdatedAt: now}
 		adopt(&vm)
 		if err = f.st.CreateVM(ctx, vm); err == nil {
 			vm, err = f.st.GetVM(ctx, id)
@@ -368,7 +369,7 @@ func (f *Fleet) DestroyOrphanedVM(ctx context.Context, r *eitriv1.DestroyOrphane
 		}
 		vm = store.VM{ID: id, OwnerID: owner, HostID: r.GetHostId(), Name: cmp.Or(held.GetName(), id),
 			ImageURL: held.GetImageUrl(), ImageSHA256: held.GetImageSha256(), VCPUs: held.GetVcpus(), MemMB: held.GetMemMb(), DiskGB: held.GetDiskGb(),
-			PowerState: PowerStopped, Status: "pending", CreatedAt: now, UpdatedAt: now}
+			PowerState: vmstate.PowerStopped, Status: vmstate.LifecyclePending, CreatedAt: now, UpdatedAt: now}
 		doom(&vm)
 		err = f.st.CreateVM(ctx, vm)
 		if errors.Is(err, store.ErrConflict) {

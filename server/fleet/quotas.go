@@ -9,6 +9,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // BuiltinQuota is what binds a user when neither the user nor the defaults
@@ -44,7 +45,7 @@ type quotaState struct {
 // its disk is kept until it is destroyed, for a restore. A lost VM's host
 // is gone: it holds nothing anywhere.
 func vmHolds(v store.VM) (vcpus, memMB, diskGB int64) {
-	if v.Status == "failed" || v.Status == store.StatusLost {
+	if v.Status == vmstate.PhaseFailed || v.Status == store.StatusLost {
 		return 0, 0, 0
 	}
 	if v.DeletedAt != nil {

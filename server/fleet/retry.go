@@ -7,6 +7,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // RetryVM gives a failed VM a fresh budget: its retry counter rises, and a
@@ -25,7 +26,7 @@ func (f *Fleet) RetryVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 	switch err := f.retryable(cur); {
 	case err != nil:
 		return nil, err
-	case f.lifecycle(cur) == lifecycleRetrying:
+	case f.lifecycle(cur) == vmstate.LifecycleRetrying:
 		return f.vmView(cur), nil
 	}
 	f.quota.admit.Lock()
@@ -36,7 +37,7 @@ func (f *Fleet) RetryVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 	}
 	// A failed VM holds nothing (vmHolds); retried, it holds its size again.
 	want := cur
-	want.Status = "pending"
+	want.Status = vmstate.LifecyclePending
 	c, m, d := vmHolds(want)
 	if err := f.admitQuota(ctx, auth.Principal{UserID: owner.ID, Name: owner.Name}, Usage{VCPUs: c, MemMB: m, DiskGB: d}); err != nil {
 		return nil, err
@@ -55,7 +56,7 @@ func (f *Fleet) RetryVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 		}
 		lastErr = v.LastError
 		v.Retry++
-		v.Status = "pending"
+		v.Status = vmstate.LifecyclePending
 		return nil
 	})
 	if err != nil {
@@ -79,7 +80,7 @@ func (f *Fleet) retryable(v store.VM) error {
 		return errorf(Precondition, "vm %s is deleted; restore it first", v.ID)
 	case v.Status == store.StatusLost:
 		return errorf(Precondition, "vm %s is lost: %s", v.ID, v.LastError)
-	case lc == "failed", lc == lifecycleRetrying:
+	case lc == vmstate.LifecycleFailed, lc == vmstate.LifecycleRetrying:
 		return nil
 	default:
 		return errorf(Precondition, "vm %s is %s, not failed; only a failed VM can be retried", v.ID, lc)

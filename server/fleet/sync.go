@@ -10,6 +10,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/registry"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // ErrReplaced ends a stream that a newer stream from the same host replaced.
@@ -227,14 +228,14 @@ func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.Actu
 		}
 		from = v.Status
 		switch ph := row.GetPhase(); ph {
-		case "creating", "ready", "stopped", "failed":
-			if ph == "failed" && row.GetRetry() < v.Retry {
+		case vmstate.PhaseCreating, vmstate.PhaseReady, vmstate.PhaseStopped, vmstate.PhaseFailed:
+			if ph == vmstate.PhaseFailed && row.GetRetry() < v.Retry {
 				break // sent before the host saw the retry; the next report answers it
 			}
 			v.Status = ph
-			if ph == "failed" {
+			if ph == vmstate.PhaseFailed {
 				v.LastError = row.GetLastError()
-			} else if ph == "ready" {
+			} else if ph == vmstate.PhaseReady {
 				v.LastError = ""
 			}
 		}
@@ -265,10 +266,10 @@ func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.Actu
 	}
 	if changed && from != to {
 		msg := fmt.Sprintf("%s → %s", from, to)
-		if to == "ready" && row.GetIp() != "" {
+		if to == vmstate.PhaseReady && row.GetIp() != "" {
 			msg += " at " + row.GetIp()
 		}
-		if to == "failed" && row.GetLastError() != "" {
+		if to == vmstate.PhaseFailed && row.GetLastError() != "" {
 			msg += ": " + row.GetLastError()
 		}
 		f.event(ctx, row.GetVmId(), "status", msg)

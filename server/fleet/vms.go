@@ -15,17 +15,12 @@ import (
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 var (
 	dnsLabel = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`)
 	sha256Re = regexp.MustCompile(`^[0-9a-f]{64}$`)
-)
-
-// Power states people type.
-const (
-	PowerRunning = "running"
-	PowerStopped = "stopped"
 )
 
 // Size limits on free text. Everything a caller sends is stored, sent to a
@@ -56,7 +51,7 @@ func validateVM(r *eitriv1.CreateVMRequest) error {
 		{"image_url", r.GetImageUrl(), maxURLLen},
 		{"image_sha256", r.GetImageSha256(), 64},
 		{"ssh_authorized_key", r.GetSshAuthorizedKey(), maxSSHKeyLen},
-		{"power_state", r.GetPowerState(), len(PowerRunning)},
+		{"power_state", r.GetPowerState(), len(vmstate.PowerRunning)},
 	} {
 		if err := checkLen(c.field, c.v, c.max); err != nil {
 			return err
@@ -83,9 +78,9 @@ func validateVM(r *eitriv1.CreateVMRequest) error {
 		return invalid("disk_gb", "must be between 1 and 65536, got %d", r.GetDiskGb())
 	}
 	switch r.GetPowerState() {
-	case "", PowerRunning, PowerStopped:
+	case "", vmstate.PowerRunning, vmstate.PowerStopped:
 	default:
-		return invalid("power_state", "must be %q or %q, got %q", PowerRunning, PowerStopped, r.GetPowerState())
+		return invalid("power_state", "must be %q or %q, got %q", vmstate.PowerRunning, vmstate.PowerStopped, r.GetPowerState())
 	}
 	for _, c := range r.GetSshAuthorizedKey() {
 		if c == '\n' || c == '\r' {
@@ -115,14 +110,14 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 	}
 	power := r.GetPowerState()
 	if power == "" {
-		power = PowerRunning
+		power = vmstate.PowerRunning
 	}
 	now := f.now()
 	vm := store.VM{
 		ID: newID("vm"), OwnerID: p.UserID, HostID: hostID, Name: r.GetName(),
 		ImageURL: r.GetImageUrl(), ImageSHA256: r.GetImageSha256(),
 		VCPUs: r.GetVcpus(), MemMB: r.GetMemMb(), DiskGB: r.GetDiskGb(),
-		PowerState: power, Status: "pending", SSHAuthorizedKey: r.GetSshAuthorizedKey(),
+		PowerState: power, Status: vmstate.LifecyclePending, SSHAuthorizedKey: r.GetSshAuthorizedKey(),
 		CreatedAt: now, UpdatedAt: now,
 	}
 	if err := f.st.CreateVM(ctx, vm); err != nil {
@@ -458,15 +453,6 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 	return out
 }
 
-// Lifecycle words the control plane derives beyond the host's phases.
-const (
-	lifecycleStarting   = "starting"
-	lifecycleStopping   = "stopping"
-	lifecycleRestoring  = "restoring"
-	lifecycleRetrying   = "retrying"
-	lifecycleRestarting = "restarting"
-)
-
 // Lifecycle derives the one word a person reads from the durable row (what
 // was asked — deleted, desired power, retry — and the last status its host
 // reported) and the live report row (nil when the host is not reporting on
@@ -475,45 +461,45 @@ const (
 // "stopping", "restoring", "retrying"), and the next report confirms it.
 func Lifecycle(v store.VM, row *eitriv1.ActualVM, reporting bool) string {
 	if v.Status == store.StatusLost {
-		return "lost" // no host is left to say anything else
+		return vmstate.LifecycleLost // no host is left to say anything else
 	}
 	if v.DeletedAt != nil {
-		return "deleting"
+		return vmstate.LifecycleDeleting
 	}
 	if row == nil {
 		// A connected host that has not picked the VM up yet, or a VM never
 		// reported on: pending. A VM its host has reported before but is not
 		// reporting now: nobody can say.
-		if reporting || v.Status == "" || v.Status == "pending" {
-			return "pending"
+		if reporting || v.Status == "" || v.Status == vmstate.LifecyclePending {
+			return vmstate.LifecyclePending
 		}
-		return "unknown"
+		return vmstate.LifecycleUnknown
 	}
 	switch row.GetPhase() {
-	case "failed":
+	case vmstate.PhaseFailed:
 		if row.GetRetry() < v.Retry {
-			return lifecycleRetrying // the host has not seen the retry yet
+			return vmstate.LifecycleRetrying // the host has not seen the retry yet
 		}
-		return "failed"
-	case "creating":
-		return "creating"
-	case "deleting":
-		return lifecycleRestoring // not deleted here: the host has not seen the restore yet
-	case lifecycleStarting, lifecycleStopping, lifecycleRestarting:
+		return vmstate.LifecycleFailed
+	case vmstate.PhaseCreating:
+		return vmstate.LifecycleCreating
+	case vmstate.PhaseDeleting:
+		return vmstate.LifecycleRestoring // not deleted here: the host has not seen the restore yet
+	case vmstate.PhaseStarting, vmstate.PhaseStopping, vmstate.PhaseRestarting:
 		return row.GetPhase()
-	case "ready", "stopped":
-		running := row.GetPower() == PowerRunning
+	case vmstate.PhaseReady, vmstate.PhaseStopped:
+		running := row.GetPower() == vmstate.PowerRunning
 		switch {
-		case v.PowerState == PowerRunning && !running:
-			return lifecycleStarting
-		case v.PowerState == PowerStopped && running:
-			return lifecycleStopping
+		case v.PowerState == vmstate.PowerRunning && !running:
+			return vmstate.LifecycleStarting
+		case v.PowerState == vmstate.PowerStopped && running:
+			return vmstate.LifecycleStopping
 		case running:
-			return "ready"
+			return vmstate.LifecycleReady
 		}
-		return "stopped"
+		return vmstate.LifecycleStopped
 	}
-	return "pending"
+	return vmstate.LifecyclePending
 }
 
 // vmChanged rebuilds a VM once and hands it to every watcher, and tells its

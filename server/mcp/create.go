@@ -11,6 +11,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/fleet"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // defaultWait is how long vm_create waits for ready when the caller does not
@@ -51,7 +52,7 @@ var vmCreateSchema = schemaFor[VMCreateIn](func(p map[string]*jsonschema.Schema)
 	between(p["disk_gb"], minDiskGB, maxDiskGB)
 	length(p["ssh_authorized_key"], 0, maxSSHKeyLen)
 	length(p["host_id"], 0, maxIDLen)
-	oneOf(p["power_state"], fleet.PowerRunning, fleet.PowerStopped)
+	oneOf(p["power_state"], vmstate.PowerRunning, vmstate.PowerStopped)
 	atLeast(p["wait_seconds"], 0)
 })
 
@@ -155,18 +156,18 @@ func settled(vm *eitriv1.VM) (bool, error) {
 	switch lc := vm.GetLifecycle(); {
 	case vm.GetDeleted():
 		return false, &toolErr{fmt.Sprintf("vm %s (%s) was deleted while it was being created", vm.GetName(), vm.GetId())}
-	case lc == "failed", lc == "lost":
+	case lc == vmstate.LifecycleFailed, lc == vmstate.LifecycleLost:
 		msg := vm.GetLastError()
 		if msg == "" {
 			msg = "no error reported"
 		}
 		return false, &toolErr{fmt.Sprintf("vm %s (%s) %s: %s", vm.GetName(), vm.GetId(), lc, msg)}
-	case vm.GetPowerState() == fleet.PowerStopped:
+	case vm.GetPowerState() == vmstate.PowerStopped:
 		// Readiness of a guest that is meant to be off is its disk being
 		// made and the host holding it stopped.
-		return lc == "stopped", nil
+		return lc == vmstate.LifecycleStopped, nil
 	default:
-		return lc == "ready" && vm.GetAssignedIp() != "", nil
+		return lc == vmstate.LifecycleReady && vm.GetAssignedIp() != "", nil
 	}
 }
 
@@ -233,15 +234,15 @@ func (p *progress) report(ctx context.Context, vm *eitriv1.VM) {
 	})
 }
 
-// words is the lifecycle plus the host's own account of the step, if any;
-// before the host has listed the VM in a report there is nothing to
+// words is the lifecycle plus the host's own account of the step while it
+// narrates one (vmstate.Narrated); before the host has listed the VM in a report there is nothing to
 // narrate but that.
 func words(vm *eitriv1.VM) string {
 	s := vm.GetLifecycle()
-	if vm.GetPhase() == "" && (s == "" || s == "pending") {
+	if vm.GetPhase() == "" && (s == "" || s == vmstate.LifecyclePending) {
 		return notListed
 	}
-	if d := vm.GetStatusDetail(); d != "" {
+	if d := vm.GetStatusDetail(); d != "" && vmstate.Narrated(s) {
 		s += ", " + d
 	}
 	return s

@@ -9,7 +9,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // Progress is the measured part of the host's current step.
@@ -104,14 +104,14 @@ func (t *tools) registerVMs(s *mcp.Server) {
 		Description: "Set a VM's desired power to running; its host starts it.",
 		InputSchema: vmIDSchema,
 	}, func(ctx context.Context, _ *mcp.CallToolRequest, in VMIDIn) (VM, error) {
-		return vmResult(t.f.SetPower(ctx, in.ID, fleet.PowerRunning))
+		return vmResult(t.f.SetPower(ctx, in.ID, vmstate.PowerRunning))
 	})
 	addTool(t, s, &mcp.Tool{
 		Name:        "vm_stop",
 		Description: "Set a VM's desired power to stopped; its host shuts it down.",
 		InputSchema: vmIDSchema,
 	}, func(ctx context.Context, _ *mcp.CallToolRequest, in VMIDIn) (VM, error) {
-		return vmResult(t.f.SetPower(ctx, in.ID, fleet.PowerStopped))
+		return vmResult(t.f.SetPower(ctx, in.ID, vmstate.PowerStopped))
 	})
 	addTool(t, s, &mcp.Tool{
 		Name: "vm_delete",

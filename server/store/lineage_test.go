@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/wire/vmstate"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -51,7 +52,7 @@ func TestOnlyADesiredChangeGivesTheVMANewVersion(t *testing.T) {
 
 	snap, err := s.NextGeneration(ctx)
 	require.NoError(t, err)
-	stopped, _, err := s.UpdateVM(ctx, "v1", func(v *VM) error { v.PowerState = PowerStopped; v.DesiredGen = 1; return nil })
+	stopped, _, err := s.UpdateVM(ctx, "v1", func(v *VM) error { v.PowerState = vmstate.PowerStopped; v.DesiredGen = 1; return nil })
 	require.NoError(t, err)
 	assert.Greater(t, stopped.DesiredGen, snap.Generation, "newer than every snapshot sent before it")
 

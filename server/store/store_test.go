@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/wire/vmstate"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -47,7 +48,7 @@ func testVM(id, owner, host, name string, created time.Time) VM {
 	return VM{
 		ID: id, OwnerID: owner, HostID: host, Name: name,
 		ImageURL: "https://images.example/debian.qcow2", ImageSHA256: "ab12",
-		VCPUs: 2, MemMB: 1024, DiskGB: 10, PowerState: PowerRunning,
+		VCPUs: 2, MemMB: 1024, DiskGB: 10, PowerState: vmstate.PowerRunning,
 		SSHAuthorizedKey: "ssh-ed25519 AAAA user", CreatedAt: created, UpdatedAt: created,
 	}
 }
@@ -458,7 +459,7 @@ func TestUpdateVM(t *testing.T) {
 	t.Run("no change writes nothing", func(t *testing.T) {
 		for _, fn := range []func(*VM) error{
 			func(*VM) error { return nil },
-			func(vm *VM) error { vm.PowerState = PowerRunning; return nil },
+			func(vm *VM) error { vm.PowerState = vmstate.PowerRunning; return nil },
 			// The same instant in another zone is no change.
 			func(vm *VM) error { vm.CreatedAt = t0.In(time.FixedZone("x", 3600)); return nil },
 		} {
@@ -475,7 +476,7 @@ func TestUpdateVM(t *testing.T) {
 	t.Run("change is written", func(t *testing.T) {
 		destroy := t0.Add(24 * time.Hour)
 		vm, changed, err := s.UpdateVM(ctx, "v1", func(vm *VM) error {
-			vm.PowerState = PowerStopped
+			vm.PowerState = vmstate.PowerStopped
 			vm.Status = "stopped"
 			vm.AssignedIP = "10.77.0.5"
 			vm.DestroyAt = &destroy
@@ -487,7 +488,7 @@ func TestUpdateVM(t *testing.T) {
 		got, err := s.GetVM(ctx, "v1")
 		require.NoError(t, err)
 		assert.Equal(t, vm, got)
-		assert.Equal(t, PowerStopped, got.PowerState)
+		assert.Equal(t, vmstate.PowerStopped, got.PowerState)
 		assert.Equal(t, "10.77.0.5", got.AssignedIP)
 		assert.Equal(t, destroy, *got.DestroyAt)
 

@@ -6,12 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
-)
 
-// Desired power states.
-const (
-	PowerRunning = "running"
-	PowerStopped = "stopped"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // VM is a virtual machine's durable row: what its owner wants (power, image,
@@ -25,7 +21,7 @@ type VM struct {
 	VCPUs       int32
 	MemMB       int64
 	DiskGB      int64
-	PowerState  string // desired: PowerRunning or PowerStopped
+	PowerState  string // desired: vmstate.PowerRunning or vmstate.PowerStopped
 	// Last reported by the host, kept across disconnects and restarts.
 	Status, LastError, AssignedIP string
 	SSHAuthorizedKey              string
@@ -57,7 +53,7 @@ func validVM(vm *VM) error {
 	if vm.ID == "" || vm.OwnerID == "" || vm.Name == "" {
 		return errors.New("store: vm needs an id, an owner and a name")
 	}
-	if vm.PowerState != PowerRunning && vm.PowerState != PowerStopped {
+	if vm.PowerState != vmstate.PowerRunning && vm.PowerState != vmstate.PowerStopped {
 		return fmt.Errorf("store: invalid vm power state %q", vm.PowerState)
 	}
 	return nil

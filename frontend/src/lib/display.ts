@@ -3,21 +3,7 @@
 import type { Timestamp } from '@bufbuild/protobuf/wkt';
 import type { VM } from '@eitri/sdk/vm_pb';
 import type { ExposureSessions } from '@eitri/sdk/resources_pb';
-
-export type Lifecycle =
-	| 'pending'
-	| 'creating'
-	| 'ready'
-	| 'stopped'
-	| 'failed'
-	| 'deleting'
-	| 'unknown'
-	| 'lost'
-	| 'starting'
-	| 'stopping'
-	| 'restarting'
-	| 'restoring'
-	| 'retrying';
+import { isNarrated, Lifecycle } from './vmstate';
 
 /** Tone drives the colour of a status dot; the word always says the same thing. */
 export type Tone = 'ok' | 'busy' | 'bad' | 'idle' | 'muted';
@@ -42,9 +28,6 @@ const lifecycles: Record<Lifecycle, { word: string; tone: Tone }> = {
 	// wrong, and the host's sentence says what.
 	restarting: { word: 'restarting', tone: 'bad' }
 };
-
-/** Lifecycles that are work under way, which the host narrates. */
-const inFlight: ReadonlySet<string> = new Set(['creating', 'starting', 'stopping', 'restarting', 'restoring', 'retrying']);
 
 function isLifecycle(s: string): s is Lifecycle {
 	return Object.hasOwn(lifecycles, s);
@@ -94,15 +77,9 @@ export function vmDetail(vm: VMStatusFields): string {
 	return vm.statusDetail.trim();
 }
 
-/** Whether the host's account of its work (its sentence, its progress) is
- *  shown for this VM: only while work is in flight. */
-export function isNarrated(vm: Pick<VM, 'lifecycle' | 'deleted'>): boolean {
-	return !vm.deleted && inFlight.has(vm.lifecycle);
-}
-
 /** Whether RetryVM can work: only a failed VM is tried again. */
 export function canRetry(vm: Pick<VM, 'lifecycle' | 'deleted'>): boolean {
-	return !vm.deleted && vm.lifecycle === 'failed';
+	return !vm.deleted && vm.lifecycle === Lifecycle.failed;
 }
 
 /** A timeline event's message as a line and, when it carries some (a
@@ -116,7 +93,7 @@ export function eventParts(message: string): { line: string; more: string } {
 /** Why a failed VM failed, in its host's words, or how a lost VM was lost;
  *  '' for any other VM. */
 export function vmError(vm: VMStatusFields): string {
-	if (vm.deleted || (vm.lifecycle !== 'failed' && vm.lifecycle !== 'lost')) return '';
+	if (vm.deleted || (vm.lifecycle !== Lifecycle.failed && vm.lifecycle !== Lifecycle.lost)) return '';
 	return vm.lastError;
 }
 

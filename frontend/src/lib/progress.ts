@@ -3,7 +3,8 @@
 // host's sentence, and kept free of Svelte so every rule is unit-tested.
 import type { VM } from '@eitri/sdk/vm_pb';
 import type { Progress } from '@eitri/sdk/resources_pb';
-import { formatBytes, isNarrated } from './display';
+import { formatBytes } from './display';
+import { isNarrated } from './vmstate';
 
 export type ProgressView = {
 	/** What is measured, for people and screen readers; '' for a step this
