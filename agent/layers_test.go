@@ -51,6 +51,20 @@ func testHelper(path string) bool {
 	return strings.HasSuffix(path, "test") // netnstest, qemutest, ...
 }
 
+// leaves are eitri packages of vocabulary alone (the permanent-error mark)
+// that import only the standard library; a building block may use them and
+// stay on its own.
+var leaves = []string{module + "agent/permanent"}
+
+func leaf(path string) bool {
+	for _, l := range leaves {
+		if path == l {
+			return true
+		}
+	}
+	return false
+}
+
 func TestBuildingBlocksImportNoOtherEitriPackage(t *testing.T) {
 	// The building blocks do one job each on the host and know nothing of the
 	// wire (gen/) or of each other, so each can be understood, tested and
@@ -64,17 +78,29 @@ func TestBuildingBlocksImportNoOtherEitriPackage(t *testing.T) {
 					continue
 				}
 				for _, imp := range p.Imports {
-					if strings.HasPrefix(imp, module) && !strings.HasPrefix(imp, own) {
+					if strings.HasPrefix(imp, module) && !strings.HasPrefix(imp, own) && !leaf(imp) {
 						t.Errorf("%s imports %s: building blocks import nothing from gen/ or other eitri packages", p.ImportPath, imp)
 					}
 				}
 				for _, imp := range append(p.TestImports, p.XTestImports...) {
-					if strings.HasPrefix(imp, module) && !strings.HasPrefix(imp, own) && !testHelper(imp) {
+					if strings.HasPrefix(imp, module) && !strings.HasPrefix(imp, own) && !testHelper(imp) && !leaf(imp) {
 						t.Errorf("tests of %s import %s: building blocks' tests use only test helpers", p.ImportPath, imp)
 					}
 				}
 			}
 		})
+	}
+}
+
+func TestLeavesImportOnlyTheStandardLibrary(t *testing.T) {
+	for _, l := range leaves {
+		for _, p := range listPackages(t, "./"+strings.TrimPrefix(l, module)) {
+			for _, imp := range p.Imports {
+				if strings.Contains(strings.Split(imp, "/")[0], ".") {
+					t.Errorf("%s imports %s: a leaf every building block may use imports only the standard library", p.ImportPath, imp)
+				}
+			}
+		}
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"sync"
 
 	"github.com/a73x/eitri/agent/imagecache"
+	"github.com/a73x/eitri/agent/permanent"
 	"github.com/a73x/eitri/agent/reconcile"
 	"github.com/a73x/eitri/agent/seed"
 )
@@ -90,7 +91,7 @@ func (h *Hypervisor) WriteSeed(outPath string, p reconcile.SeedParams) error {
 		PhoneHomeURL:     h.net.PhoneHomeURL(p.InstanceID),
 	})
 	if errors.Is(err, seed.ErrInvalidParams) {
-		return &permanentError{err: err}
+		return permanent.Wrap(err)
 	}
 	return err
 }

@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/a73x/eitri/agent/netsetup"
+	"github.com/a73x/eitri/agent/permanent"
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/reconcile"
 	"github.com/a73x/eitri/agent/state"
@@ -137,18 +138,6 @@ func New(cfg Config) (*Hypervisor, error) {
 	}, nil
 }
 
-// permanentError is a failure retrying on this host cannot fix; the engine
-// recognises it by its Permanent method.
-type permanentError struct{ err error }
-
-func (e *permanentError) Error() string   { return e.err.Error() }
-func (e *permanentError) Unwrap() error   { return e.err }
-func (e *permanentError) Permanent() bool { return true }
-
-func permanentf(format string, args ...any) error {
-	return &permanentError{err: fmt.Errorf(format, args...)}
-}
-
 // RootDisk is where the VM's root disk lives: inside QEMU's per-VM directory,
 // so destroying the VM removes it.
 func (h *Hypervisor) RootDisk(id string) string {
@@ -162,7 +151,7 @@ func (h *Hypervisor) Preflight(ctx context.Context, spec state.VMSpec) error {
 		return err
 	}
 	if fi, err := os.Stat("/dev/net/tun"); err != nil || fi.Mode()&os.ModeCharDevice == 0 {
-		return permanentf("hostvm: /dev/net/tun is missing: modprobe tun (in a container, pass the device through)")
+		return permanent.Errorf("hostvm: /dev/net/tun is missing: modprobe tun (in a container, pass the device through)")
 	}
 	return checkSpec(spec, int32(runtime.NumCPU()), hostMemMB)
 }
@@ -172,13 +161,13 @@ func (h *Hypervisor) Preflight(ctx context.Context, spec state.VMSpec) error {
 func checkSpec(spec state.VMSpec, hostCPUs int32, hostMem func() (int64, error)) error {
 	switch {
 	case spec.VCPUs <= 0:
-		return permanentf("hostvm: vm %s: vcpus must be positive, got %d", spec.ID, spec.VCPUs)
+		return permanent.Errorf("hostvm: vm %s: vcpus must be positive, got %d", spec.ID, spec.VCPUs)
 	case spec.MemMB <= 0:
-		return permanentf("hostvm: vm %s: memory must be positive, got %d MiB", spec.ID, spec.MemMB)
+		return permanent.Errorf("hostvm: vm %s: memory must be positive, got %d MiB", spec.ID, spec.MemMB)
 	case spec.DiskGB <= 0:
-		return permanentf("hostvm: vm %s: disk must be positive, got %d GiB", spec.ID, spec.DiskGB)
+		return permanent.Errorf("hostvm: vm %s: disk must be positive, got %d GiB", spec.ID, spec.DiskGB)
 	case spec.VCPUs > hostCPUs:
-		return permanentf("hostvm: vm %s wants %d vcpus; this host has %d CPUs", spec.ID, spec.VCPUs, hostCPUs)
+		return permanent.Errorf("hostvm: vm %s wants %d vcpus; this host has %d CPUs", spec.ID, spec.VCPUs, hostCPUs)
 	}
 	total, err := hostMem()
 	if err != nil {
@@ -186,7 +175,7 @@ func checkSpec(spec state.VMSpec, hostCPUs int32, hostMem func() (int64, error))
 		return nil
 	}
 	if spec.MemMB > total {
-		return permanentf("hostvm: vm %s wants %d MiB of memory; this host has %d MiB", spec.ID, spec.MemMB, total)
+		return permanent.Errorf("hostvm: vm %s wants %d MiB of memory; this host has %d MiB", spec.ID, spec.MemMB, total)
 	}
 	return nil
 }
@@ -436,7 +425,7 @@ func (h *Hypervisor) leased(id string) (netip.Addr, bool) {
 // tries again.
 func (h *Hypervisor) Destroy(ctx context.Context, id string) error {
 	if !state.ValidID(id) {
-		return permanentf("hostvm: invalid vm id %q", id)
+		return permanent.Errorf("hostvm: invalid vm id %q", id)
 	}
 	qerr := h.qemu.Destroy(ctx, id)
 	var errs []error

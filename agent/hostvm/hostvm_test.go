@@ -15,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/permanent"
 
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/agent/netsetup"
@@ -25,11 +26,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-func isPermanent(err error) bool {
-	var p interface{ Permanent() bool }
-	return errors.As(err, &p) && p.Permanent()
-}
 
 func TestCheckSpec(t *testing.T) {
 	ok := state.VMSpec{ID: "vm1", VCPUs: 2, MemMB: 1024, DiskGB: 10}
@@ -62,7 +58,7 @@ func TestCheckSpec(t *testing.T) {
 			}
 			require.Error(t, err)
 			assert.Contains(t, err.Error(), tc.wantErr)
-			assert.True(t, isPermanent(err), "a spec the host can never run must fail at once")
+			assert.True(t, permanent.Is(err), "a spec the host can never run must fail at once")
 		})
 	}
 }
@@ -142,7 +138,7 @@ func TestWriteSeed(t *testing.T) {
 
 	err = h.WriteSeed(filepath.Join(t.TempDir(), "bad.iso"), reconcile.SeedParams{InstanceID: "vm-1", Hostname: "not a label"})
 	require.Error(t, err)
-	assert.True(t, isPermanent(err), "a hostname the seed refuses never becomes valid on retry")
+	assert.True(t, permanent.Is(err), "a hostname the seed refuses never becomes valid on retry")
 }
 
 // allowLoopback lets the image cache fetch from the tests' loopback

@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 // maxRedirects bounds how many redirects one download follows.
@@ -28,7 +30,7 @@ func (c *Cache) get(ctx context.Context, u *neturl.URL, hdr http.Header) (*http.
 	for hop := 0; ; hop++ {
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
 		if err != nil {
-			return nil, hop, permanent(err)
+			return nil, hop, permanent.Wrap(err)
 		}
 		for k, v := range hdr {
 			req.Header[k] = v
@@ -51,11 +53,11 @@ func (c *Cache) get(ctx context.Context, u *neturl.URL, hdr http.Header) (*http.
 		// The Location is the server's text: errors say which redirect went
 		// wrong, never where it pointed.
 		if hop == maxRedirects {
-			return nil, hop, permanentf("more than %d redirects", maxRedirects)
+			return nil, hop, permanent.Errorf("more than %d redirects", maxRedirects)
 		}
 		next, err := u.Parse(loc)
 		if loc == "" || err != nil || (next.Scheme != "http" && next.Scheme != "https") || next.Host == "" {
-			return nil, hop, permanentf("redirect %d does not lead to an http or https URL", hop+1)
+			return nil, hop, permanent.Errorf("redirect %d does not lead to an http or https URL", hop+1)
 		}
 		c.log.Debug("imagecache: following redirect", "from", u.Redacted(), "to", next.Redacted(), "status", resp.StatusCode)
 		u = next
@@ -116,7 +118,7 @@ func (b *transportBody) Close() error {
 func (c *Cache) requestError(ctx context.Context, err error, u *neturl.URL, hop int) error {
 	if refused, ok := errors.AsType[*RefusedAddressError](err); ok {
 		refused.Redirect = hop
-		return permanent(refused)
+		return permanent.Wrap(refused)
 	}
 	if ctx.Err() != nil {
 		return context.Cause(ctx) // cancelled or stalled: the caller says which

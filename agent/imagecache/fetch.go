@@ -9,6 +9,8 @@ import (
 	neturl "net/url"
 	"sync"
 	"time"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 var errStalled = errors.New("image download stalled")
@@ -30,10 +32,10 @@ var errStartOver = errors.New("download starts over")
 func (c *Cache) download(ctx context.Context, url, sha string, progress func(done, total int64)) (string, int64, error) {
 	u, err := neturl.Parse(url)
 	if err != nil {
-		return "", 0, permanentf("image url %q: %w", url, err)
+		return "", 0, permanent.Errorf("image url %q: %w", url, err)
 	}
 	if u.Scheme != "http" && u.Scheme != "https" {
-		return "", 0, permanentf("image url %q: scheme must be http or https", url)
+		return "", 0, permanent.Errorf("image url %q: scheme must be http or https", url)
 	}
 	p, err := c.openPartial(sha, url)
 	if err != nil {
@@ -73,18 +75,18 @@ func (c *Cache) download(ctx context.Context, url, sha string, progress func(don
 			}
 			n := p.n
 			p.discard()
-			return "", n, permanentf("%w: want %s, got %s (GET %s, %d bytes)", ErrChecksumMismatch, sha, got, url, n)
+			return "", n, permanent.Errorf("%w: want %s, got %s (GET %s, %d bytes)", ErrChecksumMismatch, sha, got, url, n)
 		}
 		if errors.Is(err, errStartOver) {
 			continue
 		}
 		_, local := errors.AsType[*localError](err)
-		if !local && !IsPermanent(err) && ctx.Err() == nil && p.wrote-before >= floor {
+		if !local && !permanent.Is(err) && ctx.Err() == nil && p.wrote-before >= floor {
 			c.log.Info("imagecache: download interrupted; asking for the rest", "sha256", sha, "url", u.Redacted(), "have", p.n, "err", err)
 			continue
 		}
 		n := p.n
-		if local || IsPermanent(err) || errors.Is(context.Cause(ctx), errUnwanted) {
+		if local || permanent.Is(err) || errors.Is(context.Cause(ctx), errUnwanted) {
 			p.discard()
 		} else {
 			p.keep()
@@ -173,12 +175,12 @@ func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *par
 		// A 4xx names a request that will keep failing, except these two,
 		// which say "not now".
 		if code >= 400 && code < 500 && code != http.StatusRequestTimeout && code != http.StatusTooManyRequests {
-			return permanent(err)
+			return permanent.Wrap(err)
 		}
 		return err
 	}
 	if c.maxBytes > 0 && total > c.maxBytes {
-		return permanentf("%w: GET %s declares %d bytes, cap is %d", ErrTooLarge, url, total, c.maxBytes)
+		return permanent.Errorf("%w: GET %s declares %d bytes, cap is %d", ErrTooLarge, url, total, c.maxBytes)
 	}
 	if (p.restarted || p.n == 0) && progress != nil {
 		// Progress goes back only here, and at once: a count that resumed
@@ -214,7 +216,7 @@ func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *par
 		return fmt.Errorf("GET %s: body after %d bytes: %w", url, n, err)
 	}
 	if c.maxBytes > 0 && n > c.maxBytes {
-		return permanentf("%w: GET %s is over %d bytes", ErrTooLarge, url, c.maxBytes)
+		return permanent.Errorf("%w: GET %s is over %d bytes", ErrTooLarge, url, c.maxBytes)
 	}
 	if total >= 0 && n != total {
 		return fmt.Errorf("GET %s: body ends at %d bytes, Content-Length said %d", url, n, total)

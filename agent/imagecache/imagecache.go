@@ -44,6 +44,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 // DefaultProgressStep is how far a download moves between progress reports.
@@ -363,12 +365,12 @@ func (f *flight) drop(w *waiter) (next *waiter) {
 // starts over. Cache hits report nothing. It is called from the copy loop,
 // so it must not block.
 //
-// Errors that retrying cannot fix satisfy interface{ Permanent() bool }.
+// Errors that retrying cannot fix are marked so (permanent.Is).
 func (c *Cache) Ensure(ctx context.Context, url, sha256 string, progress func(done, total int64)) (string, error) {
 	// Checked first: the digest becomes a file name, so a bad one must never
 	// reach the disk, the network or the flight table.
 	if !validDigest(sha256) {
-		return "", permanentf("%w: %q: want 64 lowercase hex digits", ErrInvalidDigest, sha256)
+		return "", permanent.Errorf("%w: %q: want 64 lowercase hex digits", ErrInvalidDigest, sha256)
 	}
 	if err := ctx.Err(); err != nil {
 		return "", err
@@ -552,7 +554,7 @@ func (c *Cache) populate(ctx context.Context, url, sha string, progress func(don
 	if err != nil {
 		// The verified download is kept for another try at decoding,
 		// unless decoding can never work or nobody wants it.
-		if IsPermanent(err) || errors.Is(context.Cause(ctx), errUnwanted) {
+		if permanent.Is(err) || errors.Is(context.Cause(ctx), errUnwanted) {
 			c.removePartial(sha)
 		}
 		return "", err

@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/permanent"
 	"github.com/klauspost/compress/gzip"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -269,7 +270,7 @@ func TestEnsureChecksumMismatchLeavesNothing(t *testing.T) {
 	dir := t.TempDir()
 	_, err := loopbackCache(dir).Ensure(context.Background(), ts.URL+"/img", want, nil)
 	require.Error(t, err)
-	assert.True(t, IsPermanent(err))
+	assert.True(t, permanent.Is(err))
 	assert.ErrorIs(t, err, ErrChecksumMismatch)
 	assert.Contains(t, err.Error(), "image sha256 mismatch: want "+want+", got "+digest([]byte("tampered bytes")))
 	assert.Empty(t, dirNames(t, dir))
@@ -291,7 +292,7 @@ func TestEnsureRejectsInvalidDigestBeforeTouchingAnything(t *testing.T) {
 			_, err := c.Ensure(context.Background(), ts.URL, sha, nil)
 			require.Error(t, err)
 			assert.ErrorIs(t, err, ErrInvalidDigest)
-			assert.True(t, IsPermanent(err))
+			assert.True(t, permanent.Is(err))
 			assert.Contains(t, err.Error(), "invalid sha256")
 		})
 	}
@@ -327,7 +328,7 @@ func TestEnsureHTTPErrors(t *testing.T) {
 			url := ts.URL + "/images/disk.qcow2"
 			_, err := loopbackCache(dir).Ensure(context.Background(), url, digest(body), nil)
 			require.Error(t, err)
-			assert.Equal(t, tc.permanent, IsPermanent(err), "permanent? %v", err)
+			assert.Equal(t, tc.permanent, permanent.Is(err), "permanent? %v", err)
 			assert.Contains(t, err.Error(), "GET "+url+tc.want)
 			if tc.name == "truncated body" {
 				sum := digest(body)
@@ -346,7 +347,7 @@ func TestEnsureNetworkErrorIsNotPermanent(t *testing.T) {
 	ts.Close() // connection refused from here on
 	_, err := loopbackCache(t.TempDir()).Ensure(context.Background(), url, digest([]byte("x")), nil)
 	require.Error(t, err)
-	assert.False(t, IsPermanent(err))
+	assert.False(t, permanent.Is(err))
 	assert.Contains(t, err.Error(), "GET "+url)
 }
 
@@ -367,7 +368,7 @@ func TestEnsureStalledDownloadIsNotPermanent(t *testing.T) {
 	_, err := loopbackCache(dir, WithStallTimeout(200*time.Millisecond)).Ensure(context.Background(), ts.URL+"/img", digest(body), nil)
 	require.Error(t, err)
 	assert.ErrorIs(t, err, errStalled)
-	assert.False(t, IsPermanent(err))
+	assert.False(t, permanent.Is(err))
 	sum := digest(body)
 	assert.Equal(t, []string{sum + ".download.part", sum + ".download.resume"}, dirNames(t, dir),
 		"what came is kept for the retry to resume from")
@@ -693,7 +694,7 @@ func TestEnsureImageLargerThanCap(t *testing.T) {
 			_, err := loopbackCache(dir, WithMaxBytes(tc.cap)).Ensure(context.Background(), ts.URL, sum, nil)
 			require.Error(t, err)
 			assert.ErrorIs(t, err, ErrTooLarge)
-			assert.True(t, IsPermanent(err))
+			assert.True(t, permanent.Is(err))
 			assert.Contains(t, err.Error(), "cap")
 			assert.Empty(t, dirNames(t, dir))
 		})
@@ -704,7 +705,7 @@ func TestEnsureRejectsNonHTTPURL(t *testing.T) {
 	dir := t.TempDir()
 	_, err := loopbackCache(dir).Ensure(context.Background(), "file:///etc/passwd", digest([]byte("x")), nil)
 	require.Error(t, err)
-	assert.True(t, IsPermanent(err))
+	assert.True(t, permanent.Is(err))
 	assert.Contains(t, err.Error(), "scheme")
 }
 

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 
+	"github.com/a73x/eitri/agent/permanent"
 	"github.com/klauspost/compress/gzip"
 )
 
@@ -97,7 +98,7 @@ func (c *Cache) checkCap(path string) error {
 		return fmt.Errorf("image cache: %w", err)
 	}
 	if a := allocated(fi); a > c.maxBytes {
-		return permanentf("%w: raw image takes %d bytes on disk, cap is %d", ErrTooLarge, a, c.maxBytes)
+		return permanent.Errorf("%w: raw image takes %d bytes on disk, cap is %d", ErrTooLarge, a, c.maxBytes)
 	}
 	return nil
 }
@@ -108,7 +109,7 @@ func (c *Cache) checkCap(path string) error {
 func gunzipSparse(ctx context.Context, in io.Reader, out *os.File) error {
 	zr, err := gzip.NewReader(in)
 	if err != nil {
-		return permanentf("%w: gzip: %w", ErrCorrupt, err)
+		return permanent.Errorf("%w: gzip: %w", ErrCorrupt, err)
 	}
 	defer zr.Close()
 	sw := newSparseWriter(out)
@@ -130,7 +131,7 @@ func gunzipSparse(ctx context.Context, in io.Reader, out *os.File) error {
 		if first && n > 0 {
 			first = false
 			if bytes.HasPrefix(buf[:n], []byte(qcow2Magic)) {
-				return permanentf("%w: gzip wraps a qcow2 image; serve the qcow2 itself (it compresses internally)", ErrUnsupported)
+				return permanent.Errorf("%w: gzip wraps a qcow2 image; serve the qcow2 itself (it compresses internally)", ErrUnsupported)
 			}
 		}
 		if n > 0 {
@@ -142,7 +143,7 @@ func gunzipSparse(ctx context.Context, in io.Reader, out *os.File) error {
 			break
 		}
 		if rerr != nil {
-			return permanentf("%w: gzip: %w", ErrCorrupt, rerr)
+			return permanent.Errorf("%w: gzip: %w", ErrCorrupt, rerr)
 		}
 	}
 	return sw.finish()

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/a73x/eitri/agent/permanent"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -78,7 +79,7 @@ func requireRefused(t *testing.T, err error, addr, why string) {
 	assert.Equal(t, addr, refused.Addr.String())
 	assert.Contains(t, err.Error(), "image_url: ")
 	assert.Contains(t, err.Error(), " is not allowed for image downloads ("+why)
-	assert.True(t, IsPermanent(err), "a refusal is permanent: %v", err)
+	assert.True(t, permanent.Is(err), "a refusal is permanent: %v", err)
 	assert.NotContains(t, err.Error(), "SECRET")
 	assert.NotContains(t, err.Error(), "instance-id")
 }
@@ -419,7 +420,7 @@ func TestSSRFRedirectChainCapped(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), fmt.Sprintf("more than %d redirects", maxRedirects))
 	assert.NotContains(t, err.Error(), "SECRET")
-	assert.True(t, IsPermanent(err))
+	assert.True(t, permanent.Is(err))
 	assert.Equal(t, int64(maxRedirects+1), hits.Load())
 }
 
@@ -553,7 +554,7 @@ func TestSlowlorisImageTrickleFailsAsStalled(t *testing.T) {
 	require.Error(t, err)
 	assert.ErrorIs(t, err, errStalled)
 	assert.Regexp(t, `image download stalled: \d+ bytes in 300ms, under the minimum of 4 KiB per 300ms \(after \d+ bytes\)`, err.Error())
-	assert.False(t, IsPermanent(err), "a stall may be the network's fault: the retry budget decides")
+	assert.False(t, permanent.Is(err), "a stall may be the network's fault: the retry budget decides")
 	assert.Less(t, time.Since(start), 3*time.Second)
 	sum := digest(body)
 	assert.Equal(t, []string{sum + ".download.part", sum + ".download.resume"}, dirNames(t, dir), "no temp files left")

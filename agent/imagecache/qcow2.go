@@ -10,6 +10,7 @@ import (
 	"os"
 	"runtime"
 
+	"github.com/a73x/eitri/agent/permanent"
 	"github.com/klauspost/compress/flate"
 	"github.com/klauspost/compress/zstd"
 	"golang.org/x/sync/errgroup"
@@ -68,11 +69,11 @@ type qcow2Header struct {
 }
 
 func corruptf(format string, args ...any) error {
-	return permanentf("%w: qcow2: "+format, append([]any{ErrCorrupt}, args...)...)
+	return permanent.Errorf("%w: qcow2: "+format, append([]any{ErrCorrupt}, args...)...)
 }
 
 func unsupportedf(format string, args ...any) error {
-	return permanentf("%w: qcow2: "+format, append([]any{ErrUnsupported}, args...)...)
+	return permanent.Errorf("%w: qcow2: "+format, append([]any{ErrUnsupported}, args...)...)
 }
 
 // parseQcow2Header reads and checks the header, refusing what this decoder

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/permanent"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -209,7 +210,7 @@ func TestADownloadStoppedByAFailureResumesInTheNextEnsureEvenAfterARestart(t *te
 	// fails, as a flaky link makes one fail.
 	_, err := loopbackCache(dir, WithMinProgress(1<<20)).Ensure(context.Background(), srv.URL+"/img", sum, nil)
 	require.Error(t, err)
-	assert.False(t, IsPermanent(err))
+	assert.False(t, permanent.Is(err))
 	assert.Equal(t, []string{sum + ".download.part", sum + ".download.resume"}, dirNames(t, dir))
 
 	var prog progressLog

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 // AccelMode is how the backend may choose its accelerator (--accel).
@@ -184,7 +186,7 @@ func (b *Backend) probeLocked(ctx context.Context) (Accel, error) {
 		a.Reason = explain(b.cfg.Accel, failed, a)
 	} else {
 		a = Accel{Reason: explain(b.cfg.Accel, failed, Accel{})}
-		perr = permanent("qemu: no usable accelerator: %s", a.Reason)
+		perr = permanent.Errorf("qemu: no usable accelerator: %s", a.Reason)
 	}
 	b.accelMu.Lock()
 	prev := b.accel

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/permanent"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -327,7 +328,7 @@ func TestProbeKVMModeFailsWhenKVMIsBroken(t *testing.T) {
 
 	a, err := b.Probe(context.Background())
 	require.Error(t, err)
-	assert.True(t, IsPermanent(err), "nothing on this host will change that: %v", err)
+	assert.True(t, permanent.Is(err), "nothing on this host will change that: %v", err)
 	assert.Equal(t, "qemu: no usable accelerator: kvm unusable: failed to set MSR 0x10a; --accel kvm allows no fallback to tcg", err.Error())
 	assert.Empty(t, a.Name)
 	assert.Equal(t, "kvm unusable: failed to set MSR 0x10a; --accel kvm allows no fallback to tcg", b.Accel().Reason)
@@ -341,7 +342,7 @@ func TestProbeKVMModeFailsWhenKVMIsBroken(t *testing.T) {
 	vm := blankVM(t, b, "vm-kvm-only")
 	err = b.Start(context.Background(), vm)
 	require.Error(t, err)
-	assert.True(t, IsPermanent(err))
+	assert.True(t, permanent.Is(err))
 }
 
 func TestProbeTCGModeNeverTriesKVM(t *testing.T) {

@@ -25,6 +25,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 const (
@@ -198,7 +200,7 @@ func (b *Backend) VMDir(id string) string { return filepath.Join(b.cfg.Dir, id) 
 func (b *Backend) binary() (string, error) {
 	p, err := exec.LookPath(b.cfg.Binary)
 	if err != nil {
-		return "", permanent("%s not found: apt-get install qemu-system-x86", b.cfg.Binary)
+		return "", permanent.Errorf("%s not found: apt-get install qemu-system-x86", b.cfg.Binary)
 	}
 	return p, nil
 }
@@ -206,7 +208,7 @@ func (b *Backend) binary() (string, error) {
 func (b *Backend) imgBinary() (string, error) {
 	p, err := exec.LookPath(b.cfg.ImgBinary)
 	if err != nil {
-		return "", permanent("%s not found: apt-get install qemu-utils", b.cfg.ImgBinary)
+		return "", permanent.Errorf("%s not found: apt-get install qemu-utils", b.cfg.ImgBinary)
 	}
 	return p, nil
 }
@@ -231,7 +233,7 @@ func ValidID(id string) bool { return validID.MatchString(id) }
 
 func checkID(id string) error {
 	if !ValidID(id) {
-		return permanent("qemu: invalid vm id %q", id)
+		return permanent.Errorf("qemu: invalid vm id %q", id)
 	}
 	return nil
 }
@@ -264,7 +266,7 @@ func optEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 // synced) before PrepareRootDisk returns, so its existence can be trusted.
 func (b *Backend) PrepareRootDisk(ctx context.Context, dst, base string, sizeGB int64) error {
 	if sizeGB <= 0 {
-		return permanent("qemu: root disk size must be positive, got %d GiB", sizeGB)
+		return permanent.Errorf("qemu: root disk size must be positive, got %d GiB", sizeGB)
 	}
 	img, err := b.imgBinary()
 	if err != nil {
@@ -292,7 +294,7 @@ func (b *Backend) PrepareRootDisk(ctx context.Context, dst, base string, sizeGB 
 	}
 	size := sizeGB << 30
 	if fi.Size() > size {
-		return permanent("qemu: disk of %d GiB is smaller than the image (%d bytes)", sizeGB, fi.Size())
+		return permanent.Errorf("qemu: disk of %d GiB is smaller than the image (%d bytes)", sizeGB, fi.Size())
 	}
 	if err := os.MkdirAll(filepath.Dir(dst), 0o700); err != nil {
 		return fmt.Errorf("qemu: root disk dir: %w", err)
@@ -365,20 +367,20 @@ func (b *Backend) Start(ctx context.Context, vm VM) error {
 		return err
 	}
 	if vm.VCPUs <= 0 || vm.MemMB <= 0 {
-		return permanent("qemu: vm %s: vcpus (%d) and memory (%d MiB) must be positive", vm.ID, vm.VCPUs, vm.MemMB)
+		return permanent.Errorf("qemu: vm %s: vcpus (%d) and memory (%d MiB) must be positive", vm.ID, vm.VCPUs, vm.MemMB)
 	}
 	if vm.RootDisk == "" {
-		return permanent("qemu: vm %s: no root disk", vm.ID)
+		return permanent.Errorf("qemu: vm %s: no root disk", vm.ID)
 	}
 	if vm.Tap != "" && len(vm.MAC) != 6 {
-		return permanent("qemu: vm %s: a NIC needs a 6-byte MAC, got %q", vm.ID, vm.MAC.String())
+		return permanent.Errorf("qemu: vm %s: a NIC needs a 6-byte MAC, got %q", vm.ID, vm.MAC.String())
 	}
 	bin, err := b.binary()
 	if err != nil {
 		return err
 	}
 	if len(b.sockPath(vm.ID)) > maxUnixPath {
-		return permanent("qemu: QMP socket path %s is longer than %d bytes; use a shorter state dir", b.sockPath(vm.ID), maxUnixPath)
+		return permanent.Errorf("qemu: QMP socket path %s is longer than %d bytes; use a shorter state dir", b.sockPath(vm.ID), maxUnixPath)
 	}
 	accel, err := b.current(ctx)
 	if err != nil {

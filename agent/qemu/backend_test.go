@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/permanent"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -113,7 +114,7 @@ func TestPrepareRootDiskErrors(t *testing.T) {
 			dst := filepath.Join(cfg.Dir, "root.qcow2")
 			err = b.PrepareRootDisk(ctx, dst, tc.base, tc.sizeGB)
 			require.Error(t, err)
-			assert.Equal(t, tc.permanent, IsPermanent(err), "err: %v", err)
+			assert.Equal(t, tc.permanent, permanent.Is(err), "err: %v", err)
 			assert.NoFileExists(t, dst)
 			assert.NoFileExists(t, dst+".tmp")
 		})
@@ -312,7 +313,7 @@ func TestStartRejects(t *testing.T) {
 			}
 			err = b.Start(ctx, vm)
 			require.Error(t, err)
-			assert.True(t, IsPermanent(err), "err: %v", err)
+			assert.True(t, permanent.Is(err), "err: %v", err)
 		})
 	}
 }

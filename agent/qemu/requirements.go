@@ -1,30 +1,9 @@
 package qemu
 
 import (
-	"errors"
 	"fmt"
 	"os/exec"
 )
-
-// permanentError marks a failure that retrying on this host cannot fix
-// (a missing hypervisor binary, an impossible VM spec). The reconcile engine
-// looks for the Permanent method and fails the VM at once instead of
-// spending its retry budget.
-type permanentError struct{ err error }
-
-func (e *permanentError) Error() string   { return e.err.Error() }
-func (e *permanentError) Unwrap() error   { return e.err }
-func (e *permanentError) Permanent() bool { return true }
-
-func permanent(format string, args ...any) error {
-	return &permanentError{err: fmt.Errorf(format, args...)}
-}
-
-// IsPermanent reports whether err (or anything it wraps) says it is permanent.
-func IsPermanent(err error) bool {
-	var p interface{ Permanent() bool }
-	return errors.As(err, &p) && p.Permanent()
-}
 
 const (
 	defaultBinary    = "qemu-system-x86_64"

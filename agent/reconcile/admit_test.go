@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/a73x/eitri/agent/permanent"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -37,7 +38,7 @@ func TestAdmissionRule(t *testing.T) {
 				return
 			}
 			require.EqualError(t, err, c.refused)
-			assert.True(t, isPermanent(err), "a refusal is not retried")
+			assert.True(t, permanent.Is(err), "a refusal is not retried")
 		})
 	}
 }

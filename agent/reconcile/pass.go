@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/a73x/eitri/agent/permanent"
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/wire/vmstate"
@@ -55,15 +56,6 @@ type outcome struct {
 	// wakeAt: the VM waits out a backoff until then; the worker runs a pass
 	// at that time without being asked.
 	wakeAt time.Time
-}
-
-// permanentError is how building blocks mark an error that retrying cannot
-// fix, without importing this package.
-type permanentError interface{ Permanent() bool }
-
-func isPermanent(err error) bool {
-	var p permanentError
-	return errors.As(err, &p) && p.Permanent()
 }
 
 // hostFault is how building blocks mark a failure that was the host's, not
@@ -300,7 +292,7 @@ func (e *Engine) failCreate(ctx context.Context, rec state.Record, err error) ou
 		e.log.Warn("create hit a host fault; attempt refunded", "vm", id, "err", err)
 	default:
 		rec.CreateAttempts++
-		if isPermanent(err) || rec.CreateAttempts >= e.cfg.MaxCreateAttempts {
+		if permanent.Is(err) || rec.CreateAttempts >= e.cfg.MaxCreateAttempts {
 			rec.Failed = true
 			e.forgetAdmitted(id)
 			e.log.Error("create failed", "vm", id, "attempts", rec.CreateAttempts, "err", err)
