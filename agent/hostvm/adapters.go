@@ -11,24 +11,21 @@ import (
 	"github.com/a73x/eitri/agent/seed"
 )
 
-// Images adapts an image cache to the engine (Resolve is a reconcile.Images)
-// and keeps each resolved image pinned until a root disk holds it.
+// Images adapts an image cache to the engine (Resolve is a reconcile.Images):
+// each resolved image stays pinned in the cache until its release is called.
 //
 // Pin lifetime: Resolve pins the digest before Ensure, so no eviction can
-// slip in between the download and its use. The engine follows every
-// successful Resolve with one PrepareRootDisk for the same image, and the
-// Hypervisor given this Images drops the pin there: the qcow2 overlay keeps
-// its base alive through a hard link (qemu.Backend.PrepareRootDisk), so the
-// cache may evict its own copy afterwards without harming the VM. Pins live
-// in memory; after a restart only the hard links protect bases, which is all
-// a finished disk needs.
+// slip in between the download and its use; the engine releases it once
+// PrepareRootDisk has returned (or the create failed before it). The qcow2
+// overlay keeps its base alive through a hard link
+// (qemu.Backend.PrepareRootDisk), so the cache may evict its own copy
+// afterwards without harming the VM. Pins live in memory; after a restart
+// only the hard links protect bases, which is all a finished disk needs.
 type Images struct {
 	cache *imagecache.Cache
 
-	mu sync.Mutex
-	// held counts pins Resolve took that no PrepareRootDisk has dropped yet,
-	// so a stray done never drops a pin someone else holds.
-	held map[string]int
+	mu   sync.Mutex
+	held map[string]int // pins taken and not yet released, per digest
 }
 
 // NewImages wraps c.
@@ -39,34 +36,40 @@ func NewImages(c *imagecache.Cache) *Images {
 var _ reconcile.Images = (*Images)(nil).Resolve
 
 // Resolve returns the local raw image for (url, sha256), downloading it if
-// needed, and leaves it pinned. On error nothing stays pinned.
-func (im *Images) Resolve(ctx context.Context, url, sha256 string, progress func(done, total int64)) (string, error) {
-	im.cache.Acquire(sha256)
+// needed, pinned until release is called (more calls do nothing). On error
+// nothing stays pinned.
+func (im *Images) Resolve(ctx context.Context, url, sha256 string, progress func(done, total int64)) (string, func(), error) {
+	im.pin(sha256)
 	path, err := im.cache.Ensure(ctx, url, sha256, progress)
 	if err != nil {
-		im.cache.Release(sha256)
-		return "", err
+		im.unpin(sha256)
+		return "", nil, err
 	}
-	im.mu.Lock()
-	im.held[sha256]++
-	im.mu.Unlock()
-	return path, nil
+	var once sync.Once
+	return path, func() { once.Do(func() { im.unpin(sha256) }) }, nil
 }
 
-// done drops one pin Resolve took for sha256, if any is outstanding.
-func (im *Images) done(sha256 string) {
+// keep pins sha256 for as long as this agent runs: a root disk that reads
+// the cache's file itself (no hard link) needs it there.
+func (im *Images) keep(sha256 string) { im.pin(sha256) }
+
+func (im *Images) pin(sha256 string) {
 	im.mu.Lock()
 	defer im.mu.Unlock()
-	if im.held[sha256] == 0 {
-		return
-	}
+	im.cache.Acquire(sha256)
+	im.held[sha256]++
+}
+
+func (im *Images) unpin(sha256 string) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
 	if im.held[sha256]--; im.held[sha256] == 0 {
 		delete(im.held, sha256)
 	}
 	im.cache.Release(sha256)
 }
 
-// Pinned is how many pins Resolve holds for sha256 (for tests and debugging).
+// Pinned is how many pins are held for sha256 (for tests and debugging).
 func (im *Images) Pinned(sha256 string) int {
 	im.mu.Lock()
 	defer im.mu.Unlock()

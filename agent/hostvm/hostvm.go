@@ -181,8 +181,9 @@ func checkSpec(spec state.VMSpec, hostCPUs int32, hostMem func() (int64, error))
 }
 
 // PrepareRootDisk makes the VM's root disk: a qcow2 overlay of base sized to
-// the spec. An existing disk is kept. Once the overlay pins the base with its
-// hard link, the image cache pin taken by Images.Resolve is dropped.
+// the spec. An existing disk is kept. The overlay keeps its base alive with a
+// hard link, so the cache pin the engine took with Images.Resolve may go once
+// this returns.
 func (h *Hypervisor) PrepareRootDisk(ctx context.Context, spec state.VMSpec, basePath string) error {
 	dst := h.RootDisk(spec.ID)
 	err := h.qemu.PrepareRootDisk(ctx, dst, basePath, spec.DiskGB)
@@ -190,12 +191,10 @@ func (h *Hypervisor) PrepareRootDisk(ctx context.Context, spec state.VMSpec, bas
 		// Without the hard link (cache and VM dirs on different filesystems)
 		// the overlay reads the cache's file itself: keep the pin, which lasts
 		// only while this agent runs, and say so.
-		_, linkErr := os.Stat(dst + ".base")
-		if err == nil && linkErr != nil {
+		if _, linkErr := os.Stat(dst + ".base"); err == nil && linkErr != nil {
 			h.log.Warn("root disk references the cached image directly (cache on another filesystem?); it stays pinned only until the agent restarts",
 				"vm", spec.ID, "base", basePath)
-		} else {
-			h.images.done(spec.ImageSHA256)
+			h.images.keep(spec.ImageSHA256)
 		}
 	}
 	return err

@@ -159,14 +159,15 @@ func serveImage(t *testing.T, body []byte) (url, sha string) {
 // TestImagesPinUntilRootDisk: an image stays pinned in the cache from
 // Resolve until PrepareRootDisk has linked it into the VM's disk; after
 // that the cache may evict it and the disk keeps its base.
-func TestImagesPinUntilRootDisk(t *testing.T) {
+func TestImagesPinUntilReleased(t *testing.T) {
 	hosttest.NeedQEMU(t)
 	const size = 64 << 10
 	var urls, shas []string
-	for i := range 3 {
+	for i := range 4 {
 		u, s := serveImage(t, bytes.Repeat([]byte{byte(i + 1)}, size))
 		urls, shas = append(urls, u), append(shas, s)
 	}
+	// Room for one image: each Ensure evicts every unpinned other.
 	cache := imagecache.New(t.TempDir(), imagecache.WithMaxBytes(size+size/2), allowLoopback)
 	im := NewImages(cache)
 	b, err := qemu.New(qemu.Config{Dir: t.TempDir(), Log: hosttest.Logger(t)})
@@ -174,27 +175,41 @@ func TestImagesPinUntilRootDisk(t *testing.T) {
 	h := &Hypervisor{qemu: b, images: im, log: hosttest.Logger(t), known: map[string]bool{}}
 	ctx := context.Background()
 
-	base, err := im.Resolve(ctx, urls[0], shas[0], nil)
+	base, release, err := im.Resolve(ctx, urls[0], shas[0], nil)
 	require.NoError(t, err)
 	assert.Equal(t, 1, im.Pinned(shas[0]))
-	_, err = im.Resolve(ctx, urls[1], shas[1], nil)
+	_, releaseOther, err := im.Resolve(ctx, urls[1], shas[1], nil)
 	require.NoError(t, err)
-	assert.FileExists(t, base, "pinned between Resolve and PrepareRootDisk, so not evicted")
+	releaseOther()
+	assert.FileExists(t, base, "pinned until released, so not evicted")
 
 	spec := state.VMSpec{ID: "vm1", ImageSHA256: shas[0], DiskGB: 1}
 	require.NoError(t, h.PrepareRootDisk(ctx, spec, base))
-	assert.Zero(t, im.Pinned(shas[0]), "the disk holds the base now")
-	h.images.done(shas[0]) // a stray release must not underflow
+	assert.Equal(t, 1, im.Pinned(shas[0]), "the root disk does not release what the engine holds")
+	release()
+	release() // a second release must not drop a pin someone else holds
 	assert.Zero(t, im.Pinned(shas[0]))
 
-	_, err = im.Resolve(ctx, urls[2], shas[2], nil)
+	_, releaseNext, err := im.Resolve(ctx, urls[2], shas[2], nil)
 	require.NoError(t, err)
+	releaseNext()
 	assert.NoFileExists(t, base, "released, the cache evicted it")
 	pinned, err := os.ReadFile(h.RootDisk("vm1") + ".base")
 	require.NoError(t, err)
 	assert.Equal(t, bytes.Repeat([]byte{1}, size), pinned, "the root disk still has its base")
 
-	_, err = im.Resolve(ctx, urls[0], "not-a-digest", nil)
+	// Resolved, then the create failed before any root disk was made: once
+	// released, the image is evictable like any other.
+	failed, release, err := im.Resolve(ctx, urls[3], shas[3], nil)
+	require.NoError(t, err)
+	release()
+	assert.Zero(t, im.Pinned(shas[3]))
+	_, release, err = im.Resolve(ctx, urls[0], shas[0], nil)
+	require.NoError(t, err)
+	release()
+	assert.NoFileExists(t, failed, "a released image is evicted for the next")
+
+	_, _, err = im.Resolve(ctx, urls[0], "not-a-digest", nil)
 	require.Error(t, err)
 	assert.Zero(t, im.Pinned("not-a-digest"), "a failed Resolve holds no pin")
 }

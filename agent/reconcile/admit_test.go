@@ -47,10 +47,10 @@ func TestAdmissionRule(t *testing.T) {
 func withCapacity(c *Resources, fetches *atomic.Int32) func(*Config) {
 	return func(cfg *Config) {
 		cfg.Capacity = func() (Resources, error) { return *c, nil }
-		cfg.Images = func(context.Context, string, string, func(int64, int64)) (string, error) {
+		cfg.Images = unpinned(func(context.Context, string, string, func(int64, int64)) (string, error) {
 			fetches.Add(1)
 			return "/cache/x.raw", nil
-		}
+		})
 	}
 }
 

@@ -143,7 +143,7 @@ func TestSteppingDownCutsAStuckCreateShort(t *testing.T) {
 				w := newWedge()
 				var mu sync.Mutex
 				var straggler func(done, total int64)
-				f.eng.cfg.Images = func(ctx context.Context, _, sha string, progress func(done, total int64)) (string, error) {
+				f.eng.cfg.Images = unpinned(func(ctx context.Context, _, sha string, progress func(done, total int64)) (string, error) {
 					if sha == "slow" {
 						mu.Lock()
 						straggler = progress // kept, as a shared download keeps it
@@ -154,7 +154,7 @@ func TestSteppingDownCutsAStuckCreateShort(t *testing.T) {
 						}
 					}
 					return "/cache/" + sha + ".raw", nil
-				}
+				})
 				stuck := vm("vm1")
 				narrating := "downloading image 0.5/1.0 GiB"
 				if where == inDownload {
@@ -215,13 +215,13 @@ func TestACancelledCreateOfADeletedVMIsRestoredAfreshOrDestroyedOnTime(t *testin
 			f := setup(t)
 			w := newWedge()
 			var fetches atomic.Int32
-			f.eng.cfg.Images = func(ctx context.Context, _, sha string, _ func(done, total int64)) (string, error) {
+			f.eng.cfg.Images = unpinned(func(ctx context.Context, _, sha string, _ func(done, total int64)) (string, error) {
 				fetches.Add(1)
 				if err := w.hang(ctx); err != nil {
 					return "", err
 				}
 				return "/cache/" + sha + ".raw", nil
-			}
+			})
 			require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 			<-w.entered
 			destroyAt := f.clock.Now().Add(time.Hour)
@@ -258,13 +258,13 @@ func TestAVMStoppedMidCreateIsBuiltWhenStarted(t *testing.T) {
 	f := setup(t, func(c *Config) { c.ResyncInterval = 5 * time.Millisecond })
 	w := newWedge()
 	var fetches atomic.Int32
-	f.eng.cfg.Images = func(ctx context.Context, _, sha string, _ func(done, total int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(ctx context.Context, _, sha string, _ func(done, total int64)) (string, error) {
 		fetches.Add(1)
 		if err := w.hang(ctx); err != nil {
 			return "", err
 		}
 		return "/cache/" + sha + ".raw", nil
-	}
+	})
 	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 	<-w.entered
 	require.True(t, f.eng.Apply(snap(2, stopped(vm("vm1")))))
@@ -366,7 +366,7 @@ func TestDeletingVMsCancelsTheirSharedDownloadOnlyWhenNoneWantsIt(t *testing.T) 
 	}))
 	f := setup(t, func(c *Config) {
 		c.MaxConcurrentCreates = 2
-		c.Images = cache.Ensure
+		c.Images = unpinned(cache.Ensure)
 	})
 	slow := func(id string) *eitriv1.VMDesired {
 		d := vm(id)

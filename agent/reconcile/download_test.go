@@ -52,7 +52,7 @@ func TestADownloadLongerThanThePassTimeoutFinishesAcrossPasses(t *testing.T) {
 	f := setup(t, func(c *Config) {
 		c.VMTimeout = 250 * time.Millisecond
 		c.ResyncInterval = 10 * time.Millisecond
-		c.Images = cache.Ensure
+		c.Images = unpinned(cache.Ensure)
 	})
 	d := vm("vm1")
 	d.ImageUrl, d.ImageSha256 = srv.URL+"/img", digestOf(body)

@@ -76,8 +76,12 @@ type GuestExit struct {
 
 // Images resolves an image to a local raw base image, fetching it if needed.
 // progress is called as a download advances (total <= 0 when the size is
-// unknown); a cache hit may never call it.
-type Images func(ctx context.Context, url, sha256 string, progress func(done, total int64)) (path string, err error)
+// unknown); a cache hit may never call it. The image stays where path says
+// (the cache may not evict it) until release is called; the engine calls it
+// exactly once on every path after a successful resolve, once the root disk
+// holds the image or the create has failed. On error there is nothing to
+// release.
+type Images func(ctx context.Context, url, sha256 string, progress func(done, total int64)) (path string, release func(), err error)
 
 // SeedParams is what the cloud-init seed carries.
 type SeedParams struct {

@@ -85,13 +85,13 @@ func TestBusyVMDoesNotBlockTheReport(t *testing.T) {
 	f := setup(t)
 	arrived := make(chan struct{}, 1)
 	release := make(chan struct{})
-	f.eng.cfg.Images = func(ctx context.Context, _, sha string, _ func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(ctx context.Context, _, sha string, _ func(int64, int64)) (string, error) {
 		if sha == "wedge" {
 			arrived <- struct{}{}
 			<-release
 		}
 		return "/cache/" + sha + ".raw", nil
-	}
+	})
 	slow := vm("vm1")
 	slow.ImageSha256 = "wedge"
 	require.True(t, f.eng.Apply(snap(1, slow, vm("vm2"))))
@@ -114,13 +114,13 @@ func TestCreateConcurrencyIsCapped(t *testing.T) {
 	var inFetch atomic.Int32
 	entered := make(chan struct{}, 3)
 	release := make(chan struct{})
-	f.eng.cfg.Images = func(ctx context.Context, _, sha string, _ func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(ctx context.Context, _, sha string, _ func(int64, int64)) (string, error) {
 		inFetch.Add(1)
 		defer inFetch.Add(-1)
 		entered <- struct{}{}
 		<-release
 		return "/cache/" + sha + ".raw", nil
-	}
+	})
 	require.True(t, f.eng.Apply(snap(1, vm("vm1"), vm("vm2"), vm("vm3"))))
 	<-entered
 	<-entered
@@ -151,10 +151,10 @@ func TestCreateConcurrencyIsCapped(t *testing.T) {
 
 func TestVMTimeoutBoundsSlowOperations(t *testing.T) {
 	f := setup(t, func(c *Config) { c.VMTimeout = 50 * time.Millisecond })
-	f.eng.cfg.Images = func(ctx context.Context, _, _ string, _ func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(ctx context.Context, _, _ string, _ func(int64, int64)) (string, error) {
 		<-ctx.Done() // wedged until the watchdog fires
 		return "", ctx.Err()
-	}
+	})
 	row := f.apply(snap(1, vm("vm1")))
 	r := findVM(row, "vm1")
 	require.NotNil(t, r)
@@ -169,11 +169,11 @@ func TestVMTimeoutBoundsSlowOperations(t *testing.T) {
 func TestVMTimeoutZeroDisablesTheWatchdog(t *testing.T) {
 	f := setup(t) // VMTimeout 0
 	var sawDeadline atomic.Bool
-	f.eng.cfg.Images = func(ctx context.Context, _, _ string, _ func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(ctx context.Context, _, _ string, _ func(int64, int64)) (string, error) {
 		_, ok := ctx.Deadline()
 		sawDeadline.Store(ok)
 		return "/cache/x.raw", nil
-	}
+	})
 	rep := f.apply(snap(1, vm("vm1")))
 	assert.Equal(t, "ready", findVM(rep, "vm1").GetPhase())
 	assert.False(t, sawDeadline.Load())
@@ -186,11 +186,11 @@ func TestWatchdogExpiryRefundsCreateAttempts(t *testing.T) {
 		c.MaxCreateAttempts = 2
 	})
 	var fetches atomic.Int32
-	f.eng.cfg.Images = func(ctx context.Context, _, _ string, _ func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(ctx context.Context, _, _ string, _ func(int64, int64)) (string, error) {
 		fetches.Add(1)
 		<-ctx.Done()
 		return "", ctx.Err()
-	}
+	})
 	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 	require.Eventually(t, func() bool { return fetches.Load() >= 4 }, 5*time.Second, time.Millisecond,
 		"more timed-out attempts than the budget allows")
@@ -213,10 +213,10 @@ func TestCreateFailures(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			f := setup(t, func(cfg *Config) { cfg.ResyncInterval = 5 * time.Millisecond })
 			var fetches atomic.Int32
-			f.eng.cfg.Images = func(context.Context, string, string, func(int64, int64)) (string, error) {
+			f.eng.cfg.Images = unpinned(func(context.Context, string, string, func(int64, int64)) (string, error) {
 				fetches.Add(1)
 				return "", c.err
-			}
+			})
 			require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 			r := f.eventuallyRow("vm1", phaseIs("failed"), "the create fails terminally")
 			assert.Equal(t, c.err.Error(), r.GetLastError())
@@ -237,9 +237,9 @@ func TestCreateFailures(t *testing.T) {
 
 func TestTransientFailureSaysItWillRetry(t *testing.T) {
 	f := setup(t)
-	f.eng.cfg.Images = func(context.Context, string, string, func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(context.Context, string, string, func(int64, int64)) (string, error) {
 		return "", errors.New("connection reset")
-	}
+	})
 	r := findVM(f.apply(snap(1, vm("vm1"))), "vm1")
 	assert.Equal(t, "creating", r.GetPhase())
 	assert.Equal(t, "connection reset", r.GetLastError())
@@ -279,10 +279,10 @@ func TestPreflightRefusalHappensBeforeTheImageFetch(t *testing.T) {
 	f := setup(t)
 	f.hv.set(func(h *fakeHyper) { h.preflightErr = permErr{"needs 64 GiB of memory; host has 8"} })
 	var fetches atomic.Int32
-	f.eng.cfg.Images = func(context.Context, string, string, func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(context.Context, string, string, func(int64, int64)) (string, error) {
 		fetches.Add(1)
 		return "/cache/x.raw", nil
-	}
+	})
 	var said []string
 	out := f.eng.create(context.Background(), vm("vm1"), state.Record{}, false,
 		func(r *eitriv1.ActualVM) { said = append(said, r.GetStatusDetail()) })
@@ -556,11 +556,11 @@ func TestInvalidVMIDIsIgnored(t *testing.T) {
 func TestCloseStopsWorkersAndRefusesSnapshots(t *testing.T) {
 	f := setup(t)
 	entered := make(chan struct{})
-	f.eng.cfg.Images = func(ctx context.Context, _, _ string, _ func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(ctx context.Context, _, _ string, _ func(int64, int64)) (string, error) {
 		close(entered)
 		<-ctx.Done() // only Close ends this
 		return "", ctx.Err()
-	}
+	})
 	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 	<-entered
 	f.eng.Close() // returns: the wedged pass was cancelled and waited for

@@ -256,6 +256,18 @@ func (s *seedLog) last() SeedParams {
 	return s.params[len(s.params)-1]
 }
 
+// unpinned is an Images over resolve that pins nothing, so has nothing to
+// release.
+func unpinned(resolve func(ctx context.Context, url, sha256 string, progress func(done, total int64)) (string, error)) Images {
+	return func(ctx context.Context, url, sha256 string, progress func(done, total int64)) (string, func(), error) {
+		path, err := resolve(ctx, url, sha256, progress)
+		if err != nil {
+			return "", nil, err
+		}
+		return path, func() {}, nil
+	}
+}
+
 // setup builds an engine over a fake hypervisor and a real store in a temp
 // dir. The resync interval is long so passes run only when a test asks;
 // tests that exercise the periodic re-check shorten it.
@@ -272,9 +284,9 @@ func setupOn(t testing.TB, st *state.Store, hv *fakeHyper, opts ...func(*Config)
 	seeds := &seedLog{}
 	cfg := Config{
 		Hyper: hv,
-		Images: func(_ context.Context, _, sha string, _ func(done, total int64)) (string, error) {
+		Images: unpinned(func(_ context.Context, _, sha string, _ func(done, total int64)) (string, error) {
 			return "/cache/" + sha + ".raw", nil
-		},
+		}),
 		Seed: func(out string, p SeedParams) error {
 			seeds.mu.Lock()
 			defer seeds.mu.Unlock()

@@ -59,11 +59,11 @@ func TestCreatedStoppedVMDoesNotNarrateABoot(t *testing.T) {
 
 func TestCreateCountsOutTheDownload(t *testing.T) {
 	f := setup(t)
-	f.eng.cfg.Images = func(_ context.Context, _, sha string, progress func(done, total int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(_ context.Context, _, sha string, progress func(done, total int64)) (string, error) {
 		progress(1_288_490_188, 3_972_844_748)
 		progress(3_972_844_748, 3_972_844_748)
 		return "/cache/" + sha + ".raw", nil
-	}
+	})
 	rows, _ := narrate(t, f, context.Background(), vm("vm1"))
 	assert.Equal(t, []string{
 		"waiting for a create slot on this host",
@@ -128,11 +128,11 @@ func TestADeadPassSaysNothing(t *testing.T) {
 	f := setup(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	f.eng.cfg.Images = func(_ context.Context, _, sha string, progress func(done, total int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(_ context.Context, _, sha string, progress func(done, total int64)) (string, error) {
 		cancel() // the watchdog fires mid-fetch
 		progress(1_288_490_188, 3_972_844_748)
 		return "/cache/" + sha + ".raw", nil
-	}
+	})
 	rows, _ := narrate(t, f, ctx, vm("vm1"))
 	said := details(rows)
 	assert.Contains(t, said, "downloading image", "precondition: the live pass did narrate")
@@ -149,7 +149,7 @@ func TestStragglerAfterPassEndIsDropped(t *testing.T) {
 	var straggler func(done, total int64)
 	narrated := make(chan struct{})
 	release := make(chan struct{})
-	f.eng.cfg.Images = func(_ context.Context, _, _ string, progress func(done, total int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(_ context.Context, _, _ string, progress func(done, total int64)) (string, error) {
 		mu.Lock()
 		straggler = progress // kept past the fetch, as a shared download keeps it
 		mu.Unlock()
@@ -157,7 +157,7 @@ func TestStragglerAfterPassEndIsDropped(t *testing.T) {
 		close(narrated)
 		<-release
 		return "", errors.New("fetch gave up")
-	}
+	})
 
 	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 	<-narrated
@@ -188,11 +188,11 @@ func TestEarlierPassPublishIsDropped(t *testing.T) {
 	f := setup(t)
 	entered := make(chan struct{}, 4)
 	release := make(chan struct{})
-	f.eng.cfg.Images = func(ctx context.Context, _, _ string, _ func(done, total int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(ctx context.Context, _, _ string, _ func(done, total int64)) (string, error) {
 		entered <- struct{}{}
 		<-release
 		return "", errors.New("transient")
-	}
+	})
 
 	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 	<-entered // pass 1 is wedged in the fetch

@@ -215,18 +215,22 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 	}
 
 	say(sayDownloading)
-	base, err := e.cfg.Images(ctx, rec.Spec.ImageURL, rec.Spec.ImageSHA256, func(done, total int64) {
+	base, releaseImage, err := e.cfg.Images(ctx, rec.Spec.ImageURL, rec.Spec.ImageSHA256, func(done, total int64) {
 		measured(downloadDetail(done, total), downloadProgress(done, total))
 	})
 	if err != nil {
 		return fail(err)
 	}
-
-	// Called even when ctx has ended since the fetch: the image is pinned
-	// until a PrepareRootDisk for it returns (hostvm.Images), and on a dead
-	// ctx that is quick and leaves no disk.
+	// Released as soon as the root disk holds the image (it keeps its base
+	// alive itself) or could not be made, so the cache may evict it.
+	if ctx.Err() != nil {
+		releaseImage()
+		return fail(ctx.Err())
+	}
 	say(sayPreparingDisk)
-	if err := e.cfg.Hyper.PrepareRootDisk(ctx, rec.Spec, base); err != nil {
+	err = e.cfg.Hyper.PrepareRootDisk(ctx, rec.Spec, base)
+	releaseImage()
+	if err != nil {
 		return fail(err)
 	}
 

@@ -43,11 +43,11 @@ func total(n uint64) *uint64 { return &n }
 // the sentence is made from; every other step carries none.
 func TestCreateMeasuresTheDownloadBesideItsWords(t *testing.T) {
 	f := setup(t)
-	f.eng.cfg.Images = func(_ context.Context, _, sha string, progress func(done, total int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(_ context.Context, _, sha string, progress func(done, total int64)) (string, error) {
 		progress(1_288_490_188, 3_972_844_748)
 		progress(3_972_844_748, 3_972_844_748)
 		return "/cache/" + sha + ".raw", nil
-	}
+	})
 	rows, out := narrate(t, f, context.Background(), vm("vm1"))
 	want := map[string]*eitriv1.Progress{
 		"downloading image 1.2/3.7 GiB": {Step: "download", DoneBytes: 1_288_490_188, TotalBytes: total(3_972_844_748)},
@@ -114,7 +114,7 @@ func TestARealDownloadIsMeasuredInTheRows(t *testing.T) {
 				imagecache.WithDialPolicy(imagecache.AddressPolicy{Allow: []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")}}),
 				imagecache.WithProgressStep(64<<10))
 			t.Cleanup(cache.Close)
-			f := setup(t, func(c *Config) { c.Images = cache.Ensure })
+			f := setup(t, func(c *Config) { c.Images = unpinned(cache.Ensure) })
 			d := vm("vm1")
 			d.ImageUrl, d.ImageSha256 = srv.URL+"/img", digestOf(body)
 

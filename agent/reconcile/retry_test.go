@@ -51,10 +51,10 @@ func TestAFailedCreateAttemptWaitsOutItsBackoffAndSaysWhen(t *testing.T) {
 		c.ResyncInterval = 2 * time.Millisecond // passes keep running; only the clock lets an attempt through
 	})
 	var fetches atomic.Int32
-	f.eng.cfg.Images = func(context.Context, string, string, func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(context.Context, string, string, func(int64, int64)) (string, error) {
 		fetches.Add(1)
 		return "", errors.New("dial tcp 192.0.2.7:443: connect: connection refused")
-	}
+	})
 	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 	r := f.eventuallyRow("vm1", detailIs("attempt 1 of 5 failed: dial tcp 192.0.2.7:443: connect: connection refused; retrying in 20 s"), "the first failure says when the next try is")
 	assert.Equal(t, "creating", r.GetPhase(), "not failed while the budget lasts")
@@ -88,12 +88,12 @@ func TestABackoffEndsOnItsOwnTimer(t *testing.T) {
 		c.ResyncInterval = time.Hour
 	})
 	var fetches atomic.Int32
-	f.eng.cfg.Images = func(_ context.Context, _, sha string, _ func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(_ context.Context, _, sha string, _ func(int64, int64)) (string, error) {
 		if fetches.Add(1) == 1 {
 			return "", errors.New("503 Service Unavailable")
 		}
 		return "/cache/" + sha + ".raw", nil
-	}
+	})
 	require.True(t, f.eng.Apply(snap(1, vm("vm1"))))
 	f.eventuallyRow("vm1", phaseIs("ready"), "the second attempt runs after the backoff, unasked")
 	assert.Equal(t, int32(2), fetches.Load())
@@ -103,9 +103,9 @@ func TestABackoffEndsOnItsOwnTimer(t *testing.T) {
 // An agent restarted during a backoff does not start the next attempt early.
 func TestABackoffOutlivesAnAgentRestart(t *testing.T) {
 	f := setup(t, planned)
-	f.eng.cfg.Images = func(context.Context, string, string, func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(context.Context, string, string, func(int64, int64)) (string, error) {
 		return "", errors.New("no space left on device")
-	}
+	})
 	f.apply(snap(1, vm("vm1")))
 	require.Equal(t, 1, f.record("vm1").CreateAttempts)
 	f.eng.Close()
@@ -113,10 +113,10 @@ func TestABackoffOutlivesAnAgentRestart(t *testing.T) {
 	var fetches atomic.Int32
 	g := setupOn(t, f.st, newFakeHyper(), planned)
 	g.clock.now = f.clock.Now().Add(5 * time.Second)
-	g.eng.cfg.Images = func(context.Context, string, string, func(int64, int64)) (string, error) {
+	g.eng.cfg.Images = unpinned(func(context.Context, string, string, func(int64, int64)) (string, error) {
 		fetches.Add(1)
 		return "", errors.New("no space left on device")
-	}
+	})
 	r := findVM(g.apply(snap(1, vm("vm1"))), "vm1")
 	assert.Equal(t, "attempt 1 of 5 failed: no space left on device; retrying in 15 s", r.GetStatusDetail())
 	assert.Zero(t, fetches.Load())
@@ -127,13 +127,13 @@ func TestARetryStartsAFailedCreateOverOnce(t *testing.T) {
 	var fetches atomic.Int32
 	var broken atomic.Bool
 	broken.Store(true)
-	f.eng.cfg.Images = func(_ context.Context, _, sha string, _ func(int64, int64)) (string, error) {
+	f.eng.cfg.Images = unpinned(func(_ context.Context, _, sha string, _ func(int64, int64)) (string, error) {
 		fetches.Add(1)
 		if broken.Load() {
 			return "", permErr{"sha256 mismatch"}
 		}
 		return "/cache/" + sha + ".raw", nil
-	}
+	})
 	r := findVM(f.apply(snap(1, vm("vm1"))), "vm1")
 	require.Equal(t, "failed", r.GetPhase())
 	assert.Zero(t, r.GetRetry())

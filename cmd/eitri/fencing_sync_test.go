@@ -102,8 +102,8 @@ func TestSnapshotsStillApplyAfterTheControlPlaneClockStepsBackAcrossARestart(t *
 	hv := &guests{running: map[string]bool{}}
 	eng, err := reconcile.New(reconcile.Config{
 		Hyper: hv, St: st, ResyncInterval: 50 * time.Millisecond,
-		Images: func(context.Context, string, string, func(int64, int64)) (string, error) {
-			return "/cache/base.raw", nil
+		Images: func(context.Context, string, string, func(int64, int64)) (string, func(), error) {
+			return "/cache/base.raw", func() {}, nil
 		},
 		Seed: func(string, reconcile.SeedParams) error { return nil },
 	})
