@@ -16,6 +16,7 @@ import (
 
 	"github.com/go-chi/chi/v5"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/frontend"
@@ -23,13 +24,35 @@ import (
 	"github.com/a73x/eitri/server/auth"
 )
 
+// cpFlags are the control plane's flags, which eitri server and eitri dev
+// share: registered once, so the two cannot drift apart in name or meaning.
+type cpFlags struct {
+	listen, dataDir string
+	grace           time.Duration
+	ports           portRange
+	level           string
+}
+
+// cpDefaults is where eitri server and eitri dev differ.
+type cpDefaults struct {
+	listen, listenUsage   string
+	dataDir, dataDirUsage string
+	grace                 time.Duration
+}
+
+func (c *cpFlags) register(fs *pflag.FlagSet, d cpDefaults) {
+	fs.StringVar(&c.listen, "listen", d.listen, d.listenUsage)
+	fs.StringVar(&c.dataDir, "data-dir", d.dataDir, d.dataDirUsage)
+	fs.DurationVar(&c.grace, "delete-grace", d.grace, "how long a deleted VM stays restorable")
+	fs.Var(&c.ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
+	fs.StringVar(&c.level, "log-level", "info", "debug, info, warn or error")
+}
+
 // serverFlags are eitri server's flags.
 type serverFlags struct {
-	listen, dataDir, publicURL string
-	tlsCert, tlsKey, tlsHosts  string
-	grace                      time.Duration
-	ports                      portRange
-	level                      string
+	cpFlags
+	publicURL                 string
+	tlsCert, tlsKey, tlsHosts string
 }
 
 func newServerCmd() *cobra.Command {
@@ -41,15 +64,15 @@ func newServerCmd() *cobra.Command {
 		RunE:  func(cmd *cobra.Command, _ []string) error { return runServer(cmd.Context(), f) },
 	}
 	fs := cmd.Flags()
-	fs.StringVar(&f.listen, "listen", "0.0.0.0:7443", "address to serve the API, agents and console on")
-	fs.StringVar(&f.dataDir, "data-dir", "/var/lib/eitri", "where the database, TLS material and admin token live")
+	f.cpFlags.register(fs, cpDefaults{
+		listen: "0.0.0.0:7443", listenUsage: "address to serve the API, agents and console on",
+		dataDir: "/var/lib/eitri", dataDirUsage: "where the database, TLS material and admin token live",
+		grace: 24 * time.Hour,
+	})
 	fs.StringVar(&f.publicURL, "public-url", "", "URL agents dial (default https://<hostname>:<port>)")
 	fs.StringVar(&f.tlsCert, "tls-cert", "", "serving certificate (PEM); default: a self-made CA and certificate")
 	fs.StringVar(&f.tlsKey, "tls-key", "", "key for --tls-cert")
 	fs.StringVar(&f.tlsHosts, "tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
-	fs.DurationVar(&f.grace, "delete-grace", 24*time.Hour, "how long a deleted VM stays restorable")
-	fs.Var(&f.ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
-	fs.StringVar(&f.level, "log-level", "info", "debug, info, warn or error")
 	return cmd
 }
 
@@ -108,11 +131,9 @@ func portOf(a net.Addr) string {
 
 // devFlags are eitri dev's flags: its own and the agent's.
 type devFlags struct {
-	listen, dataDir, guestImage string
-	grace                       time.Duration
-	ports                       portRange
-	level                       string
-	agent                       agentFlags
+	cpFlags
+	guestImage string
+	agent      agentFlags
 }
 
 func newDevCmd() *cobra.Command {
@@ -124,12 +145,12 @@ func newDevCmd() *cobra.Command {
 		RunE:  func(cmd *cobra.Command, _ []string) error { return runDev(cmd.Context(), f) },
 	}
 	fs := cmd.Flags()
-	fs.StringVar(&f.listen, "listen", "127.0.0.1:8080", "loopback address (plain h2c, so curl works)")
-	fs.StringVar(&f.dataDir, "data-dir", ".data/dev", "state for the control plane and the local agent")
+	f.cpFlags.register(fs, cpDefaults{
+		listen: "127.0.0.1:8080", listenUsage: "loopback address (plain h2c, so curl works)",
+		dataDir: ".data/dev", dataDirUsage: "state for the control plane and the local agent",
+		grace: 10 * time.Minute,
+	})
 	fs.StringVar(&f.guestImage, "guest-image", "", "directory holding the built test guest (eitri-guest.qcow2/.raw), served for the quickstart")
-	fs.DurationVar(&f.grace, "delete-grace", 10*time.Minute, "how long a deleted VM stays restorable")
-	fs.Var(&f.ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
-	fs.StringVar(&f.level, "log-level", "info", "debug, info, warn or error")
 	f.agent.register(fs)
 	return cmd
 }

@@ -199,64 +199,76 @@ func TestVMCreateNotListedYet(t *testing.T) {
 	}
 }
 
-func TestVMCreateStopped(t *testing.T) {
-	e := start(t)
-	h := connectHost(t, e)
-	progress := make(chan *mcp.ProgressNotificationParams, 16)
-	cs := connect(t, e, progress)
-	args := validCreate()
-	args["power_state"] = "stopped"
-	args["wait_seconds"] = 60
-	notices, done := createInBackground(t, cs, progress, args)
+// How a waiting vm_create ends follows what its host reports once it has
+// listed the VM: each step is a report and, when set, the progress message
+// it must bring.
+func TestVMCreateEndsAsItsHostReports(t *testing.T) {
+	type step struct {
+		report *eitriv1.ActualVM
+		says   string
+	}
+	for _, c := range []struct {
+		name  string
+		power string // asked for; "" is the default, running
+		wait  int
+		steps []step
+		check func(t *testing.T, res *mcp.CallToolResult, id string)
+	}{{
+		// Created and off is what was asked for: no address will come.
+		name: "created stopped", power: "stopped", wait: 60,
+		steps: []step{
+			{&eitriv1.ActualVM{Phase: "creating", Power: "stopped", StatusDetail: "preparing root disk"}, "creating vm web-1: creating, preparing root disk"},
+			{report: &eitriv1.ActualVM{Phase: "stopped", Power: "stopped"}},
+		},
+		check: func(t *testing.T, res *mcp.CallToolResult, _ string) {
+			require.False(t, res.IsError, text(res))
+			out := structured[eitrimcp.VMCreateOut](t, res)
+			assert.Equal(t, "stopped", out.VM.Lifecycle)
+			assert.Equal(t, "stopped", out.VM.PowerState)
+			assert.Empty(t, out.Note)
+		},
+	}, {
+		name: "failed", wait: 60,
+		steps: []step{{report: &eitriv1.ActualVM{Phase: "failed", Power: "stopped", LastError: "image sha256 mismatch"}}},
+		check: func(t *testing.T, res *mcp.CallToolResult, _ string) {
+			assert.True(t, res.IsError)
+			assert.Contains(t, text(res), "failed: image sha256 mismatch")
+		},
+	}, {
+		name: "still creating at the deadline", wait: 1,
+		steps: []step{{report: &eitriv1.ActualVM{Phase: "creating", Power: "stopped", StatusDetail: "preparing root disk"}}},
+		check: func(t *testing.T, res *mcp.CallToolResult, id string) {
+			require.False(t, res.IsError, text(res))
+			out := structured[eitrimcp.VMCreateOut](t, res)
+			assert.Contains(t, out.Note, "still being created")
+			assert.Contains(t, out.Note, "not a failure")
+			assert.Equal(t, id, out.VM.ID)
+		},
+	}} {
+		t.Run(c.name, func(t *testing.T) {
+			e := start(t)
+			h := connectHost(t, e)
+			progress := make(chan *mcp.ProgressNotificationParams, 16)
+			cs := connect(t, e, progress)
+			args := validCreate()
+			args["wait_seconds"] = c.wait
+			if c.power != "" {
+				args["power_state"] = c.power
+			}
+			notices, done := createInBackground(t, cs, progress, args)
 
-	next(t, notices)
-	id := onlyVMID(t, e)
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "creating", Power: "stopped", StatusDetail: "preparing root disk"})
-	assert.Equal(t, "creating vm web-1: creating, preparing root disk", next(t, notices).msg)
-	// Created and off is what was asked for: no address will come.
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "stopped", Power: "stopped"})
-
-	res := result(t, done)
-	require.False(t, res.IsError, text(res))
-	out := structured[eitrimcp.VMCreateOut](t, res)
-	assert.Equal(t, "stopped", out.VM.Lifecycle)
-	assert.Equal(t, "stopped", out.VM.PowerState)
-	assert.Empty(t, out.Note)
-}
-
-func TestVMCreateReportsFailure(t *testing.T) {
-	e := start(t)
-	h := connectHost(t, e)
-	progress := make(chan *mcp.ProgressNotificationParams, 16)
-	cs := connect(t, e, progress)
-	notices, done := createWaiting(t, cs, progress, 60)
-
-	next(t, notices)
-	id := onlyVMID(t, e)
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "failed", Power: "stopped", LastError: "image sha256 mismatch"})
-
-	res := result(t, done)
-	assert.True(t, res.IsError)
-	assert.Contains(t, text(res), "failed: image sha256 mismatch")
-}
-
-func TestVMCreateTimeoutIsNotFailure(t *testing.T) {
-	e := start(t)
-	h := connectHost(t, e)
-	progress := make(chan *mcp.ProgressNotificationParams, 16)
-	cs := connect(t, e, progress)
-	notices, done := createWaiting(t, cs, progress, 1)
-
-	next(t, notices)
-	id := onlyVMID(t, e)
-	h.report(&eitriv1.ActualVM{VmId: id, Phase: "creating", Power: "stopped", StatusDetail: "preparing root disk"})
-
-	res := result(t, done)
-	require.False(t, res.IsError, text(res))
-	out := structured[eitrimcp.VMCreateOut](t, res)
-	assert.Contains(t, out.Note, "still being created")
-	assert.Contains(t, out.Note, "not a failure")
-	assert.Equal(t, id, out.VM.ID)
+			next(t, notices)
+			id := onlyVMID(t, e)
+			for _, s := range c.steps {
+				s.report.VmId = id
+				h.report(s.report)
+				if s.says != "" {
+					assert.Equal(t, s.says, next(t, notices).msg)
+				}
+			}
+			c.check(t, result(t, done), id)
+		})
+	}
 }
 
 // The wait is a watch stream and counts against the streams quota like
