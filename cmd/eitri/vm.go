@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -22,41 +23,16 @@ func newVMCmd(a *app) *cobra.Command {
 		newVMCreateCmd(a),
 		newVMListCmd(a),
 		newVMGetCmd(a),
-		vmAction(a, "start", "Start a stopped VM", true, func(ctx context.Context, c *client, id string) (vmReply, error) {
-			r, err := c.vm.StartVM(ctx, connect.NewRequest(&eitriv1.StartVMRequest{Id: id}))
-			if err != nil {
-				return nil, err
-			}
-			return r.Msg, nil
-		}),
-		vmAction(a, "stop", "Stop a running VM", true, func(ctx context.Context, c *client, id string) (vmReply, error) {
-			r, err := c.vm.StopVM(ctx, connect.NewRequest(&eitriv1.StopVMRequest{Id: id}))
-			if err != nil {
-				return nil, err
-			}
-			return r.Msg, nil
-		}),
-		vmAction(a, "rm", "Delete a VM (restorable for the delete grace)", false, func(ctx context.Context, c *client, id string) (vmReply, error) {
-			r, err := c.vm.DeleteVM(ctx, connect.NewRequest(&eitriv1.DeleteVMRequest{Id: id}))
-			if err != nil {
-				return nil, err
-			}
-			return r.Msg, nil
-		}, "delete"),
-		vmAction(a, "restore", "Take back a deleted VM before it is destroyed", true, func(ctx context.Context, c *client, id string) (vmReply, error) {
-			r, err := c.vm.RestoreVM(ctx, connect.NewRequest(&eitriv1.RestoreVMRequest{Id: id}))
-			if err != nil {
-				return nil, err
-			}
-			return r.Msg, nil
-		}),
-		vmAction(a, "retry", "Try a failed VM again, with a fresh budget", true, func(ctx context.Context, c *client, id string) (vmReply, error) {
-			r, err := c.vm.RetryVM(ctx, connect.NewRequest(&eitriv1.RetryVMRequest{Id: id}))
-			if err != nil {
-				return nil, err
-			}
-			return r.Msg, nil
-		}),
+		vmAction(a, "start", "Start a stopped VM", true,
+			byID(eitriv1connect.VMServiceClient.StartVM, func(id string) *eitriv1.StartVMRequest { return &eitriv1.StartVMRequest{Id: id} })),
+		vmAction(a, "stop", "Stop a running VM", true,
+			byID(eitriv1connect.VMServiceClient.StopVM, func(id string) *eitriv1.StopVMRequest { return &eitriv1.StopVMRequest{Id: id} })),
+		vmAction(a, "rm", "Delete a VM (restorable for the delete grace)", false,
+			byID(eitriv1connect.VMServiceClient.DeleteVM, func(id string) *eitriv1.DeleteVMRequest { return &eitriv1.DeleteVMRequest{Id: id} }), "delete"),
+		vmAction(a, "restore", "Take back a deleted VM before it is destroyed", true,
+			byID(eitriv1connect.VMServiceClient.RestoreVM, func(id string) *eitriv1.RestoreVMRequest { return &eitriv1.RestoreVMRequest{Id: id} })),
+		vmAction(a, "retry", "Try a failed VM again, with a fresh budget", true,
+			byID(eitriv1connect.VMServiceClient.RetryVM, func(id string) *eitriv1.RetryVMRequest { return &eitriv1.RetryVMRequest{Id: id} })),
 		newVMEventsCmd(a),
 		newVMWatchCmd(a),
 		newVMConsoleCmd(a),
@@ -188,6 +164,21 @@ func newVMGetCmd(a *app) *cobra.Command {
 			}
 			return c.show(r.Msg, func(w io.Writer) { vmDetail(w, r.Msg.Vm) })
 		}),
+	}
+}
+
+// byID makes a vmAction's call from a VMService method that takes a VM id
+// and answers with the VM.
+func byID[Req, Resp any, PResp interface {
+	*Resp
+	vmReply
+}](call func(eitriv1connect.VMServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Resp], error), req func(id string) *Req) func(context.Context, *client, string) (vmReply, error) {
+	return func(ctx context.Context, c *client, id string) (vmReply, error) {
+		r, err := call(c.vm, ctx, connect.NewRequest(req(id)))
+		if err != nil {
+			return nil, err
+		}
+		return PResp(r.Msg), nil
 	}
 }
 
