@@ -61,17 +61,6 @@ type handlers struct {
 	log *slog.Logger
 }
 
-var codes = map[fleet.Kind]connect.Code{
-	fleet.Invalid:         connect.CodeInvalidArgument,
-	fleet.NotFound:        connect.CodeNotFound,
-	fleet.Conflict:        connect.CodeAlreadyExists,
-	fleet.Denied:          connect.CodePermissionDenied,
-	fleet.Precondition:    connect.CodeFailedPrecondition,
-	fleet.Unauthenticated: connect.CodeUnauthenticated,
-	fleet.Exhausted:       connect.CodeResourceExhausted,
-	fleet.Unavailable:     connect.CodeUnavailable,
-}
-
 // toConnect maps a fleet error to its Connect code. Internal errors are
 // logged and not echoed, so no SQL text reaches a caller.
 func (h handlers) toConnect(err error) error {
@@ -85,8 +74,8 @@ func (h handlers) toConnect(err error) error {
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return connect.NewError(connect.CodeCanceled, err)
 	}
-	if code, ok := codes[fleet.KindOf(err)]; ok {
-		return connect.NewError(code, err)
+	if k := fleet.KindOf(err); k != fleet.Internal {
+		return connect.NewError(k.Code(), err)
 	}
 	h.log.Error("internal error", "err", err)
 	return connect.NewError(connect.CodeInternal, errors.New("internal error (see the control plane's log)"))

@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"connectrpc.com/connect"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/registry"
@@ -39,6 +40,30 @@ const (
 	// again later may work.
 	Unavailable
 )
+
+// codes are the Connect codes each kind of error is answered with, by the
+// API and (as the first word of a tool error) by MCP alike, so both kinds of
+// caller read the same meaning.
+var codes = map[Kind]connect.Code{
+	Internal:        connect.CodeInternal,
+	Invalid:         connect.CodeInvalidArgument,
+	NotFound:        connect.CodeNotFound,
+	Conflict:        connect.CodeAlreadyExists,
+	Denied:          connect.CodePermissionDenied,
+	Precondition:    connect.CodeFailedPrecondition,
+	Unauthenticated: connect.CodeUnauthenticated,
+	Exhausted:       connect.CodeResourceExhausted,
+	Unavailable:     connect.CodeUnavailable,
+}
+
+// Code is the Connect code for an error of this kind. An Internal error's
+// message is not for callers: they get the code alone.
+func (k Kind) Code() connect.Code {
+	if c, ok := codes[k]; ok {
+		return c
+	}
+	return connect.CodeInternal
+}
 
 // Error is a domain error with a message meant for the caller.
 type Error struct {

@@ -54,19 +54,6 @@ func authed[In, Out any](t *tools, h func(context.Context, *mcp.CallToolRequest,
 	}
 }
 
-// codes are the Connect codes the API answers each kind of fleet error
-// with; a tool error starts with the same word, so an MCP caller reads the
-// meaning a Connect caller gets.
-var codes = map[fleet.Kind]connect.Code{
-	fleet.Invalid:         connect.CodeInvalidArgument,
-	fleet.NotFound:        connect.CodeNotFound,
-	fleet.Conflict:        connect.CodeAlreadyExists,
-	fleet.Denied:          connect.CodePermissionDenied,
-	fleet.Precondition:    connect.CodeFailedPrecondition,
-	fleet.Unauthenticated: connect.CodeUnauthenticated,
-	fleet.Exhausted:       connect.CodeResourceExhausted,
-}
-
 // toolError keeps the messages meant for callers and hides the rest
 // (store and I/O errors), which go to the log instead.
 func (t *tools) toolError(req *mcp.CallToolRequest, err error) error {
@@ -77,8 +64,9 @@ func (t *tools) toolError(req *mcp.CallToolRequest, err error) error {
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return errors.New(connect.CodeCanceled.String() + ": cancelled")
 	}
-	if code, ok := codes[fleet.KindOf(err)]; ok {
-		return errors.New(code.String() + ": " + err.Error())
+	// The same code the API answers with (fleet.Kind.Code), as the first word.
+	if k := fleet.KindOf(err); k != fleet.Internal {
+		return errors.New(k.Code().String() + ": " + err.Error())
 	}
 	t.log.Error("mcp tool", "tool", req.Params.Name, "err", err)
 	return errors.New(connect.CodeInternal.String() + ": internal error (see the control plane's log)")
