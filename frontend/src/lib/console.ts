@@ -5,7 +5,7 @@
 import { Code, ConnectError } from '@connectrpc/connect';
 import type { MessageInitShape } from '@bufbuild/protobuf';
 import type { StreamConsoleRequestSchema, StreamConsoleResponse } from '@eitri/sdk/vm_pb';
-import { backoffDelay, defaultBackoff, sleep, type BackoffOptions, type LinkState } from './stream';
+import { backoffDelay, defaultBackoff, sleep, streamFailure, type BackoffOptions, type LinkState } from './stream';
 
 export type ConsoleRequest = MessageInitShape<typeof StreamConsoleRequestSchema>;
 
@@ -72,12 +72,12 @@ export async function consoleLoop(o: ConsoleLoopOptions): Promise<void> {
 			}
 		} catch (e) {
 			if (o.signal.aborted) return;
-			const ce = ConnectError.from(e);
-			if (ce.code === Code.Unauthenticated) {
-				report('signed-out', ce.rawMessage);
+			const f = streamFailure(e);
+			if (f.signedOut) {
+				report('signed-out', f.message);
 				return;
 			}
-			error = ce.rawMessage || Code[ce.code];
+			error = f.message;
 		}
 		if (o.signal.aborted) return;
 		report('reconnecting', error);

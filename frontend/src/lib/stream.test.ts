@@ -2,7 +2,7 @@ import { describe, expect, test } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { Code, ConnectError, createClient, createRouterTransport } from '@connectrpc/connect';
 import { VMSchema, VMService, type VM } from '@eitri/sdk/vm_pb';
-import { backoffDelay, watchLoop, type BackoffOptions, type LinkState } from './stream';
+import { backoffDelay, streamFailure, watchLoop, type BackoffOptions, type LinkState } from './stream';
 import { WatchStore, eventOf } from './watchstore';
 
 const vm = (id: string, lifecycle = 'ready', statusDetail = '') =>
@@ -34,6 +34,16 @@ describe('backoffDelay', () => {
 		expect(backoffDelay(0, { ...fixed, random: () => 0 })).toBe(250);
 		expect(backoffDelay(0, fixed)).toBe(375);
 		expect(backoffDelay(9, { ...fixed, random: () => 0 })).toBe(5000);
+	});
+});
+
+describe('streamFailure', () => {
+	test('unauthenticated signs out, with the server\'s words', () => {
+		expect(streamFailure(new ConnectError('session expired', Code.Unauthenticated))).toEqual({ signedOut: true, message: 'session expired' });
+	});
+	test('anything else is a reason to reconnect, named by its code when the server said nothing', () => {
+		expect(streamFailure(new ConnectError('host gone', Code.Unavailable))).toEqual({ signedOut: false, message: 'host gone' });
+		expect(streamFailure(new ConnectError('', Code.Unavailable))).toEqual({ signedOut: false, message: 'Unavailable' });
 	});
 });
 

@@ -17,6 +17,15 @@ export type BackoffOptions = {
 
 export const defaultBackoff: BackoffOptions = { baseMs: 500, maxMs: 10_000, random: Math.random };
 
+/** What a stream's failure means: signed out (stop; only signing in again
+ *  helps), or a reason to show while reconnecting. Every stream loop in the
+ *  console reads its errors here, so all of them stop on the same cause. */
+export function streamFailure(e: unknown): { signedOut: boolean; message: string } {
+	const ce = ConnectError.from(e);
+	if (ce.code === Code.Unauthenticated) return { signedOut: true, message: ce.rawMessage };
+	return { signedOut: false, message: ce.rawMessage || Code[ce.code] };
+}
+
 /** The wait before reconnect attempt `attempt` (0-based): base·2^attempt capped
  *  at max, then "equal jitter" — somewhere in its upper half — so a fleet of
  *  consoles that lost the server together does not come back in lockstep. */
@@ -77,12 +86,12 @@ export async function watchLoop<Res, T extends { id: string }>(o: WatchLoopOptio
 			error = 'the server closed the stream';
 		} catch (e) {
 			if (o.signal.aborted) return;
-			const ce = ConnectError.from(e);
-			if (ce.code === Code.Unauthenticated) {
-				report('signed-out', ce.rawMessage);
+			const f = streamFailure(e);
+			if (f.signedOut) {
+				report('signed-out', f.message);
 				return;
 			}
-			error = ce.rawMessage || Code[ce.code];
+			error = f.message;
 		}
 		if (o.signal.aborted) return;
 		o.store.unsync();
