@@ -21,6 +21,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 const sha = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
@@ -48,26 +49,7 @@ func newEnv(t *testing.T) *env {
 }
 
 func bearer(tok string) connect.ClientOption {
-	return connect.WithInterceptors(connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
-		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-			req.Header().Set("Authorization", "Bearer "+tok)
-			return next(ctx, req)
-		}
-	}), streamBearer(tok))
-}
-
-type streamBearer string
-
-func (streamBearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc { return next }
-func (s streamBearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
-	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
-		c := next(ctx, spec)
-		c.RequestHeader().Set("Authorization", "Bearer "+string(s))
-		return c
-	}
-}
-func (streamBearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return next
+	return connect.WithInterceptors(connclient.Bearer(tok))
 }
 
 func (e *env) vms(tok string) eitriv1connect.VMServiceClient {
@@ -111,7 +93,7 @@ func (e *env) connect(hostID, cred string, capacity *eitriv1.Capacity) *agent {
 func (e *env) open(hostID, cred string, hello *eitriv1.Hello) *agent {
 	e.t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	ac := eitriv1connect.NewAgentServiceClient(e.http, e.url, connect.WithInterceptors(streamBearer(cred)))
+	ac := eitriv1connect.NewAgentServiceClient(e.http, e.url, bearer(cred))
 	st := ac.Sync(ctx)
 	e.t.Cleanup(func() {
 		cancel()
@@ -383,7 +365,7 @@ func TestJoinTokensAreSingleUse(t *testing.T) {
 	assert.Equal(t, connect.CodeInvalidArgument, code(err))
 
 	// A user token does not open the agent stream.
-	st := eitriv1connect.NewAgentServiceClient(e.http, e.url, connect.WithInterceptors(streamBearer(e.admin))).Sync(ctx)
+	st := eitriv1connect.NewAgentServiceClient(e.http, e.url, bearer(e.admin)).Sync(ctx)
 	_ = st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: &eitriv1.Hello{}}})
 	_, err = st.Receive()
 	assert.Equal(t, connect.CodeUnauthenticated, code(err))

@@ -99,7 +99,7 @@ func TestADeadHostCanBeDecommissionedByForceAndItsVMsStayAsLostRows(t *testing.T
 	assert.Equal(t, "lost", events.Msg.Events[len(events.Msg.Events)-1].GetKind())
 
 	// Its credential is dead too, should the machine ever come back.
-	back := eitriv1connect.NewAgentServiceClient(e.http, e.url, connect.WithInterceptors(streamBearer(cred))).Sync(ctx)
+	back := eitriv1connect.NewAgentServiceClient(e.http, e.url, bearer(cred)).Sync(ctx)
 	_ = back.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: &eitriv1.Hello{AgentVersion: "test"}}})
 	_, err = back.Receive()
 	assert.Equal(t, connect.CodeUnauthenticated, code(err), "%v", err)

@@ -164,7 +164,7 @@ func exampleHost(ctx context.Context, baseURL string, hc *http.Client, admin str
 	if err != nil {
 		return nil, err
 	}
-	sync := eitriv1connect.NewAgentServiceClient(hc, baseURL, connect.WithInterceptors(streamBearer(en.Msg.GetHostCredential()))).Sync(ctx)
+	sync := eitriv1connect.NewAgentServiceClient(hc, baseURL, bearer(en.Msg.GetHostCredential())).Sync(ctx)
 	hangUp = func() { _ = sync.CloseRequest() }
 	hello := &eitriv1.Hello{HostId: en.Msg.GetHostId(), AgentVersion: "example", Accelerator: "tcg"}
 	if err := sync.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: hello}}); err != nil {
