@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,32 +16,17 @@ import (
 )
 
 // failingHost fails every create until a retry reaches it, then narrates
-// the create again; it reports whatever it last applied.
-type failingHost struct {
-	mu  sync.Mutex
-	vms []*eitriv1.VMDesired
-}
-
-func (h *failingHost) Apply(s *eitriv1.DesiredStateSnapshot) bool {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.vms = s.GetVms()
-	return true
-}
-
-func (h *failingHost) Fill(rep *eitriv1.ActualStateReport) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	rep.Capacity = &eitriv1.Capacity{Vcpus: 4, MemMb: 8192, DiskGb: 100}
-	for _, d := range h.vms {
+// the create again.
+func failingHost() *scriptedHost {
+	return &scriptedHost{row: func(d *eitriv1.VMDesired) *eitriv1.ActualVM {
 		row := &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "stopped", Phase: "failed", LastError: "no space left on device", Retry: d.GetRetry()}
 		if d.GetRetry() > 0 {
 			row.Phase, row.LastError, row.StatusDetail = "creating", "", "downloading image"
 			row.UnexpectedExits = 1
 			row.LastExit = &eitriv1.GuestExit{Reason: "qemu exited (signal 9)", SerialTail: "Run /init as init process\nudhcpc: started"}
 		}
-		rep.Vms = append(rep.Vms, row)
-	}
+		return row
+	}}
 }
 
 func TestAFailedVMIsRetriedByNameFromTheCLI(t *testing.T) {
@@ -52,7 +36,7 @@ func TestAFailedVMIsRetriedByNameFromTheCLI(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() {
-		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: &failingHost{}, ReportEvery: 20 * time.Millisecond,
+		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: failingHost(), ReportEvery: 20 * time.Millisecond,
 			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test"} }})
 	}()
 	require.Eventually(t, func() bool {
