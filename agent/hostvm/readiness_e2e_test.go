@@ -3,53 +3,22 @@ package hostvm
 import (
 	"context"
 	"io"
-	"net"
 	"net/http"
 	"net/netip"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/seed"
 	"github.com/a73x/eitri/agent/state"
-	"github.com/miekg/dns"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
-
-// serveName runs a DNS server on the namespace's loopback that knows one
-// name, standing in for the host's resolver (loopback, like
-// systemd-resolved's, which no guest could reach itself).
-func serveName(t *testing.T, name string, addr netip.Addr) netip.AddrPort {
-	t.Helper()
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	require.NoError(t, err)
-	port := pc.LocalAddr().(*net.UDPAddr).Port
-	ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-	require.NoError(t, err)
-	h := dns.HandlerFunc(func(w dns.ResponseWriter, r *dns.Msg) {
-		m := new(dns.Msg)
-		m.SetReply(r)
-		q := r.Question[0]
-		switch {
-		case !strings.EqualFold(q.Name, dns.Fqdn(name)):
-			m.SetRcode(r, dns.RcodeNameError)
-		case q.Qtype == dns.TypeA:
-			m.Answer = append(m.Answer, &dns.A{Hdr: dns.RR_Header{Name: q.Name, Rrtype: dns.TypeA, Class: dns.ClassINET, Ttl: 60}, A: addr.AsSlice()})
-		}
-		_ = w.WriteMsg(m)
-	})
-	for _, s := range []*dns.Server{{PacketConn: pc, Handler: h}, {Listener: ln, Handler: h}} {
-		go func() { _ = s.ActivateAndServe() }()
-		t.Cleanup(func() { _ = s.Shutdown() })
-	}
-	return netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
-}
 
 // TestAGuestWithoutCloudInitResolvesAndIsReadyBySSH boots the test guest
 // with a seed that asks for no phone home, as an image without cloud-init
@@ -69,7 +38,7 @@ func TestAGuestWithoutCloudInitResolvesAndIsReadyBySSH(t *testing.T) {
 		network, err := netsetup.Setup(ctx, netsetup.Config{
 			Bridge: testBridge, Prefix: netip.MustParsePrefix("10.78.4.1/24"), Teardown: true,
 			LeaseFile: filepath.Join(dir, "leases.json"), Log: log,
-			DNSUpstreams: []netip.AddrPort{serveName(t, "probe.eitri.test", want)},
+			DNSUpstreams: []netip.AddrPort{netnstest.ServeName(t, "probe.eitri.test", want)},
 		})
 		require.NoError(t, err)
 		t.Cleanup(func() { network.Close() })

@@ -10,12 +10,12 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/miekg/dns"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -58,33 +58,6 @@ func TestForwarderReadsTheHostsResolvers(t *testing.T) {
 
 	fixed := newDNSForwarder(netip.MustParseAddrPort("10.77.0.1:53"), []netip.AddrPort{netip.MustParseAddrPort("192.0.2.9:5353")}, path, nil, slog.New(slog.DiscardHandler))
 	assert.Equal(t, []netip.AddrPort{netip.MustParseAddrPort("192.0.2.9:5353")}, fixed.upstreams(), "configured upstreams win")
-}
-
-// serveZone runs an authoritative DNS server on loopback (UDP and TCP, one
-// port) that knows name and nothing else, standing in for the host's
-// resolver.
-func serveZone(t *testing.T, name string, addr netip.Addr) netip.AddrPort {
-	t.Helper()
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	require.NoError(t, err)
-	port := pc.LocalAddr().(*net.UDPAddr).Port
-	ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-	require.NoError(t, err)
-	h := dns.HandlerFunc(func(w dns.ResponseWriter, r *dns.Msg) {
-		m := new(dns.Msg)
-		m.SetReply(r)
-		if len(r.Question) == 1 && strings.EqualFold(r.Question[0].Name, dns.Fqdn(name)) && r.Question[0].Qtype == dns.TypeA {
-			m.Answer = append(m.Answer, &dns.A{Hdr: dns.RR_Header{Name: dns.Fqdn(name), Rrtype: dns.TypeA, Class: dns.ClassINET, Ttl: 60}, A: addr.AsSlice()})
-		} else {
-			m.SetRcode(r, dns.RcodeNameError)
-		}
-		_ = w.WriteMsg(m)
-	})
-	for _, s := range []*dns.Server{{PacketConn: pc, Handler: h}, {Listener: ln, Handler: h}} {
-		go func() { _ = s.ActivateAndServe() }()
-		t.Cleanup(func() { _ = s.Shutdown() })
-	}
-	return netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
 }
 
 // guestNS moves the guest end of a veth into a namespace of its own with
@@ -130,7 +103,7 @@ func TestGuestsResolveAndPhoneHomeOnTheBridge(t *testing.T) {
 		ctx := context.Background()
 		linkUp(t, "lo")
 		want := netip.MustParseAddr("192.0.2.7")
-		upstream := serveZone(t, "probe.eitri.test", want)
+		upstream := netnstest.ServeName(t, "probe.eitri.test", want)
 		leaseFile := filepath.Join(t.TempDir(), "leases.json")
 		cfg := Config{LeaseFile: leaseFile, DNSUpstreams: []netip.AddrPort{upstream}, Log: hosttest.Logger(t)}
 		n, err := Setup(ctx, cfg)
