@@ -3,8 +3,6 @@ package hostvm
 import (
 	"net/netip"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -44,12 +42,7 @@ func (l *accelLog) all() []qemu.Accel {
 // must never spend it.
 func wrappedQEMU(t *testing.T, body string, log *accelLog) hostOption {
 	t.Helper()
-	real, err := exec.LookPath("qemu-system-x86_64")
-	require.NoError(t, err)
-	bin := filepath.Join(t.TempDir(), "qemu-system-x86_64")
-	script := "#!/bin/sh\nkvm= vm=\nfor a in \"$@\"; do\n\tcase \"$a\" in\n\t*accel=kvm*) kvm=1 ;;\n\t-daemonize) vm=1 ;;\n\tesac\ndone\n" +
-		body + "\nexec " + real + " \"$@\"\n"
-	require.NoError(t, os.WriteFile(bin, []byte(script), 0o755))
+	bin, _ := qemutest.Wrap(t, body)
 	return func(q *qemu.Config, e *reconcile.Config) {
 		q.Binary = bin
 		q.OnAccelChange = log.record
@@ -75,22 +68,6 @@ func attemptsOf(t *testing.T, h *host, id string) int {
 	return rec.CreateAttempts
 }
 
-// probesPassUnderKVM makes accelerator probes "pass" under KVM on any
-// machine: the wrapper runs them under TCG instead. VM starts are left
-// alone.
-const probesPassUnderKVM = `
-if [ -n "$kvm" ] && [ -z "$vm" ]; then
-	n=$#
-	for a in "$@"; do
-		case "$a" in
-		q35,accel=kvm) a=q35,accel=tcg ;;
-		host|qemu64) a=max ;;
-		esac
-		set -- "$@" "$a"
-	done
-	shift $n
-fi`
-
 // TestVMStartUnderBrokenKVMRunsUnderTCG: the probe passes under KVM but
 // every VM QEMU under KVM aborts on the MSR assertion (a nested EPYC host).
 // The VM still reaches ready, under TCG, on a budget of one attempt.
@@ -108,7 +85,7 @@ if [ -n "$kvm" ] && [ -n "$vm" ]; then
 	echo "qemu-system-x86_64: ../target/i386/kvm/kvm.c:3208: kvm_buf_set_msrs: Assertion 'ret == cpu->kvm_msr_buf->nmsrs' failed." >&2
 	exit 134
 fi
-`+probesPassUnderKVM, &changes))
+`+qemutest.ProbesPassUnderKVM, &changes))
 		t.Cleanup(func() { h.stop(t) })
 		require.True(t, h.eng.Apply(snapshot(1, desiredVM(id, name, url, sha, "running"))))
 		row := waitRow(t, h, id, readyWithin, "ready", isReady)
@@ -157,7 +134,7 @@ func TestGuestStoppedByKVMIsRetriedUnderTheNextAccelerator(t *testing.T) {
 		h := startHost(t, dir, netip.MustParsePrefix("10.78.5.1/24"), true, wrappedQEMU(t, `
 if [ -n "$kvm" ] && [ -n "$vm" ]; then
 	set -- "$@" -drive if=none,id=mmio,format=raw,readonly=on,file=`+qemutest.MMIODisk(t)+` -device virtio-blk-pci,drive=mmio,bootindex=0
-fi`+probesPassUnderKVM, &changes))
+fi`+qemutest.ProbesPassUnderKVM, &changes))
 		t.Cleanup(func() { h.stop(t) })
 
 		require.True(t, h.eng.Apply(snapshot(1, desiredVM(id, name, url, sha, "running"))))

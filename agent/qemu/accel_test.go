@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -153,53 +152,12 @@ func probeBackend(t *testing.T, mode AccelMode, bin string) (*Backend, *accelRec
 	return b, rec
 }
 
-// wrapQEMU writes a shell script that stands in for qemu-system-x86_64:
-// body runs first with $kvm set when the arguments ask for KVM and $vm set
-// when they start a VM (-daemonize) rather than a probe; then the real
-// QEMU runs with the arguments. Every invocation is logged to calls.
-func wrapQEMU(t *testing.T, body string) (bin, calls string) {
-	t.Helper()
-	real, err := exec.LookPath(defaultBinary)
-	require.NoError(t, err)
-	dir := t.TempDir()
-	bin, calls = filepath.Join(dir, "qemu-system-x86_64"), filepath.Join(dir, "calls")
-	script := `#!/bin/sh
-kvm= vm=
-for a in "$@"; do
-	case "$a" in
-	*accel=kvm*) kvm=1 ;;
-	-daemonize) vm=1 ;;
-	esac
-done
-echo "$*" >>` + calls + `
-` + body + `
-exec ` + real + ` "$@"
-`
-	require.NoError(t, os.WriteFile(bin, []byte(script), 0o755))
-	return bin, calls
-}
-
 // kvmAborts makes every KVM run die the way a nested EPYC host's does.
 const kvmAborts = `if [ -n "$kvm" ]; then
 	cat >&2 <<'EOF'
 ` + msrAbort + `
 EOF
 	exit 134
-fi`
-
-// probesPassUnderKVM makes accelerator probes "pass" under KVM on any
-// machine: the stand-in runs them under TCG instead. VM starts are left
-// alone.
-const probesPassUnderKVM = `if [ -n "$kvm" ] && [ -z "$vm" ]; then
-	n=$#
-	for a in "$@"; do
-		case "$a" in
-		q35,accel=kvm) a=q35,accel=tcg ;;
-		host|qemu64) a=max ;;
-		esac
-		set -- "$@" "$a"
-	done
-	shift $n
 fi`
 
 // assertNoQEMUUnder fails if any live process still names dir on its
@@ -281,7 +239,7 @@ func TestProbeCandidatesOnThisMachine(t *testing.T) {
 
 func TestProbeFallsBackToTCGWhenKVMAborts(t *testing.T) {
 	hosttest.NeedQEMU(t)
-	bin, calls := wrapQEMU(t, kvmAborts)
+	bin, calls := qemutest.Wrap(t, kvmAborts)
 	b, rec := probeBackend(t, AccelAuto, bin)
 
 	a, err := b.Probe(context.Background())
@@ -304,7 +262,7 @@ func TestProbeTimesOutASilentKVMGuest(t *testing.T) {
 	hosttest.NeedQEMU(t)
 	// A KVM guest that never prints: QEMU (here a stand-in) just sits there.
 	pids := filepath.Join(t.TempDir(), "pids")
-	bin, _ := wrapQEMU(t, `if [ -n "$kvm" ]; then echo $$ >>`+pids+`; exec sleep 600; fi`)
+	bin, _ := qemutest.Wrap(t, `if [ -n "$kvm" ]; then echo $$ >>`+pids+`; exec sleep 600; fi`)
 	b, _ := probeBackend(t, AccelAuto, bin)
 	b.kvmProbeTimeout = 2 * time.Second
 
@@ -323,7 +281,7 @@ func TestProbeTimesOutASilentKVMGuest(t *testing.T) {
 
 func TestProbeKVMModeFailsWhenKVMIsBroken(t *testing.T) {
 	hosttest.NeedQEMU(t)
-	bin, calls := wrapQEMU(t, kvmAborts)
+	bin, calls := qemutest.Wrap(t, kvmAborts)
 	b, rec := probeBackend(t, AccelKVM, bin)
 
 	a, err := b.Probe(context.Background())
@@ -347,7 +305,7 @@ func TestProbeKVMModeFailsWhenKVMIsBroken(t *testing.T) {
 
 func TestProbeTCGModeNeverTriesKVM(t *testing.T) {
 	hosttest.NeedQEMU(t)
-	bin, calls := wrapQEMU(t, kvmAborts)
+	bin, calls := qemutest.Wrap(t, kvmAborts)
 	b, _ := probeBackend(t, AccelTCG, bin)
 	a, err := b.Probe(context.Background())
 	require.NoError(t, err)
@@ -359,7 +317,7 @@ func TestProbeTCGModeNeverTriesKVM(t *testing.T) {
 
 func TestProbeWithoutKVMDevice(t *testing.T) {
 	hosttest.NeedQEMU(t)
-	bin, calls := wrapQEMU(t, "")
+	bin, calls := qemutest.Wrap(t, "")
 	b, _ := probeBackend(t, AccelAuto, bin)
 	b.kvmDevice = filepath.Join(t.TempDir(), "kvm") // missing
 	a, err := b.Probe(context.Background())
@@ -372,7 +330,7 @@ func TestProbeWithoutKVMDevice(t *testing.T) {
 
 func TestProbeCutShortRecordsNothing(t *testing.T) {
 	hosttest.NeedQEMU(t)
-	bin, _ := wrapQEMU(t, `[ -n "$kvm" ] && exec sleep 600`)
+	bin, _ := qemutest.Wrap(t, `[ -n "$kvm" ] && exec sleep 600`)
 	b, rec := probeBackend(t, AccelAuto, bin)
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
@@ -389,13 +347,13 @@ func TestProbeCutShortRecordsNothing(t *testing.T) {
 // failing, moves through -cpu qemu64 to TCG, and the VM runs.
 func TestStartUnderBrokenKVMMovesDownAndRunsUnderTCG(t *testing.T) {
 	hosttest.NeedQEMU(t)
-	bin, _ := wrapQEMU(t, `if [ -n "$kvm" ] && [ -n "$vm" ]; then
+	bin, _ := qemutest.Wrap(t, `if [ -n "$kvm" ] && [ -n "$vm" ]; then
 	cat >&2 <<'EOF'
 `+msrAbort+`
 EOF
 	exit 134
 fi
-`+probesPassUnderKVM)
+`+qemutest.ProbesPassUnderKVM)
 	b, rec := probeBackend(t, AccelAuto, bin)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -437,7 +395,7 @@ func TestGuestStoppedByKVMMovesTheHostDown(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	bin, _ := wrapQEMU(t, probesPassUnderKVM)
+	bin, _ := qemutest.Wrap(t, qemutest.ProbesPassUnderKVM)
 	b, rec := probeBackend(t, AccelAuto, bin)
 	b.kvmDevice = kvmDevice
 	id := "vm-mmio"
