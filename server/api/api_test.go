@@ -393,16 +393,24 @@ func TestASecondStreamReplacesTheFirst(t *testing.T) {
 func (e *env) postJSON(procedure string, body any) (int, map[string]any) {
 	e.t.Helper()
 	b, _ := json.Marshal(body)
-	req, _ := http.NewRequest(http.MethodPost, e.url+procedure, bytes.NewReader(b))
+	var out map[string]any
+	status := e.post(procedure, b, &out)
+	return status, out
+}
+
+// post sends body as typed, as the admin, and decodes the JSON answer into
+// out; it returns the HTTP status.
+func (e *env) post(procedure string, body []byte, out any) int {
+	e.t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, e.url+procedure, bytes.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Authorization", "Bearer "+e.admin)
 	resp, err := e.http.Do(req)
 	require.NoError(e.t, err)
 	defer resp.Body.Close()
 	raw, _ := io.ReadAll(resp.Body)
-	var out map[string]any
-	require.NoError(e.t, json.Unmarshal(raw, &out), string(raw))
-	return resp.StatusCode, out
+	require.NoError(e.t, json.Unmarshal(raw, out), string(raw))
+	return resp.StatusCode
 }
 
 func TestJSONShowsEveryFieldAndNullForWhatNobodyReported(t *testing.T) {

@@ -1,9 +1,6 @@
 package api_test
 
 import (
-	"bytes"
-	"encoding/json"
-	"io"
 	"net/http"
 	"testing"
 
@@ -14,16 +11,9 @@ import (
 // postRaw is curl with a body as typed, which may not be valid JSON.
 func (e *env) postRaw(procedure, body string) (int, map[string]string) {
 	e.t.Helper()
-	req, _ := http.NewRequest(http.MethodPost, e.url+procedure, bytes.NewReader([]byte(body)))
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Authorization", "Bearer "+e.admin)
-	resp, err := e.http.Do(req)
-	require.NoError(e.t, err)
-	defer resp.Body.Close()
-	raw, _ := io.ReadAll(resp.Body)
 	var out map[string]string
-	require.NoError(e.t, json.Unmarshal(raw, &out), string(raw))
-	return resp.StatusCode, out
+	status := e.post(procedure, []byte(body), &out)
+	return status, out
 }
 
 // A request JSON cannot decode is refused naming the field as the API
