@@ -45,6 +45,8 @@ type Config struct {
 	DeleteGrace time.Duration
 	// RestoreMargin and DestroySweep: see fleet.Config.
 	RestoreMargin, DestroySweep time.Duration
+	// MaxTunnelsPerUser: see fleet.Config.
+	MaxTunnelsPerUser int
 	// Now is the control plane's clock (tests step it); nil is time.Now.
 	Now func() time.Time
 	// PortMin/PortMax bound the host ports allocated to exposures that do
@@ -105,6 +107,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		PublicURL: cfg.PublicURL, CertFingerprint: s.Fingerprint,
 		DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
 		RestoreMargin: cfg.RestoreMargin, DestroySweep: cfg.DestroySweep, Now: cfg.Now,
+		MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,
 	}, st)
 	if s.AdminToken, err = s.Fleet.Bootstrap(ctx, cfg.DataDir); err != nil {
 		st.Close()
@@ -151,6 +154,10 @@ func (s *Server) route(r *http.Request) httpguard.Rule {
 	case strings.HasPrefix(p, "/"+eitriv1connect.AgentServiceName+"/"):
 		// Sync lasts as long as the host is up; Connect bounds each report.
 		return httpguard.Rule{Check: s.checkHost, Stream: true, RPC: true}
+	case p == eitriv1connect.VMServiceOpenTunnelProcedure:
+		// A tunnel's body lasts as long as its connection; Connect bounds
+		// each message.
+		return httpguard.Rule{Check: s.checkUser, Stream: true, RPC: true}
 	case strings.HasPrefix(p, rpcPrefix):
 		// One request message, also for the Watch streams.
 		return httpguard.Rule{Check: s.checkUser, MaxBody: api.MaxUserMessage + api.EnvelopeSlack, RPC: true}

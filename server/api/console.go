@@ -104,3 +104,37 @@ func (s agentService) Console(ctx context.Context, st *connect.BidiStream[eitriv
 		return shutdownErr(ctx)
 	}
 }
+
+// OpenTunnel relays one TCP connection to a guest port through the VM's
+// host.
+func (s vmService) OpenTunnel(ctx context.Context, st *connect.BidiStream[eitriv1.OpenTunnelRequest, eitriv1.OpenTunnelResponse]) error {
+	err := s.f.OpenTunnel(ctx, st.Receive, st.Send)
+	if err == nil {
+		return shutdownErr(ctx)
+	}
+	return s.toConnect(err)
+}
+
+// Tunnel carries the agent's side of one tunnel call, and ends when the
+// tunnel does.
+func (s agentService) Tunnel(ctx context.Context, st *connect.BidiStream[eitriv1.TunnelRequest, eitriv1.TunnelResponse]) error {
+	hostID, err := s.hostOf(ctx, st.RequestHeader())
+	if err != nil {
+		return err
+	}
+	first, err := st.Receive()
+	if err != nil {
+		return err
+	}
+	if first.GetCallId() == "" {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("call_id: the first message on a Tunnel stream names its call"))
+	}
+	a, err := s.f.AnswerTunnel(hostID, first.GetCallId())
+	if err != nil {
+		return s.toConnect(err)
+	}
+	if err := a.Relay(ctx, st.Receive, st.Send); err != nil && ctx.Err() == nil {
+		return s.toConnect(err)
+	}
+	return shutdownErr(ctx)
+}

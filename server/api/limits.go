@@ -9,6 +9,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/server/fleet"
 )
 
 // Bounds on one message, after decompression. Connect refuses a larger one
@@ -29,6 +30,9 @@ const (
 	// records is well under 2 MiB; 8 MiB is headroom for the biggest hosts,
 	// and only a host credential can send one.
 	MaxReportMessage = 8 << 20
+	// MaxTunnelMessage: one tunnel frame, either stream's, carries at most
+	// fleet.MaxTunnelChunk bytes and a few fields.
+	MaxTunnelMessage = fleet.MaxTunnelChunk + 1<<10
 )
 
 // EnvelopeSlack is what the wire adds around one message in a request body:
@@ -41,6 +45,8 @@ func MessageLimit(procedure string) int64 {
 	switch {
 	case procedure == eitriv1connect.AgentServiceEnrollProcedure:
 		return MaxEnrollMessage
+	case procedure == eitriv1connect.AgentServiceTunnelProcedure, procedure == eitriv1connect.VMServiceOpenTunnelProcedure:
+		return MaxTunnelMessage
 	case strings.HasPrefix(procedure, "/"+eitriv1connect.AgentServiceName+"/"):
 		return MaxReportMessage
 	case IsReflection(procedure):

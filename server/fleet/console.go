@@ -118,14 +118,17 @@ type pendingCall struct {
 	frames   chan frame    // the agent's frames, in order, then its hangup
 	gone     chan struct{} // closed when the requester leaves
 	once     sync.Once
+	// tunnel is set for a tunnel call, which the agent answers on a Tunnel
+	// stream (tunnel.go) rather than a Console stream.
+	tunnel *tunnelPipes
 }
 
 // call sends a call to the VM's host and waits for the agent to answer it.
 // The caller reads the answer's frames and must call end.
-func (f *Fleet) call(ctx context.Context, hostID string, c *eitriv1.CallsResponse) (*pendingCall, func(), error) {
+func (f *Fleet) call(ctx context.Context, hostID string, c *eitriv1.CallsResponse, tunnel *tunnelPipes) (*pendingCall, func(), error) {
 	h := &f.consoles
 	c.Id = newID("call")
-	pc := &pendingCall{hostID: hostID, attached: make(chan struct{}), frames: make(chan frame, 4), gone: make(chan struct{})}
+	pc := &pendingCall{hostID: hostID, attached: make(chan struct{}), frames: make(chan frame, 4), gone: make(chan struct{}), tunnel: tunnel}
 	h.mu.Lock()
 	line := h.lines[hostID]
 	if line == nil {
@@ -193,9 +196,19 @@ func (f *Fleet) AnswerConsole(hostID, callID string) (*ConsoleAnswer, error) {
 	h := &f.consoles
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	pc, err := h.attach(hostID, callID, false)
+	if err != nil {
+		return nil, err
+	}
+	return &ConsoleAnswer{pc: pc}, nil
+}
+
+// attach marks the call hostID was sent as answered, on a Tunnel stream
+// (tunnel) or a Console stream. The caller holds h.mu.
+func (h *consoleHub) attach(hostID, callID string, tunnel bool) (*pendingCall, error) {
 	pc := h.pending[callID]
-	if pc == nil || pc.hostID != hostID {
-		return nil, errorf(NotFound, "no such call (it ended, or was never made)")
+	if pc == nil || pc.hostID != hostID || (pc.tunnel != nil) != tunnel {
+		return nil, errorf(NotFound, "no such call (it ended, was never made, or is answered on another stream)")
 	}
 	select {
 	case <-pc.attached:
@@ -203,7 +216,7 @@ func (f *Fleet) AnswerConsole(hostID, callID string) (*ConsoleAnswer, error) {
 	default:
 	}
 	close(pc.attached)
-	return &ConsoleAnswer{pc: pc}, nil
+	return pc, nil
 }
 
 // frame is one message of an agent's answer, or (m nil) its end.
@@ -283,7 +296,7 @@ func (f *Fleet) StreamConsole(ctx context.Context, r *eitriv1.StreamConsoleReque
 	}
 	pc, end, err := f.call(ctx, hostID, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_ConsoleOutput{ConsoleOutput: &eitriv1.ConsoleOutputCall{
 		VmId: r.GetVmId(), Boot: r.GetBoot(), Offset: r.GetOffset(), TailBytes: r.GetTailBytes(), NoFollow: r.GetNoFollow(),
-	}}})
+	}}}, nil)
 	if err != nil {
 		return err
 	}
@@ -330,7 +343,7 @@ func (f *Fleet) SendConsoleInput(ctx context.Context, r *eitriv1.SendConsoleInpu
 	defer cancel()
 	pc, end, err := f.call(ctx, hostID, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_ConsoleInput{ConsoleInput: &eitriv1.ConsoleInputCall{
 		VmId: r.GetVmId(), Data: r.GetData(),
-	}}})
+	}}}, nil)
 	if err != nil {
 		return err
 	}

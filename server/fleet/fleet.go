@@ -109,8 +109,11 @@ type Config struct {
 	DestroySweep time.Duration
 	// PortRange is where unset host ports are allocated from.
 	PortMin, PortMax uint16
-	Log              *slog.Logger
-	Now              func() time.Time
+	// MaxTunnelsPerUser caps each user's open tunnels (default
+	// DefaultMaxTunnelsPerUser).
+	MaxTunnelsPerUser int
+	Log               *slog.Logger
+	Now               func() time.Time
 }
 
 // Fleet is safe for concurrent use.
@@ -137,7 +140,8 @@ type Fleet struct {
 
 	published published // the rows watchers last heard, for narration
 
-	consoles consoleHub // console calls relayed by hosts (console.go)
+	consoles consoleHub  // console calls relayed by hosts (console.go)
+	tunnels  tunnelCount // open tunnels by user (tunnel.go)
 }
 
 // New returns a fleet over st.
@@ -147,6 +151,9 @@ func New(cfg Config, st *store.Store) *Fleet {
 	}
 	if cfg.RestoreMargin == 0 {
 		cfg.RestoreMargin = min(time.Minute, cfg.DeleteGrace/10)
+	}
+	if cfg.MaxTunnelsPerUser == 0 {
+		cfg.MaxTunnelsPerUser = DefaultMaxTunnelsPerUser
 	}
 	if cfg.DestroySweep == 0 {
 		cfg.DestroySweep = 15 * time.Second

@@ -1629,6 +1629,7 @@ type CallsResponse struct {
 	//
 	//	*CallsResponse_ConsoleOutput
 	//	*CallsResponse_ConsoleInput
+	//	*CallsResponse_Tunnel
 	Call          isCallsResponse_Call `protobuf_oneof:"call"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1696,6 +1697,15 @@ func (x *CallsResponse) GetConsoleInput() *ConsoleInputCall {
 	return nil
 }
 
+func (x *CallsResponse) GetTunnel() *TunnelCall {
+	if x != nil {
+		if x, ok := x.Call.(*CallsResponse_Tunnel); ok {
+			return x.Tunnel
+		}
+	}
+	return nil
+}
+
 type isCallsResponse_Call interface {
 	isCallsResponse_Call()
 }
@@ -1708,9 +1718,15 @@ type CallsResponse_ConsoleInput struct {
 	ConsoleInput *ConsoleInputCall `protobuf:"bytes,3,opt,name=console_input,json=consoleInput,proto3,oneof"`
 }
 
+type CallsResponse_Tunnel struct {
+	Tunnel *TunnelCall `protobuf:"bytes,4,opt,name=tunnel,proto3,oneof"`
+}
+
 func (*CallsResponse_ConsoleOutput) isCallsResponse_Call() {}
 
 func (*CallsResponse_ConsoleInput) isCallsResponse_Call() {}
+
+func (*CallsResponse_Tunnel) isCallsResponse_Call() {}
 
 // ConsoleOutputCall asks for a VM's serial output, as
 // StreamConsoleRequest.
@@ -1844,6 +1860,61 @@ func (x *ConsoleInputCall) GetData() []byte {
 	return nil
 }
 
+// TunnelCall asks the agent to connect to a port of a VM's guest, as
+// OpenTunnelRequest, and answer on a Tunnel stream.
+type TunnelCall struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	// 1-65535.
+	Port          uint32 `protobuf:"varint,2,opt,name=port,proto3" json:"port,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TunnelCall) Reset() {
+	*x = TunnelCall{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TunnelCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TunnelCall) ProtoMessage() {}
+
+func (x *TunnelCall) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TunnelCall.ProtoReflect.Descriptor instead.
+func (*TunnelCall) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *TunnelCall) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *TunnelCall) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
 // ConsoleRequest is one frame from the agent on a Console stream.
 type ConsoleRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1868,7 +1939,7 @@ type ConsoleRequest struct {
 
 func (x *ConsoleRequest) Reset() {
 	*x = ConsoleRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1880,7 +1951,7 @@ func (x *ConsoleRequest) String() string {
 func (*ConsoleRequest) ProtoMessage() {}
 
 func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1893,7 +1964,7 @@ func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleRequest.ProtoReflect.Descriptor instead.
 func (*ConsoleRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ConsoleRequest) GetCallId() string {
@@ -1962,7 +2033,7 @@ type ConsoleResponse struct {
 
 func (x *ConsoleResponse) Reset() {
 	*x = ConsoleResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	mi := &file_eitri_v1_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1974,7 +2045,7 @@ func (x *ConsoleResponse) String() string {
 func (*ConsoleResponse) ProtoMessage() {}
 
 func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	mi := &file_eitri_v1_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1987,7 +2058,155 @@ func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleResponse.ProtoReflect.Descriptor instead.
 func (*ConsoleResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{22}
+}
+
+// TunnelRequest is one frame from the agent on a Tunnel stream.
+type TunnelRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Set on the first frame only: the call this stream answers.
+	CallId string `protobuf:"bytes,1,opt,name=call_id,json=callId,proto3" json:"call_id,omitempty"`
+	// The guest accepted the connection (sent once, before any data).
+	Connected bool `protobuf:"varint,2,opt,name=connected,proto3" json:"connected,omitempty"`
+	// Bytes from the guest, at most 32 KiB a frame.
+	Data []byte `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`
+	// The guest closed its side for writing.
+	Eof bool `protobuf:"varint,4,opt,name=eof,proto3" json:"eof,omitempty"`
+	// Set on the last frame of a tunnel that failed: "not_found" (no such VM
+	// on this host), "failed_precondition" (not running, no address, or the
+	// guest refused the port) or "unavailable"; error says why, for people.
+	ErrorCode     string `protobuf:"bytes,5,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	Error         string `protobuf:"bytes,6,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TunnelRequest) Reset() {
+	*x = TunnelRequest{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TunnelRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TunnelRequest) ProtoMessage() {}
+
+func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
+func (*TunnelRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *TunnelRequest) GetCallId() string {
+	if x != nil {
+		return x.CallId
+	}
+	return ""
+}
+
+func (x *TunnelRequest) GetConnected() bool {
+	if x != nil {
+		return x.Connected
+	}
+	return false
+}
+
+func (x *TunnelRequest) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *TunnelRequest) GetEof() bool {
+	if x != nil {
+		return x.Eof
+	}
+	return false
+}
+
+func (x *TunnelRequest) GetErrorCode() string {
+	if x != nil {
+		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *TunnelRequest) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+// TunnelResponse is one frame from the control plane on a Tunnel stream.
+type TunnelResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Bytes for the guest, at most 32 KiB a frame.
+	Data []byte `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	// The caller closed its side for writing: the agent half-closes the
+	// guest connection.
+	Eof           bool `protobuf:"varint,2,opt,name=eof,proto3" json:"eof,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TunnelResponse) Reset() {
+	*x = TunnelResponse{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TunnelResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TunnelResponse) ProtoMessage() {}
+
+func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
+func (*TunnelResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *TunnelResponse) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *TunnelResponse) GetEof() bool {
+	if x != nil {
+		return x.Eof
+	}
+	return false
 }
 
 var File_eitri_v1_agent_proto protoreflect.FileDescriptor
@@ -2129,11 +2348,12 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x06secret\x18\x03 \x01(\tR\x06secret\"/\n" +
 	"\fCallsRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
-	"instanceId\"\xb0\x01\n" +
+	"instanceId\"\xe0\x01\n" +
 	"\rCallsResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12D\n" +
 	"\x0econsole_output\x18\x02 \x01(\v2\x1b.eitri.v1.ConsoleOutputCallH\x00R\rconsoleOutput\x12A\n" +
-	"\rconsole_input\x18\x03 \x01(\v2\x1a.eitri.v1.ConsoleInputCallH\x00R\fconsoleInputB\x06\n" +
+	"\rconsole_input\x18\x03 \x01(\v2\x1a.eitri.v1.ConsoleInputCallH\x00R\fconsoleInput\x12.\n" +
+	"\x06tunnel\x18\x04 \x01(\v2\x14.eitri.v1.TunnelCallH\x00R\x06tunnelB\x06\n" +
 	"\x04call\"\x90\x01\n" +
 	"\x11ConsoleOutputCall\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
@@ -2144,7 +2364,11 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\tno_follow\x18\x05 \x01(\bR\bnoFollow\";\n" +
 	"\x10ConsoleInputCall\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
-	"\x04data\x18\x02 \x01(\fR\x04data\"\xcd\x01\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\"5\n" +
+	"\n" +
+	"TunnelCall\x12\x13\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
+	"\x04port\x18\x02 \x01(\rR\x04port\"\xcd\x01\n" +
 	"\x0eConsoleRequest\x12\x17\n" +
 	"\acall_id\x18\x01 \x01(\tR\x06callId\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\x12\x12\n" +
@@ -2155,12 +2379,24 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\n" +
 	"error_code\x18\a \x01(\tR\terrorCode\x12\x14\n" +
 	"\x05error\x18\b \x01(\tR\x05error\"\x11\n" +
-	"\x0fConsoleResponse2\x86\x02\n" +
+	"\x0fConsoleResponse\"\xa1\x01\n" +
+	"\rTunnelRequest\x12\x17\n" +
+	"\acall_id\x18\x01 \x01(\tR\x06callId\x12\x1c\n" +
+	"\tconnected\x18\x02 \x01(\bR\tconnected\x12\x12\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\x12\x10\n" +
+	"\x03eof\x18\x04 \x01(\bR\x03eof\x12\x1d\n" +
+	"\n" +
+	"error_code\x18\x05 \x01(\tR\terrorCode\x12\x14\n" +
+	"\x05error\x18\x06 \x01(\tR\x05error\"6\n" +
+	"\x0eTunnelResponse\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x10\n" +
+	"\x03eof\x18\x02 \x01(\bR\x03eof2\xc7\x02\n" +
 	"\fAgentService\x12;\n" +
 	"\x06Enroll\x12\x17.eitri.v1.EnrollRequest\x1a\x18.eitri.v1.EnrollResponse\x129\n" +
 	"\x04Sync\x12\x15.eitri.v1.SyncRequest\x1a\x16.eitri.v1.SyncResponse(\x010\x01\x12:\n" +
 	"\x05Calls\x12\x16.eitri.v1.CallsRequest\x1a\x17.eitri.v1.CallsResponse0\x01\x12B\n" +
-	"\aConsole\x12\x18.eitri.v1.ConsoleRequest\x1a\x19.eitri.v1.ConsoleResponse(\x010\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\aConsole\x12\x18.eitri.v1.ConsoleRequest\x1a\x19.eitri.v1.ConsoleResponse(\x010\x01\x12?\n" +
+	"\x06Tunnel\x12\x17.eitri.v1.TunnelRequest\x1a\x18.eitri.v1.TunnelResponse(\x010\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_agent_proto_rawDescOnce sync.Once
@@ -2174,7 +2410,7 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
@@ -2196,12 +2432,15 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*CallsResponse)(nil),        // 17: eitri.v1.CallsResponse
 	(*ConsoleOutputCall)(nil),    // 18: eitri.v1.ConsoleOutputCall
 	(*ConsoleInputCall)(nil),     // 19: eitri.v1.ConsoleInputCall
-	(*ConsoleRequest)(nil),       // 20: eitri.v1.ConsoleRequest
-	(*ConsoleResponse)(nil),      // 21: eitri.v1.ConsoleResponse
-	(*Capacity)(nil),             // 22: eitri.v1.Capacity
-	(*Metrics)(nil),              // 23: eitri.v1.Metrics
-	(*Progress)(nil),             // 24: eitri.v1.Progress
-	(*ExposureSessions)(nil),     // 25: eitri.v1.ExposureSessions
+	(*TunnelCall)(nil),           // 20: eitri.v1.TunnelCall
+	(*ConsoleRequest)(nil),       // 21: eitri.v1.ConsoleRequest
+	(*ConsoleResponse)(nil),      // 22: eitri.v1.ConsoleResponse
+	(*TunnelRequest)(nil),        // 23: eitri.v1.TunnelRequest
+	(*TunnelResponse)(nil),       // 24: eitri.v1.TunnelResponse
+	(*Capacity)(nil),             // 25: eitri.v1.Capacity
+	(*Metrics)(nil),              // 26: eitri.v1.Metrics
+	(*Progress)(nil),             // 27: eitri.v1.Progress
+	(*ExposureSessions)(nil),     // 28: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
@@ -2209,32 +2448,35 @@ var file_eitri_v1_agent_proto_depIdxs = []int32{
 	10, // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
 	7,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
 	9,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	22, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	23, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	25, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	26, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
 	14, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
 	6,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
 	8,  // 9: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
-	24, // 10: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
+	27, // 10: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
 	11, // 11: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
 	11, // 12: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
 	12, // 13: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
 	13, // 14: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	25, // 15: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	28, // 15: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
 	18, // 16: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
 	19, // 17: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
-	0,  // 18: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 19: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	16, // 20: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
-	20, // 21: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
-	1,  // 22: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 23: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	17, // 24: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
-	21, // 25: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
-	22, // [22:26] is the sub-list for method output_type
-	18, // [18:22] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	20, // 18: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
+	0,  // 19: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 20: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	16, // 21: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
+	21, // 22: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
+	23, // 23: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
+	1,  // 24: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 25: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	17, // 26: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
+	22, // 27: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
+	24, // 28: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
+	24, // [24:29] is the sub-list for method output_type
+	19, // [19:24] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -2253,6 +2495,7 @@ func file_eitri_v1_agent_proto_init() {
 	file_eitri_v1_agent_proto_msgTypes[17].OneofWrappers = []any{
 		(*CallsResponse_ConsoleOutput)(nil),
 		(*CallsResponse_ConsoleInput)(nil),
+		(*CallsResponse_Tunnel)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -2260,7 +2503,7 @@ func file_eitri_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   22,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

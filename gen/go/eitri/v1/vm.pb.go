@@ -2116,6 +2116,124 @@ func (*SendConsoleInputResponse) Descriptor() ([]byte, []int) {
 	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{33}
 }
 
+type OpenTunnelRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// First message only: the VM and its guest port (1-65535).
+	VmId string `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	Port uint32 `protobuf:"varint,2,opt,name=port,proto3" json:"port,omitempty"`
+	// Bytes for the guest, at most 32 KiB a message.
+	Data          []byte `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenTunnelRequest) Reset() {
+	*x = OpenTunnelRequest{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenTunnelRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenTunnelRequest) ProtoMessage() {}
+
+func (x *OpenTunnelRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenTunnelRequest.ProtoReflect.Descriptor instead.
+func (*OpenTunnelRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *OpenTunnelRequest) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *OpenTunnelRequest) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
+func (x *OpenTunnelRequest) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+type OpenTunnelResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Bytes from the guest, at most 32 KiB a message. The first message
+	// carries none: the guest accepted the connection.
+	Data []byte `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	// The guest closed its side for writing: nothing more comes. The stream
+	// stays open for what the caller still sends, until it closes its side.
+	Eof           bool `protobuf:"varint,2,opt,name=eof,proto3" json:"eof,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenTunnelResponse) Reset() {
+	*x = OpenTunnelResponse{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenTunnelResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenTunnelResponse) ProtoMessage() {}
+
+func (x *OpenTunnelResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenTunnelResponse.ProtoReflect.Descriptor instead.
+func (*OpenTunnelResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *OpenTunnelResponse) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *OpenTunnelResponse) GetEof() bool {
+	if x != nil {
+		return x.Eof
+	}
+	return false
+}
+
 var File_eitri_v1_vm_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_vm_proto_rawDesc = "" +
@@ -2263,7 +2381,14 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x17SendConsoleInputRequest\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\"\x1a\n" +
-	"\x18SendConsoleInputResponse2\xdf\b\n" +
+	"\x18SendConsoleInputResponse\"P\n" +
+	"\x11OpenTunnelRequest\x12\x13\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
+	"\x04port\x18\x02 \x01(\rR\x04port\x12\x12\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\":\n" +
+	"\x12OpenTunnelResponse\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x10\n" +
+	"\x03eof\x18\x02 \x01(\bR\x03eof2\xac\t\n" +
 	"\tVMService\x12A\n" +
 	"\bCreateVM\x12\x19.eitri.v1.CreateVMRequest\x1a\x1a.eitri.v1.CreateVMResponse\x128\n" +
 	"\x05GetVM\x12\x16.eitri.v1.GetVMRequest\x1a\x17.eitri.v1.GetVMResponse\x12>\n" +
@@ -2279,7 +2404,9 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x11DestroyOrphanedVM\x12\".eitri.v1.DestroyOrphanedVMRequest\x1a#.eitri.v1.DestroyOrphanedVMResponse\x12C\n" +
 	"\bWatchVMs\x12\x19.eitri.v1.WatchVMsRequest\x1a\x1a.eitri.v1.WatchVMsResponse0\x01\x12R\n" +
 	"\rStreamConsole\x12\x1e.eitri.v1.StreamConsoleRequest\x1a\x1f.eitri.v1.StreamConsoleResponse0\x01\x12Y\n" +
-	"\x10SendConsoleInput\x12!.eitri.v1.SendConsoleInputRequest\x1a\".eitri.v1.SendConsoleInputResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\x10SendConsoleInput\x12!.eitri.v1.SendConsoleInputRequest\x1a\".eitri.v1.SendConsoleInputResponse\x12K\n" +
+	"\n" +
+	"OpenTunnel\x12\x1b.eitri.v1.OpenTunnelRequest\x1a\x1c.eitri.v1.OpenTunnelResponse(\x010\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_vm_proto_rawDescOnce sync.Once
@@ -2293,7 +2420,7 @@ func file_eitri_v1_vm_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_vm_proto_rawDescData
 }
 
-var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
+var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
 var file_eitri_v1_vm_proto_goTypes = []any{
 	(*VM)(nil),                        // 0: eitri.v1.VM
 	(*CreateVMRequest)(nil),           // 1: eitri.v1.CreateVMRequest
@@ -2329,14 +2456,16 @@ var file_eitri_v1_vm_proto_goTypes = []any{
 	(*StreamConsoleResponse)(nil),     // 31: eitri.v1.StreamConsoleResponse
 	(*SendConsoleInputRequest)(nil),   // 32: eitri.v1.SendConsoleInputRequest
 	(*SendConsoleInputResponse)(nil),  // 33: eitri.v1.SendConsoleInputResponse
-	(*timestamppb.Timestamp)(nil),     // 34: google.protobuf.Timestamp
-	(*Progress)(nil),                  // 35: eitri.v1.Progress
+	(*OpenTunnelRequest)(nil),         // 34: eitri.v1.OpenTunnelRequest
+	(*OpenTunnelResponse)(nil),        // 35: eitri.v1.OpenTunnelResponse
+	(*timestamppb.Timestamp)(nil),     // 36: google.protobuf.Timestamp
+	(*Progress)(nil),                  // 37: eitri.v1.Progress
 }
 var file_eitri_v1_vm_proto_depIdxs = []int32{
-	34, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
-	34, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
-	34, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
-	35, // 3: eitri.v1.VM.progress:type_name -> eitri.v1.Progress
+	36, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
+	36, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
+	36, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
+	37, // 3: eitri.v1.VM.progress:type_name -> eitri.v1.Progress
 	0,  // 4: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 5: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 6: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
@@ -2345,12 +2474,12 @@ var file_eitri_v1_vm_proto_depIdxs = []int32{
 	0,  // 9: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 10: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
 	0,  // 11: eitri.v1.RetryVMResponse.vm:type_name -> eitri.v1.VM
-	34, // 12: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
+	36, // 12: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
 	17, // 13: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
 	0,  // 14: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
 	21, // 15: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
 	0,  // 16: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
-	34, // 17: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
+	36, // 17: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
 	23, // 18: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
 	0,  // 19: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
 	1,  // 20: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
@@ -2368,23 +2497,25 @@ var file_eitri_v1_vm_proto_depIdxs = []int32{
 	20, // 32: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
 	30, // 33: eitri.v1.VMService.StreamConsole:input_type -> eitri.v1.StreamConsoleRequest
 	32, // 34: eitri.v1.VMService.SendConsoleInput:input_type -> eitri.v1.SendConsoleInputRequest
-	2,  // 35: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
-	4,  // 36: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
-	6,  // 37: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
-	8,  // 38: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
-	10, // 39: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
-	12, // 40: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
-	14, // 41: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
-	16, // 42: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
-	19, // 43: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
-	25, // 44: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
-	27, // 45: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
-	29, // 46: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
-	22, // 47: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
-	31, // 48: eitri.v1.VMService.StreamConsole:output_type -> eitri.v1.StreamConsoleResponse
-	33, // 49: eitri.v1.VMService.SendConsoleInput:output_type -> eitri.v1.SendConsoleInputResponse
-	35, // [35:50] is the sub-list for method output_type
-	20, // [20:35] is the sub-list for method input_type
+	34, // 35: eitri.v1.VMService.OpenTunnel:input_type -> eitri.v1.OpenTunnelRequest
+	2,  // 36: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
+	4,  // 37: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
+	6,  // 38: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
+	8,  // 39: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
+	10, // 40: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
+	12, // 41: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
+	14, // 42: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
+	16, // 43: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
+	19, // 44: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
+	25, // 45: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
+	27, // 46: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
+	29, // 47: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
+	22, // 48: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
+	31, // 49: eitri.v1.VMService.StreamConsole:output_type -> eitri.v1.StreamConsoleResponse
+	33, // 50: eitri.v1.VMService.SendConsoleInput:output_type -> eitri.v1.SendConsoleInputResponse
+	35, // 51: eitri.v1.VMService.OpenTunnel:output_type -> eitri.v1.OpenTunnelResponse
+	36, // [36:52] is the sub-list for method output_type
+	20, // [20:36] is the sub-list for method input_type
 	20, // [20:20] is the sub-list for extension type_name
 	20, // [20:20] is the sub-list for extension extendee
 	0,  // [0:20] is the sub-list for field type_name
@@ -2407,7 +2538,7 @@ func file_eitri_v1_vm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_vm_proto_rawDesc), len(file_eitri_v1_vm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   34,
+			NumMessages:   36,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -41,6 +41,8 @@ const (
 	AgentServiceCallsProcedure = "/eitri.v1.AgentService/Calls"
 	// AgentServiceConsoleProcedure is the fully-qualified name of the AgentService's Console RPC.
 	AgentServiceConsoleProcedure = "/eitri.v1.AgentService/Console"
+	// AgentServiceTunnelProcedure is the fully-qualified name of the AgentService's Tunnel RPC.
+	AgentServiceTunnelProcedure = "/eitri.v1.AgentService/Tunnel"
 )
 
 // AgentServiceClient is a client for the eitri.v1.AgentService service.
@@ -62,6 +64,12 @@ type AgentServiceClient interface {
 	// outcome of the input (console_input). The control plane ends the
 	// stream when its caller leaves; it sends nothing on it.
 	Console(context.Context) *connect.BidiStreamForClient[v1.ConsoleRequest, v1.ConsoleResponse]
+	// Tunnel answers one tunnel call: the first message names the call; the
+	// agent dials the guest (the VM's own address on its bridge, only while
+	// it runs) and says connected, or fails. Then bytes flow both ways, each
+	// side saying eof when it half-closes. The control plane ends the stream
+	// when the tunnel ends.
+	Tunnel(context.Context) *connect.BidiStreamForClient[v1.TunnelRequest, v1.TunnelResponse]
 }
 
 // NewAgentServiceClient constructs a client for the eitri.v1.AgentService service. By default, it
@@ -99,6 +107,12 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Console")),
 			connect.WithClientOptions(opts...),
 		),
+		tunnel: connect.NewClient[v1.TunnelRequest, v1.TunnelResponse](
+			httpClient,
+			baseURL+AgentServiceTunnelProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Tunnel")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -108,6 +122,7 @@ type agentServiceClient struct {
 	sync    *connect.Client[v1.SyncRequest, v1.SyncResponse]
 	calls   *connect.Client[v1.CallsRequest, v1.CallsResponse]
 	console *connect.Client[v1.ConsoleRequest, v1.ConsoleResponse]
+	tunnel  *connect.Client[v1.TunnelRequest, v1.TunnelResponse]
 }
 
 // Enroll calls eitri.v1.AgentService.Enroll.
@@ -130,6 +145,11 @@ func (c *agentServiceClient) Console(ctx context.Context) *connect.BidiStreamFor
 	return c.console.CallBidiStream(ctx)
 }
 
+// Tunnel calls eitri.v1.AgentService.Tunnel.
+func (c *agentServiceClient) Tunnel(ctx context.Context) *connect.BidiStreamForClient[v1.TunnelRequest, v1.TunnelResponse] {
+	return c.tunnel.CallBidiStream(ctx)
+}
+
 // AgentServiceHandler is an implementation of the eitri.v1.AgentService service.
 type AgentServiceHandler interface {
 	// Enroll trades a single-use join token for a host id and a host credential.
@@ -149,6 +169,12 @@ type AgentServiceHandler interface {
 	// outcome of the input (console_input). The control plane ends the
 	// stream when its caller leaves; it sends nothing on it.
 	Console(context.Context, *connect.BidiStream[v1.ConsoleRequest, v1.ConsoleResponse]) error
+	// Tunnel answers one tunnel call: the first message names the call; the
+	// agent dials the guest (the VM's own address on its bridge, only while
+	// it runs) and says connected, or fails. Then bytes flow both ways, each
+	// side saying eof when it half-closes. The control plane ends the stream
+	// when the tunnel ends.
+	Tunnel(context.Context, *connect.BidiStream[v1.TunnelRequest, v1.TunnelResponse]) error
 }
 
 // NewAgentServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -182,6 +208,12 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Console")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceTunnelHandler := connect.NewBidiStreamHandler(
+		AgentServiceTunnelProcedure,
+		svc.Tunnel,
+		connect.WithSchema(agentServiceMethods.ByName("Tunnel")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.AgentService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AgentServiceEnrollProcedure:
@@ -192,6 +224,8 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceCallsHandler.ServeHTTP(w, r)
 		case AgentServiceConsoleProcedure:
 			agentServiceConsoleHandler.ServeHTTP(w, r)
+		case AgentServiceTunnelProcedure:
+			agentServiceTunnelHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -215,4 +249,8 @@ func (UnimplementedAgentServiceHandler) Calls(context.Context, *connect.Request[
 
 func (UnimplementedAgentServiceHandler) Console(context.Context, *connect.BidiStream[v1.ConsoleRequest, v1.ConsoleResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.AgentService.Console is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Tunnel(context.Context, *connect.BidiStream[v1.TunnelRequest, v1.TunnelResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.AgentService.Tunnel is not implemented"))
 }

@@ -67,6 +67,8 @@ const (
 	// VMServiceSendConsoleInputProcedure is the fully-qualified name of the VMService's
 	// SendConsoleInput RPC.
 	VMServiceSendConsoleInputProcedure = "/eitri.v1.VMService/SendConsoleInput"
+	// VMServiceOpenTunnelProcedure is the fully-qualified name of the VMService's OpenTunnel RPC.
+	VMServiceOpenTunnelProcedure = "/eitri.v1.VMService/OpenTunnel"
 )
 
 // VMServiceClient is a client for the eitri.v1.VMService service.
@@ -116,6 +118,18 @@ type VMServiceClient interface {
 	// by an agent that gave it no console input. Bounded: see
 	// SendConsoleInputRequest.data and ResourceExhausted for typing too fast.
 	SendConsoleInput(context.Context, *connect.Request[v1.SendConsoleInputRequest]) (*connect.Response[v1.SendConsoleInputResponse], error)
+	// OpenTunnel carries one TCP connection to a port of the VM's guest,
+	// through the control plane and the VM's host (which dials the guest on
+	// its bridge; nothing is published). The first message names the VM and
+	// the port; the first response (with no data) says the guest accepted.
+	// Then bytes flow both ways. Closing the request side is a half-close
+	// (the guest reads EOF); a response with eof says the guest half-closed.
+	// The stream ends once both sides have, or either side fails.
+	// Owner or admin only; FailedPrecondition when the VM is not running or
+	// the guest refuses the port; ResourceExhausted past the caller's cap on
+	// open tunnels. Each tunnel is recorded in the VM's events. Needs a
+	// transport with bidirectional streams (HTTP/2).
+	OpenTunnel(context.Context) *connect.BidiStreamForClient[v1.OpenTunnelRequest, v1.OpenTunnelResponse]
 }
 
 // NewVMServiceClient constructs a client for the eitri.v1.VMService service. By default, it uses
@@ -219,6 +233,12 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("SendConsoleInput")),
 			connect.WithClientOptions(opts...),
 		),
+		openTunnel: connect.NewClient[v1.OpenTunnelRequest, v1.OpenTunnelResponse](
+			httpClient,
+			baseURL+VMServiceOpenTunnelProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("OpenTunnel")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -239,6 +259,7 @@ type vMServiceClient struct {
 	watchVMs          *connect.Client[v1.WatchVMsRequest, v1.WatchVMsResponse]
 	streamConsole     *connect.Client[v1.StreamConsoleRequest, v1.StreamConsoleResponse]
 	sendConsoleInput  *connect.Client[v1.SendConsoleInputRequest, v1.SendConsoleInputResponse]
+	openTunnel        *connect.Client[v1.OpenTunnelRequest, v1.OpenTunnelResponse]
 }
 
 // CreateVM calls eitri.v1.VMService.CreateVM.
@@ -316,6 +337,11 @@ func (c *vMServiceClient) SendConsoleInput(ctx context.Context, req *connect.Req
 	return c.sendConsoleInput.CallUnary(ctx, req)
 }
 
+// OpenTunnel calls eitri.v1.VMService.OpenTunnel.
+func (c *vMServiceClient) OpenTunnel(ctx context.Context) *connect.BidiStreamForClient[v1.OpenTunnelRequest, v1.OpenTunnelResponse] {
+	return c.openTunnel.CallBidiStream(ctx)
+}
+
 // VMServiceHandler is an implementation of the eitri.v1.VMService service.
 type VMServiceHandler interface {
 	CreateVM(context.Context, *connect.Request[v1.CreateVMRequest]) (*connect.Response[v1.CreateVMResponse], error)
@@ -363,6 +389,18 @@ type VMServiceHandler interface {
 	// by an agent that gave it no console input. Bounded: see
 	// SendConsoleInputRequest.data and ResourceExhausted for typing too fast.
 	SendConsoleInput(context.Context, *connect.Request[v1.SendConsoleInputRequest]) (*connect.Response[v1.SendConsoleInputResponse], error)
+	// OpenTunnel carries one TCP connection to a port of the VM's guest,
+	// through the control plane and the VM's host (which dials the guest on
+	// its bridge; nothing is published). The first message names the VM and
+	// the port; the first response (with no data) says the guest accepted.
+	// Then bytes flow both ways. Closing the request side is a half-close
+	// (the guest reads EOF); a response with eof says the guest half-closed.
+	// The stream ends once both sides have, or either side fails.
+	// Owner or admin only; FailedPrecondition when the VM is not running or
+	// the guest refuses the port; ResourceExhausted past the caller's cap on
+	// open tunnels. Each tunnel is recorded in the VM's events. Needs a
+	// transport with bidirectional streams (HTTP/2).
+	OpenTunnel(context.Context, *connect.BidiStream[v1.OpenTunnelRequest, v1.OpenTunnelResponse]) error
 }
 
 // NewVMServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -462,6 +500,12 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("SendConsoleInput")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServiceOpenTunnelHandler := connect.NewBidiStreamHandler(
+		VMServiceOpenTunnelProcedure,
+		svc.OpenTunnel,
+		connect.WithSchema(vMServiceMethods.ByName("OpenTunnel")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.VMService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case VMServiceCreateVMProcedure:
@@ -494,6 +538,8 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServiceStreamConsoleHandler.ServeHTTP(w, r)
 		case VMServiceSendConsoleInputProcedure:
 			vMServiceSendConsoleInputHandler.ServeHTTP(w, r)
+		case VMServiceOpenTunnelProcedure:
+			vMServiceOpenTunnelHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -561,4 +607,8 @@ func (UnimplementedVMServiceHandler) StreamConsole(context.Context, *connect.Req
 
 func (UnimplementedVMServiceHandler) SendConsoleInput(context.Context, *connect.Request[v1.SendConsoleInputRequest]) (*connect.Response[v1.SendConsoleInputResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.SendConsoleInput is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) OpenTunnel(context.Context, *connect.BidiStream[v1.OpenTunnelRequest, v1.OpenTunnelResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.VMService.OpenTunnel is not implemented"))
 }

@@ -956,6 +956,12 @@ export declare type CallsResponse = Message<"eitri.v1.CallsResponse"> & {
      */
     value: ConsoleInputCall;
     case: "consoleInput";
+  } | {
+    /**
+     * @generated from field: eitri.v1.TunnelCall tunnel = 4;
+     */
+    value: TunnelCall;
+    case: "tunnel";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1028,6 +1034,32 @@ export declare type ConsoleInputCall = Message<"eitri.v1.ConsoleInputCall"> & {
  * Use `create(ConsoleInputCallSchema)` to create a new message.
  */
 export declare const ConsoleInputCallSchema: GenMessage<ConsoleInputCall>;
+
+/**
+ * TunnelCall asks the agent to connect to a port of a VM's guest, as
+ * OpenTunnelRequest, and answer on a Tunnel stream.
+ *
+ * @generated from message eitri.v1.TunnelCall
+ */
+export declare type TunnelCall = Message<"eitri.v1.TunnelCall"> & {
+  /**
+   * @generated from field: string vm_id = 1;
+   */
+  vmId: string;
+
+  /**
+   * 1-65535.
+   *
+   * @generated from field: uint32 port = 2;
+   */
+  port: number;
+};
+
+/**
+ * Describes the message eitri.v1.TunnelCall.
+ * Use `create(TunnelCallSchema)` to create a new message.
+ */
+export declare const TunnelCallSchema: GenMessage<TunnelCall>;
 
 /**
  * ConsoleRequest is one frame from the agent on a Console stream.
@@ -1109,6 +1141,89 @@ export declare type ConsoleResponse = Message<"eitri.v1.ConsoleResponse"> & {
 export declare const ConsoleResponseSchema: GenMessage<ConsoleResponse>;
 
 /**
+ * TunnelRequest is one frame from the agent on a Tunnel stream.
+ *
+ * @generated from message eitri.v1.TunnelRequest
+ */
+export declare type TunnelRequest = Message<"eitri.v1.TunnelRequest"> & {
+  /**
+   * Set on the first frame only: the call this stream answers.
+   *
+   * @generated from field: string call_id = 1;
+   */
+  callId: string;
+
+  /**
+   * The guest accepted the connection (sent once, before any data).
+   *
+   * @generated from field: bool connected = 2;
+   */
+  connected: boolean;
+
+  /**
+   * Bytes from the guest, at most 32 KiB a frame.
+   *
+   * @generated from field: bytes data = 3;
+   */
+  data: Uint8Array;
+
+  /**
+   * The guest closed its side for writing.
+   *
+   * @generated from field: bool eof = 4;
+   */
+  eof: boolean;
+
+  /**
+   * Set on the last frame of a tunnel that failed: "not_found" (no such VM
+   * on this host), "failed_precondition" (not running, no address, or the
+   * guest refused the port) or "unavailable"; error says why, for people.
+   *
+   * @generated from field: string error_code = 5;
+   */
+  errorCode: string;
+
+  /**
+   * @generated from field: string error = 6;
+   */
+  error: string;
+};
+
+/**
+ * Describes the message eitri.v1.TunnelRequest.
+ * Use `create(TunnelRequestSchema)` to create a new message.
+ */
+export declare const TunnelRequestSchema: GenMessage<TunnelRequest>;
+
+/**
+ * TunnelResponse is one frame from the control plane on a Tunnel stream.
+ *
+ * @generated from message eitri.v1.TunnelResponse
+ */
+export declare type TunnelResponse = Message<"eitri.v1.TunnelResponse"> & {
+  /**
+   * Bytes for the guest, at most 32 KiB a frame.
+   *
+   * @generated from field: bytes data = 1;
+   */
+  data: Uint8Array;
+
+  /**
+   * The caller closed its side for writing: the agent half-closes the
+   * guest connection.
+   *
+   * @generated from field: bool eof = 2;
+   */
+  eof: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.TunnelResponse.
+ * Use `create(TunnelResponseSchema)` to create a new message.
+ */
+export declare const TunnelResponseSchema: GenMessage<TunnelResponse>;
+
+/**
  * AgentService is the only surface a host agent talks to. Enroll is
  * authorized by a join token; Sync by the host credential Enroll returned
  * (Authorization: Bearer <credential>). User tokens open neither.
@@ -1164,6 +1279,20 @@ export declare const AgentService: GenService<{
     methodKind: "bidi_streaming";
     input: typeof ConsoleRequestSchema;
     output: typeof ConsoleResponseSchema;
+  },
+  /**
+   * Tunnel answers one tunnel call: the first message names the call; the
+   * agent dials the guest (the VM's own address on its bridge, only while
+   * it runs) and says connected, or fails. Then bytes flow both ways, each
+   * side saying eof when it half-closes. The control plane ends the stream
+   * when the tunnel ends.
+   *
+   * @generated from rpc eitri.v1.AgentService.Tunnel
+   */
+  tunnel: {
+    methodKind: "bidi_streaming";
+    input: typeof TunnelRequestSchema;
+    output: typeof TunnelResponseSchema;
   },
 }>;
 

@@ -992,6 +992,63 @@ export declare type SendConsoleInputResponse = Message<"eitri.v1.SendConsoleInpu
 export declare const SendConsoleInputResponseSchema: GenMessage<SendConsoleInputResponse>;
 
 /**
+ * @generated from message eitri.v1.OpenTunnelRequest
+ */
+export declare type OpenTunnelRequest = Message<"eitri.v1.OpenTunnelRequest"> & {
+  /**
+   * First message only: the VM and its guest port (1-65535).
+   *
+   * @generated from field: string vm_id = 1;
+   */
+  vmId: string;
+
+  /**
+   * @generated from field: uint32 port = 2;
+   */
+  port: number;
+
+  /**
+   * Bytes for the guest, at most 32 KiB a message.
+   *
+   * @generated from field: bytes data = 3;
+   */
+  data: Uint8Array;
+};
+
+/**
+ * Describes the message eitri.v1.OpenTunnelRequest.
+ * Use `create(OpenTunnelRequestSchema)` to create a new message.
+ */
+export declare const OpenTunnelRequestSchema: GenMessage<OpenTunnelRequest>;
+
+/**
+ * @generated from message eitri.v1.OpenTunnelResponse
+ */
+export declare type OpenTunnelResponse = Message<"eitri.v1.OpenTunnelResponse"> & {
+  /**
+   * Bytes from the guest, at most 32 KiB a message. The first message
+   * carries none: the guest accepted the connection.
+   *
+   * @generated from field: bytes data = 1;
+   */
+  data: Uint8Array;
+
+  /**
+   * The guest closed its side for writing: nothing more comes. The stream
+   * stays open for what the caller still sends, until it closes its side.
+   *
+   * @generated from field: bool eof = 2;
+   */
+  eof: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.OpenTunnelResponse.
+ * Use `create(OpenTunnelResponseSchema)` to create a new message.
+ */
+export declare const OpenTunnelResponseSchema: GenMessage<OpenTunnelResponse>;
+
+/**
  * VMService manages virtual machines. A caller sees and touches only its own
  * VMs (another user's VM is NotFound); an admin sees all.
  *
@@ -1158,6 +1215,26 @@ export declare const VMService: GenService<{
     methodKind: "unary";
     input: typeof SendConsoleInputRequestSchema;
     output: typeof SendConsoleInputResponseSchema;
+  },
+  /**
+   * OpenTunnel carries one TCP connection to a port of the VM's guest,
+   * through the control plane and the VM's host (which dials the guest on
+   * its bridge; nothing is published). The first message names the VM and
+   * the port; the first response (with no data) says the guest accepted.
+   * Then bytes flow both ways. Closing the request side is a half-close
+   * (the guest reads EOF); a response with eof says the guest half-closed.
+   * The stream ends once both sides have, or either side fails.
+   * Owner or admin only; FailedPrecondition when the VM is not running or
+   * the guest refuses the port; ResourceExhausted past the caller's cap on
+   * open tunnels. Each tunnel is recorded in the VM's events. Needs a
+   * transport with bidirectional streams (HTTP/2).
+   *
+   * @generated from rpc eitri.v1.VMService.OpenTunnel
+   */
+  openTunnel: {
+    methodKind: "bidi_streaming";
+    input: typeof OpenTunnelRequestSchema;
+    output: typeof OpenTunnelResponseSchema;
   },
 }>;
 
