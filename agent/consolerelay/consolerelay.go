@@ -1,8 +1,9 @@
-// Package consolerelay serves the control plane's console calls: it keeps
+// Package consolerelay serves the control plane's calls: it keeps
 // AgentService.Calls open beside the Sync stream, on the same connection
-// and credential, and answers each call on a Console stream of its own —
-// a VM's serial output followed live, or input typed into it. Nothing ever
-// dials the host.
+// and credential, and answers each call on a stream of its own — a
+// Console stream for a VM's serial output followed live, or input typed
+// into it; a Tunnel stream for a TCP connection to a guest port (see
+// tunnel.go). Nothing ever dials the host.
 package consolerelay
 
 import (
@@ -36,7 +37,10 @@ type Config struct {
 	Identity   syncclient.Identity
 	InstanceID string
 	Serial     Serial
-	Log        *slog.Logger
+	// Guests finds a running VM's address on its bridge, for tunnels; nil
+	// refuses them.
+	Guests GuestAddr
+	Log    *slog.Logger
 	// MinBackoff/MaxBackoff bound reconnect delays (default 500ms / 30s).
 	MinBackoff, MaxBackoff time.Duration
 }
@@ -58,7 +62,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	client := eitriv1connect.NewAgentServiceClient(cfg.Client, cfg.Identity.ServerURL,
 		connect.WithInterceptors(connclient.Bearer(cfg.Identity.Credential)))
-	r := &relay{client: client, serial: cfg.Serial, log: cfg.Log, slots: make(chan struct{}, maxCalls)}
+	r := &relay{client: client, serial: cfg.Serial, guests: cfg.Guests, log: cfg.Log, slots: make(chan struct{}, maxCalls)}
 	backoff := cfg.MinBackoff
 	for {
 		healthy, err := r.listen(ctx, cfg.InstanceID)
@@ -87,6 +91,7 @@ func Run(ctx context.Context, cfg Config) error {
 type relay struct {
 	client eitriv1connect.AgentServiceClient
 	serial Serial
+	guests GuestAddr
 	log    *slog.Logger
 	slots  chan struct{}
 }
@@ -110,12 +115,16 @@ func (r *relay) listen(ctx context.Context, instance string) (healthy bool, err 
 		case r.slots <- struct{}{}:
 		default:
 			r.log.Warn("too many console calls at once; refusing one", "call", c.GetId())
-			go r.refuse(context.WithoutCancel(ctx), c.GetId(), "the host answers too many console calls at once")
+			go r.refuse(context.WithoutCancel(ctx), c, "the host answers too many calls at once")
 			continue
 		}
 		// A call outlives this stream's loss: its own stream carries it.
 		go func() {
 			defer func() { <-r.slots }()
+			if t := c.GetTunnel(); t != nil {
+				r.tunnel(context.WithoutCancel(ctx), c.GetId(), t)
+				return
+			}
 			r.answer(context.WithoutCancel(ctx), c)
 		}()
 	}
@@ -133,10 +142,14 @@ func (r *relay) open(ctx context.Context, callID string) (*answerStream, error) 
 	return st, nil
 }
 
-func (r *relay) refuse(ctx context.Context, callID, why string) {
+func (r *relay) refuse(ctx context.Context, c *eitriv1.CallsResponse, why string) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	st, err := r.open(ctx, callID)
+	if c.GetTunnel() != nil {
+		r.refuseTunnel(ctx, c.GetId(), "unavailable", why)
+		return
+	}
+	st, err := r.open(ctx, c.GetId())
 	if err != nil {
 		return
 	}

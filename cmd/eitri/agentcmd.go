@@ -259,10 +259,11 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	}
 	instance := rand.Text()
 	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", qb.Accel().Name, "address", addr)
-	// One connection carries the Sync stream and the console calls.
+	// One connection carries the Sync stream and the calls (consoles,
+	// tunnels, which reach a guest at the address its published ports do).
 	hc := connclient.HTTPClient(id.Fingerprint)
 	go func() {
-		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: instance, Serial: qb, Log: log})
+		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: instance, Serial: qb, Guests: n.Resolve, Log: log})
 	}()
 	return syncclient.Run(ctx, syncclient.Config{
 		Identity: id, Source: n, Log: log, Client: hc,
