@@ -1,6 +1,7 @@
 // Command eitri is the one binary: the control plane (server), the host
 // agent (agent), both at once for development (dev), and the client
-// commands (login, vm, host, expose, token, quota).
+// commands (login, vm, host, expose, token, quota, ssh, tunnel,
+// port-forward).
 package main
 
 import (
@@ -111,6 +112,7 @@ override it. Add -o json or -o yaml for the API's own field names.`,
 	for _, c := range []*cobra.Command{
 		newLoginCmd(a), newLogoutCmd(a),
 		newVMCmd(a), newHostCmd(a), newExposeCmd(a), newTokenCmd(a), newQuotaCmd(a),
+		newSSHCmd(a), newTunnelCmd(a), newPortForwardCmd(a),
 	} {
 		c.GroupID = groupClient
 		root.AddCommand(c)

@@ -1,0 +1,159 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+	"golang.org/x/crypto/ssh"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+)
+
+func newSSHCmd(a *app) *cobra.Command {
+	return &cobra.Command{
+		Use:   "ssh NAME|ID [-- SSH-ARGS...]",
+		Short: "Log into a VM with the system ssh, through a tunnel, its host key pinned",
+		Long: "Runs ssh as the VM's login user, connected through `eitri tunnel` (nothing is published).\n" +
+			"The guest's host key, as its host reported it, is written to a known_hosts file eitri owns\n" +
+			"(in eitri's config dir) and checked strictly: a key that differs is refused, and none is\n" +
+			"ever trusted on first use. Arguments after -- go to ssh after the destination (options,\n" +
+			"then a command).",
+		Args:              cobra.MinimumNArgs(1),
+		ValidArgsFunction: a.completeVMs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			extra := args[1:]
+			if at := cmd.ArgsLenAtDash(); at < 0 && len(extra) > 0 {
+				return usagef("%s: put ssh's arguments after --, got %q", cmd.CommandPath(), extra[0])
+			} else if at > 1 {
+				return usagef("%s takes one VM, got %q", cmd.CommandPath(), args[1])
+			}
+			return a.onVM(func(ctx context.Context, c *client, id string) error {
+				target, err := c.sshTarget(ctx, id, extra)
+				if err != nil {
+					return err
+				}
+				ssh := exec.CommandContext(ctx, "ssh", sshArgs(target)...)
+				ssh.Stdin, ssh.Stdout, ssh.Stderr = a.io.in, a.io.out, a.io.err
+				return ssh.Run()
+			})(cmd, args)
+		},
+	}
+}
+
+// sshTarget is what an ssh command line for a VM is made of.
+type sshTarget struct {
+	// Self is this eitri binary, which ssh runs as its ProxyCommand.
+	Self string
+	VMID string
+	User string
+	// KnownHosts is eitri's known_hosts file, holding the guest's key
+	// under HostAlias.
+	KnownHosts string
+	// Extra is the caller's ssh arguments, after the destination.
+	Extra []string
+}
+
+// HostAlias names the VM's host key in KnownHosts (and is ssh's
+// destination, so no ssh_config Host block for a VM name applies).
+func (t sshTarget) HostAlias() string { return "eitri-" + t.VMID }
+
+// sshArgs is the ssh command line for t. Options given with -o first win,
+// so these cannot be overridden by the caller's.
+func sshArgs(t sshTarget) []string {
+	proxy := shellQuote(t.Self) + " tunnel " + shellQuote(t.VMID) + " 22"
+	args := []string{
+		// ssh expands %-tokens in ProxyCommand.
+		"-o", "ProxyCommand=" + strings.ReplaceAll(proxy, "%", "%%"),
+		"-o", "HostKeyAlias=" + t.HostAlias(),
+		"-o", "UserKnownHostsFile=" + t.KnownHosts,
+		"-o", "GlobalKnownHostsFile=/dev/null",
+		"-o", "StrictHostKeyChecking=yes",
+		// The file is eitri's: ssh adds nothing to it.
+		"-o", "UpdateHostKeys=no",
+		"-o", "CheckHostIP=no",
+	}
+	if t.User != "" {
+		args = append(args, "-l", t.User)
+	}
+	args = append(args, t.HostAlias())
+	return append(args, t.Extra...)
+}
+
+// sshTarget looks the VM up and pins its host key in eitri's known_hosts.
+func (c *client) sshTarget(ctx context.Context, id string, extra []string) (sshTarget, error) {
+	r, err := c.vm.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+	if err != nil {
+		return sshTarget{}, apiError(err)
+	}
+	vm := r.Msg.GetVm()
+	if vm.GetSshHostPubkey() == "" {
+		return sshTarget{}, fmt.Errorf("%s has not reported its SSH host key yet (wait until it is ready: eitri vm wait %s)", vm.GetName(), vm.GetName())
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return sshTarget{}, fmt.Errorf("cannot find this eitri binary for ssh's ProxyCommand: %w", err)
+	}
+	path, err := knownHostsPath()
+	if err != nil {
+		return sshTarget{}, err
+	}
+	t := sshTarget{Self: self, VMID: vm.GetId(), User: vm.GetLoginUser(), KnownHosts: path, Extra: extra}
+	if err := pinHostKey(path, t.HostAlias(), vm.GetSshHostPubkey()); err != nil {
+		return sshTarget{}, err
+	}
+	return t, nil
+}
+
+// knownHostsPath is eitri's known_hosts, beside its login.
+func knownHostsPath() (string, error) {
+	cfg, err := configPath()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(filepath.Dir(cfg), "known_hosts"), nil
+}
+
+// pinHostKey makes the key the only one in path for alias, keeping the
+// other aliases' lines. The key is parsed and written in its canonical
+// form, so nothing but a key reaches the file.
+func pinHostKey(path, alias, authorizedKey string) error {
+	key, _, _, _, err := ssh.ParseAuthorizedKey([]byte(authorizedKey))
+	if err != nil {
+		return fmt.Errorf("the VM's reported SSH host key is not a key: %w", err)
+	}
+	line := alias + " " + strings.TrimSpace(string(ssh.MarshalAuthorizedKey(key)))
+	old, err := os.ReadFile(path)
+	if err != nil && !os.IsNotExist(err) {
+		return err
+	}
+	var lines []string
+	for _, l := range strings.Split(string(old), "\n") {
+		if f := strings.Fields(l); len(f) == 0 || f[0] == alias {
+			continue
+		}
+		lines = append(lines, l)
+	}
+	lines = append(lines, line)
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".known_hosts-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.WriteString(strings.Join(lines, "\n") + "\n"); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}
