@@ -29,25 +29,32 @@ import (
 // (and plays QEMU's input socket) itself.
 func (e *cliEnv) consoleHost(name string) (*qemu.Backend, syncclient.Identity) {
 	e.t.Helper()
-	id := e.enroll(name)
 	qb, err := qemu.New(qemu.Config{Dir: e.t.TempDir()})
 	require.NoError(e.t, err)
+	return qb, e.relayHost(name, &scriptedHost{}, consolerelay.Config{Serial: qb})
+}
+
+// relayHost is an enrolled host reporting what src says, whose agent runs
+// the real call relay configured by cfg (its client and identity are
+// filled in here).
+func (e *cliEnv) relayHost(name string, src *scriptedHost, cfg consolerelay.Config) syncclient.Identity {
+	e.t.Helper()
+	id := e.enroll(name)
 	ctx, cancel := context.WithCancel(context.Background())
 	e.t.Cleanup(cancel)
 	hc := connclient.HTTPClient("")
 	go func() {
-		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: &scriptedHost{}, ReportEvery: 10 * time.Millisecond, Client: hc,
+		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: src, ReportEvery: 10 * time.Millisecond, Client: hc,
 			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-1"} }})
 	}()
-	go func() {
-		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: "agent-1", Serial: qb})
-	}()
+	cfg.Client, cfg.Identity, cfg.InstanceID = hc, id, "agent-1"
+	go func() { _ = consolerelay.Run(ctx, cfg) }()
 	require.Eventually(e.t, func() bool {
 		out, err := e.eitri("host", "get", name, "-o", "json")
 		var r eitriv1.GetHostResponse
 		return err == nil && protojson.Unmarshal([]byte(out), &r) == nil && r.Host.Connected && r.Host.Capacity != nil
 	}, 10*time.Second, 10*time.Millisecond, "the host is connected and has reported its capacity")
-	return qb, id
+	return id
 }
 
 func TestVMLogsPrintsTheSerialConsoleAndFollowsIt(t *testing.T) {

@@ -68,6 +68,11 @@ func messageLimits(spec connect.Spec) []connect.HandlerOption {
 			func() connect.Decompressor { return &boundedGzip{limit: limit} },
 			func() connect.Compressor { return gzip.NewWriter(io.Discard) }),
 	}
+	if limit == MaxTunnelMessage {
+		// Tunnel bytes go out as they came: an ssh session is encrypted
+		// and does not compress, and gzip would cost CPU for every frame.
+		opts = append(opts, connect.WithCompressMinBytes(int(limit)+1))
+	}
 	if spec.StreamType == connect.StreamTypeServer {
 		// A Watch stream's changes go out uncompressed: each is a few hundred
 		// bytes, encoded once for every watcher, and gzip would run again
