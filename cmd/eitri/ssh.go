@@ -46,6 +46,10 @@ func newSSHCmd(a *app) *cobra.Command {
 	}
 }
 
+// selfPath is this eitri binary (a test, which is not one, points it at
+// one).
+var selfPath = os.Executable
+
 // sshTarget is what an ssh command line for a VM is made of.
 type sshTarget struct {
 	// Self is this eitri binary, which ssh runs as its ProxyCommand.
@@ -95,7 +99,7 @@ func (c *client) sshTarget(ctx context.Context, id string, extra []string) (sshT
 	if vm.GetSshHostPubkey() == "" {
 		return sshTarget{}, fmt.Errorf("%s has not reported its SSH host key yet (wait until it is ready: eitri vm wait %s)", vm.GetName(), vm.GetName())
 	}
-	self, err := os.Executable()
+	self, err := selfPath()
 	if err != nil {
 		return sshTarget{}, fmt.Errorf("cannot find this eitri binary for ssh's ProxyCommand: %w", err)
 	}

@@ -137,7 +137,10 @@ func (c *client) tunnel(ctx context.Context, id string, port uint32, in io.Reade
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	st := c.vm.OpenTunnel(ctx)
-	defer func() { _ = st.CloseResponse() }()
+	// Reset the stream when ctx ends, here or above: an HTTP/2 client
+	// stream whose request side is open does not notice its context (its
+	// request body is being read), so a Receive would wait for the guest.
+	context.AfterFunc(ctx, func() { _ = st.CloseResponse() })
 	if err := st.Send(&eitriv1.OpenTunnelRequest{VmId: id, Port: port}); err != nil && !errors.Is(err, io.EOF) {
 		return apiError(err)
 	}
