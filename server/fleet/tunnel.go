@@ -76,13 +76,6 @@ func (c *tunnelCount) admit(p auth.Principal, limit int) (release func(), err er
 	}, nil
 }
 
-// OpenTunnels is how many tunnels the user has open now.
-func (f *Fleet) OpenTunnels(userID string) int {
-	f.tunnels.mu.Lock()
-	defer f.tunnels.mu.Unlock()
-	return f.tunnels.byUser[userID]
-}
-
 // OpenTunnel relays one tunnel for the caller: recv reads the caller's
 // messages (the first names the VM and port; io.EOF is its half-close),
 // send writes to it. It returns when both sides have closed (nil), the
