@@ -22,10 +22,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/a73x/eitri/agent/consolerelay"
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // loopGuest plays a guest's TCP services on loopback: the agent's real
@@ -89,7 +89,7 @@ func newTunnelEnv(t *testing.T, cfg server.Config) *tunnelEnv {
 	e := newCLIEnv(t, cfg)
 	g := &loopGuest{running: map[string]bool{}}
 	ident := e.relayHost("h1", &scriptedHost{}, consolerelay.Config{Guests: g.addr})
-	vms := eitriv1connect.NewVMServiceClient(syncclient.HTTPClient(""), e.url, connect.WithInterceptors(syncclient.Bearer(e.srv.AdminToken)))
+	vms := eitriv1connect.NewVMServiceClient(connclient.HTTPClient(""), e.url, connect.WithInterceptors(connclient.Bearer(e.srv.AdminToken)))
 	r, err := vms.CreateVM(context.Background(), connect.NewRequest(&eitriv1.CreateVMRequest{Name: "web-1", HostId: ident.HostID,
 		ImageUrl: "http://images.test/g.raw", ImageSha256: strings.Repeat("ab", 32), Vcpus: 1, MemMb: 256, DiskGb: 1}))
 	require.NoError(t, err)
@@ -224,14 +224,14 @@ func TestTunnelsAreRelayedByTheVMsHostWithHalfClosesBoundsAndEvents(t *testing.T
 	})
 
 	t.Run("another user's VM is not found and an unauthenticated caller gets nothing", func(t *testing.T) {
-		tokens := eitriv1connect.NewTokenServiceClient(syncclient.HTTPClient(""), e.url, connect.WithInterceptors(syncclient.Bearer(e.srv.AdminToken)))
+		tokens := eitriv1connect.NewTokenServiceClient(connclient.HTTPClient(""), e.url, connect.WithInterceptors(connclient.Bearer(e.srv.AdminToken)))
 		tok, err := tokens.CreateToken(ctx, connect.NewRequest(&eitriv1.CreateTokenRequest{Name: "t", UserName: "mallory"}))
 		require.NoError(t, err)
-		other := eitriv1connect.NewVMServiceClient(syncclient.HTTPClient(""), e.url, connect.WithInterceptors(syncclient.Bearer(tok.Msg.Secret)))
+		other := eitriv1connect.NewVMServiceClient(connclient.HTTPClient(""), e.url, connect.WithInterceptors(connclient.Bearer(tok.Msg.Secret)))
 		_, err = openTunnel(ctx, other, &eitriv1.OpenTunnelRequest{VmId: e.vmID, Port: echo})
 		assert.Equal(t, connect.CodeNotFound, code(err), "%v", err)
 
-		anon := eitriv1connect.NewVMServiceClient(syncclient.HTTPClient(""), e.url)
+		anon := eitriv1connect.NewVMServiceClient(connclient.HTTPClient(""), e.url)
 		_, err = openTunnel(ctx, anon, &eitriv1.OpenTunnelRequest{VmId: e.vmID, Port: echo})
 		assert.Equal(t, connect.CodeUnauthenticated, code(err), "%v", err)
 	})
@@ -328,7 +328,7 @@ func TestTunnelsAreRelayedByTheVMsHostWithHalfClosesBoundsAndEvents(t *testing.T
 
 	t.Run("a host cannot answer a tunnel call it was not sent", func(t *testing.T) {
 		ident := e.enroll("h2")
-		ac := eitriv1connect.NewAgentServiceClient(syncclient.HTTPClient(""), e.url, connect.WithInterceptors(syncclient.Bearer(ident.Credential)))
+		ac := eitriv1connect.NewAgentServiceClient(connclient.HTTPClient(""), e.url, connect.WithInterceptors(connclient.Bearer(ident.Credential)))
 		c := ac.Tunnel(ctx)
 		require.NoError(t, c.Send(&eitriv1.TunnelRequest{CallId: "call-made-up"}))
 		_, err := c.Receive()
