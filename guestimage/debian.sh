@@ -71,9 +71,9 @@ packages=(
 kpkg=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null |
 	awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
 [[ -n $kpkg ]] || { log "cannot find the kernel linux-image-cloud-amd64 depends on (apt-get update?)"; exit 1; }
-versions=$(for p in "${packages[@]}" "$kpkg"; do
-	echo "$p $(apt-cache policy "$p" | awk '/Candidate:/ { print $2 }')"
-done | LC_ALL=C sort)
+# One apt-cache call: each loads the whole package cache (seconds).
+versions=$(apt-cache policy "${packages[@]}" "$kpkg" |
+	awk '/^[^ ].*:$/ { p = substr($0, 1, length($0) - 1) } /^  Candidate:/ { print p, $2 }' | LC_ALL=C sort)
 
 # One build per OUTDIR at a time.
 exec 9>"$outdir/.lock-debian"
@@ -110,6 +110,10 @@ label=eitri-root
 
 log "mmdebstrap $suite ($kpkg)"
 # No documentation, man pages or translations: a third of a minimal system.
+# The hooks: root by label; no host keys (cloud-init installs the seed's);
+# a system locale, C.UTF-8, which glibc has built in: with none, cloud-init
+# sets en_US.UTF-8, whose generation Debian's locale-gen skips (it takes no
+# arguments), and warns that update-locale failed.
 mmdebstrap --variant=apt --mode=root --format=directory \
 	--include="$(
 		IFS=,
@@ -125,6 +129,7 @@ mmdebstrap --variant=apt --mode=root --format=directory \
 	--customize-hook='echo "LABEL='"$label"' / ext4 rw,discard,errors=remount-ro 0 1" >"$1/etc/fstab"' \
 	--customize-hook='echo localhost >"$1/etc/hostname"' \
 	--customize-hook='rm -f "$1"/etc/ssh/ssh_host_*' \
+	--customize-hook='echo LANG=C.UTF-8 >"$1/etc/default/locale"' \
 	--customize-hook='printf "%s\n" "# eitri: the seed is always NoCloud; probing other sources only slows boot" "datasource_list: [ NoCloud, None ]" >"$1/etc/cloud/cloud.cfg.d/90-eitri.cfg"' \
 	--customize-hook='rm -rf "$1"/var/log/*.log "$1"/var/log/apt/* "$1"/var/cache/debconf/*-old "$1"/var/lib/dpkg/*-old' \
 	"$suite" "$root" \
