@@ -103,8 +103,9 @@ root="$work/root"
 
 epoch=${SOURCE_DATE_EPOCH:-1700000000}
 export SOURCE_DATE_EPOCH=$epoch
-# Fixed identities, so two builds of the same inputs differ only where the
-# packages' maintainer scripts are not reproducible.
+# Fixed filesystem identities and timestamps where this script chooses them.
+# The image is not bit-for-bit reproducible (maintainer scripts, the initrd):
+# the stamp, not the image's hash, says whether to rebuild.
 root_uuid=5e1f0c2a-7d3b-4c1e-9a6f-0e17a1000002
 label=eitri-root
 
