@@ -22,7 +22,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/miekg/dns"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
@@ -58,7 +57,7 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	// a server inside this namespace, standing in for the host's resolver.
 	const probeName = "upstream.eitri.test"
 	probeAddr := netip.MustParseAddr("192.0.2.77")
-	upstream := serveName(t, probeName, probeAddr)
+	upstream := netnstest.ServeName(t, probeName, probeAddr)
 	imgURL, imgSum := serveFile(t, os.Getenv(debianImageEnv))
 	dev := startDevWith(t, dir, "--dns-upstream", upstream.String(),
 		// Download, first boot and cloud-init under TCG take minutes,
@@ -255,31 +254,4 @@ func serveFile(t *testing.T, path string) (url, sum string) {
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { srv.Close() })
 	return "http://" + ln.Addr().String() + "/" + filepath.Base(path), hex.EncodeToString(h.Sum(nil))
-}
-
-// serveName runs a DNS server on loopback (UDP and TCP, one port) that
-// answers name's A record with addr and nothing else.
-func serveName(t *testing.T, name string, addr netip.Addr) netip.AddrPort {
-	t.Helper()
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	require.NoError(t, err)
-	port := pc.LocalAddr().(*net.UDPAddr).Port
-	ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-	require.NoError(t, err)
-	h := dns.HandlerFunc(func(w dns.ResponseWriter, r *dns.Msg) {
-		m := new(dns.Msg)
-		m.SetReply(r)
-		switch {
-		case len(r.Question) != 1 || !strings.EqualFold(r.Question[0].Name, dns.Fqdn(name)):
-			m.SetRcode(r, dns.RcodeNameError)
-		case r.Question[0].Qtype == dns.TypeA:
-			m.Answer = append(m.Answer, &dns.A{Hdr: dns.RR_Header{Name: dns.Fqdn(name), Rrtype: dns.TypeA, Class: dns.ClassINET, Ttl: 60}, A: addr.AsSlice()})
-		}
-		_ = w.WriteMsg(m)
-	})
-	for _, s := range []*dns.Server{{PacketConn: pc, Handler: h}, {Listener: ln, Handler: h}} {
-		go func() { _ = s.ActivateAndServe() }()
-		t.Cleanup(func() { _ = s.Shutdown() })
-	}
-	return netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
 }
