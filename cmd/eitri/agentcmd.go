@@ -40,7 +40,10 @@ type agentFlags struct {
 	// dnsUpstreams replace the host's resolv.conf as the guests' resolvers.
 	dnsUpstreams []netip.AddrPort
 	vmTimeout    time.Duration
-	maxCreates   int
+	// sshFallbackAfter: how long a guest has to phone home before an
+	// answering sshd makes it ready instead.
+	sshFallbackAfter time.Duration
+	maxCreates       int
 	// createAttempts and retryBackoff: a create's budget, and the wait
 	// after its first failed attempt (doubling after each).
 	createAttempts int
@@ -69,6 +72,7 @@ func (a *agentFlags) register(fs *pflag.FlagSet) {
 		return err
 	})
 	fs.DurationVar(&a.vmTimeout, "vm-timeout", 15*time.Minute, "bound on one create or converge pass (image download included)")
+	fs.DurationVar(&a.sshFallbackAfter, "ssh-fallback-after", hostvm.DefaultSSHFallbackAfter, "how long after power-on a guest has to phone home (cloud-init) before an answering sshd counts as ready; raise it on slow (TCG) hosts")
 	fs.IntVar(&a.maxCreates, "max-creates", 2, "creates running at once on this host")
 	fs.IntVar(&a.createAttempts, "create-attempts", 5, "attempts a create gets before its VM is failed (a permanent error fails it at once)")
 	fs.DurationVar(&a.retryBackoff, "retry-backoff", 20*time.Second, "wait after a VM's first failed create attempt or second failed run in a row; doubles with each further failure, up to 5m, with jitter")
@@ -198,7 +202,7 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	cache := imagecache.New(filepath.Join(a.dataDir, "images"), imagecache.WithMaxBytes(a.cacheGB<<30),
 		imagecache.WithDialPolicy(policy), imagecache.WithLogger(log))
 	images := hostvm.NewImages(cache)
-	hv, err := hostvm.New(hostvm.Config{QEMU: qb, Net: network, St: st, Images: images, Log: log})
+	hv, err := hostvm.New(hostvm.Config{QEMU: qb, Net: network, St: st, Images: images, SSHFallbackAfter: a.sshFallbackAfter, Log: log})
 	if err != nil {
 		return err
 	}

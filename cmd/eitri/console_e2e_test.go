@@ -3,10 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"net"
-	"net/http"
 	"os"
 	"strings"
 	"sync"
@@ -21,22 +17,6 @@ import (
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/wire/connclient"
 )
-
-// serveImage serves the guest image on loopback.
-func serveImage(t *testing.T, path string) (url, sum string) {
-	t.Helper()
-	data, err := os.ReadFile(path)
-	require.NoError(t, err)
-	s := sha256.Sum256(data)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		http.ServeContent(w, r, "guest.raw", time.Time{}, bytes.NewReader(data))
-	})}
-	go func() { _ = srv.Serve(ln) }()
-	t.Cleanup(func() { srv.Close() })
-	return "http://" + ln.Addr().String() + "/guest.raw", hex.EncodeToString(s[:])
-}
 
 // consoleReader collects what a StreamConsole stream delivers.
 type consoleReader struct {
@@ -95,7 +75,7 @@ func TestTheSerialConsoleIsRelayedLiveAndTakesInput(t *testing.T) {
 		return
 	}
 	dir := t.TempDir()
-	imgURL, imgSum := serveImage(t, os.Getenv("EITRI_GUEST_IMAGE"))
+	imgURL, imgSum := serveFile(t, os.Getenv("EITRI_GUEST_IMAGE"))
 	dev := startDev(t, dir)
 	defer func() { dev.stop(t) }()
 	vms := dev.vms(t, dir)

@@ -89,15 +89,23 @@ type devInstance struct {
 
 func startDev(t *testing.T, dir string) *devInstance {
 	t.Helper()
+	return startDevWith(t, dir)
+}
+
+// startDevWith starts the test's dev instance with extra flags after the
+// defaults (a repeated single-valued flag takes the later value).
+func startDevWith(t *testing.T, dir string, extra ...string) *devInstance {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	d := &devInstance{cancel: cancel, done: make(chan error, 1)}
+	args := []string{"dev", "--listen", "127.0.0.1:18080", "--data-dir", dir,
+		"--bridge", "eitrie2e0", "--subnet", "10.79.0.1/24", "--vm-timeout", "3m", "--delete-grace", "2s", "--log-level", "warn",
+		// A failing create spends its budget in seconds, not minutes.
+		"--retry-backoff", "1s",
+		// slowImage serves on loopback, which image downloads refuse unless allowed.
+		"--image-allow", "127.0.0.1/32"}
 	go func() {
-		d.done <- execute(ctx, []string{"dev", "--listen", "127.0.0.1:18080", "--data-dir", dir,
-			"--bridge", "eitrie2e0", "--subnet", "10.79.0.1/24", "--vm-timeout", "3m", "--delete-grace", "2s", "--log-level", "warn",
-			// A failing create spends its budget in seconds, not minutes.
-			"--retry-backoff", "1s",
-			// slowImage serves on loopback, which image downloads refuse unless allowed.
-			"--image-allow", "127.0.0.1/32"}, stdio{in: strings.NewReader(""), out: io.Discard, err: os.Stderr})
+		d.done <- execute(ctx, append(args, extra...), stdio{in: strings.NewReader(""), out: io.Discard, err: os.Stderr})
 	}()
 	require.Eventually(t, func() bool {
 		resp, err := http.Get("http://127.0.0.1:18080/healthz")
