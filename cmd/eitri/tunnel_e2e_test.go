@@ -29,7 +29,7 @@ func TestTunnelsReachTheTestGuest(t *testing.T) {
 		return
 	}
 	dir := t.TempDir()
-	imgURL, imgSum := serveImage(t, os.Getenv("EITRI_GUEST_IMAGE"))
+	imgURL, imgSum := serveFile(t, os.Getenv("EITRI_GUEST_IMAGE"))
 	dev := startDev(t, dir)
 	defer func() { dev.stop(t) }()
 	vms := dev.vms(t, dir)
