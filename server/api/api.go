@@ -180,8 +180,8 @@ func (s vmService) ListVMEvents(ctx context.Context, r *connect.Request[eitriv1.
 	return reply(s.handlers, &eitriv1.ListVMEventsResponse{Events: evs}, err)
 }
 
-func (s vmService) WatchVMs(ctx context.Context, _ *connect.Request[eitriv1.WatchVMsRequest], out *connect.ServerStream[eitriv1.WatchVMsResponse]) error {
-	w, list, err := s.f.WatchVMs(ctx)
+func (s vmService) WatchVMs(ctx context.Context, r *connect.Request[eitriv1.WatchVMsRequest], out *connect.ServerStream[eitriv1.WatchVMsResponse]) error {
+	w, list, err := s.f.WatchVMs(ctx, r.Msg.GetVmId())
 	if err != nil {
 		return s.toConnect(err)
 	}

@@ -526,18 +526,33 @@ func (f *Fleet) publishVM(ctx context.Context, id string) {
 }
 
 // WatchVMs subscribes the caller and returns the current list to start from.
-func (f *Fleet) WatchVMs(ctx context.Context) (*watch.Watcher[*eitriv1.VM], []*eitriv1.VM, error) {
+func (f *Fleet) WatchVMs(ctx context.Context, vmID string) (*watch.Watcher[*eitriv1.VM], []*eitriv1.VM, error) {
 	p, err := principal(ctx)
 	if err != nil {
 		return nil, nil, err
 	}
-	w := f.VMs.Subscribe(ownerFilter[*eitriv1.VM](p))
-	list, err := f.ListVMs(ctx)
+	if vmID == "" {
+		w := f.VMs.Subscribe(ownerFilter[*eitriv1.VM](p))
+		list, err := f.ListVMs(ctx)
+		if err != nil {
+			w.Close()
+			return nil, nil, err
+		}
+		return w, list, nil
+	}
+	// One VM (a console's VM page): subscribe first, then read it, so no
+	// change made in between is missed; an id the caller cannot see is
+	// NotFound, as for every other call naming it.
+	owner := ownerFilter[*eitriv1.VM](p)
+	w := f.VMs.Subscribe(func(ev watch.Event[*eitriv1.VM]) bool {
+		return ev.ID == vmID && (owner == nil || owner(ev))
+	})
+	vm, _, err := f.visible(ctx, vmID)
 	if err != nil {
 		w.Close()
 		return nil, nil, err
 	}
-	return w, list, nil
+	return w, []*eitriv1.VM{f.vmView(vm)}, nil
 }
 
 func ownerFilter[T any](p auth.Principal) func(watch.Event[T]) bool {

@@ -99,7 +99,7 @@ func (t *tools) waitDone(ctx context.Context, req *mcp.CallToolRequest, vm *eitr
 	defer release()
 	// Subscribing after the create is safe: WatchVMs subscribes before it
 	// reads the list, so the list holds every change made until then.
-	w, list, err := t.f.WatchVMs(ctx)
+	w, list, err := t.f.WatchVMs(ctx, vm.GetId()) // this VM alone
 	if err != nil {
 		return t.unfollowed(req, vm, err)
 	}

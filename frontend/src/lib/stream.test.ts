@@ -176,6 +176,48 @@ describe('watchLoop over an in-memory router transport', () => {
 		expect(states).toEqual(['connecting', 'signed-out: session expired']);
 	});
 
+	test('a watched object that is not there is an empty list, not a link to retry', async () => {
+		const asked: string[] = [];
+		const transport = createRouterTransport(({ service }) => {
+			service(VMService, {
+				async *watchVMs(req) {
+					asked.push(req.vmId);
+					if (req.vmId === 'a' && asked.length === 1) {
+						yield { event: { case: 'snapshot', value: { vms: [vm('a')] } } };
+						yield { event: { case: 'removedId', value: 'a' } };
+						throw new ConnectError('control plane restarting', Code.Unavailable);
+					}
+					throw new ConnectError(`vm ${req.vmId} not found`, Code.NotFound);
+				}
+			});
+		});
+		const client = createClient(VMService, transport);
+		for (const [vmId, calls] of [
+			['gone', 1],
+			['a', 2]
+		] as const) {
+			asked.length = 0;
+			const store = new WatchStore<VM>();
+			store.apply({ case: 'snapshot', value: [vm('stale')] });
+			const states: string[] = [];
+			await watchLoop({
+				open: (signal) => client.watchVMs({ vmId }, { signal }),
+				toEvent: (r) => eventOf(r, 'vms'),
+				store,
+				signal: new AbortController().signal,
+				backoff: fixed,
+				onState: (s, err) => states.push(`${s}${err ? `: ${err}` : ''}`),
+				// The first stream of 'a' saw the VM go and then dropped; the
+				// reconnect finds it gone for good.
+				wait: async () => {}
+			});
+			expect(asked).toEqual(Array(calls).fill(vmId));
+			expect(store.synced).toBe(true);
+			expect(ids(store)).toEqual([]);
+			expect(states.at(-1)).toBe('live');
+		}
+	});
+
 	test('aborting ends an open stream and the loop', async () => {
 		let opened!: () => void;
 		const isOpen = new Promise<void>((r) => (opened = r));

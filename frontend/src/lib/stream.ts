@@ -60,7 +60,8 @@ export type WatchLoopOptions<Res, T extends { id: string }> = {
 	wait?: (ms: number, signal: AbortSignal) => Promise<void>;
 };
 
-/** Runs until the signal aborts or the server says the session is gone. */
+/** Runs until the signal aborts, the server says the session is gone, or
+ *  the one object watched is not (or no longer) there. */
 export async function watchLoop<Res, T extends { id: string }>(o: WatchLoopOptions<Res, T>): Promise<void> {
 	const backoff = o.backoff ?? defaultBackoff;
 	const wait = o.wait ?? sleep;
@@ -89,6 +90,14 @@ export async function watchLoop<Res, T extends { id: string }>(o: WatchLoopOptio
 			const f = streamFailure(e);
 			if (f.signedOut) {
 				report('signed-out', f.message);
+				return;
+			}
+			if (ConnectError.from(e).code === Code.NotFound) {
+				// A watch of one object (a VM page's) that is gone, or never
+				// was the caller's: that is an answer — nothing to show — not a
+				// broken link, and asking again would not change it.
+				o.store.apply({ case: 'snapshot', value: [] });
+				report('live', '');
 				return;
 			}
 			error = f.message;

@@ -8,10 +8,12 @@ import type { Eitri } from './context';
 import { startWatch, type LiveList } from './live.svelte';
 import { eventOf } from './watchstore';
 
-export function watchVMs(e: Eitri, list: LiveList<VM>): () => void {
+/** Every VM the user can see, or with vmId (a VM page) that VM alone: the
+ *  page then hears nothing of the rest of the fleet. */
+export function watchVMs(e: Eitri, list: LiveList<VM>, vmId = ''): () => void {
 	return startWatch({
 		list,
-		open: (signal) => e.vms.watchVMs({}, { signal }),
+		open: (signal) => e.vms.watchVMs({ vmId }, { signal }),
 		toEvent: (r) => eventOf(r, 'vms'),
 		board: e.board,
 		session: e.session

@@ -1221,7 +1221,11 @@ func (x *ListVMEventsResponse) GetEvents() []*VMEvent {
 }
 
 type WatchVMsRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Empty watches every VM the caller can see; set, only that VM (the
+	// starting list holds it alone). A VM the caller cannot see is NotFound,
+	// as with WatchExposuresRequest.vm_id.
+	VmId          string `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1254,6 +1258,13 @@ func (x *WatchVMsRequest) ProtoReflect() protoreflect.Message {
 // Deprecated: Use WatchVMsRequest.ProtoReflect.Descriptor instead.
 func (*WatchVMsRequest) Descriptor() ([]byte, []int) {
 	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *WatchVMsRequest) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
 }
 
 type VMList struct {
@@ -2320,8 +2331,9 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\x13ListVMEventsRequest\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\"A\n" +
 	"\x14ListVMEventsResponse\x12)\n" +
-	"\x06events\x18\x01 \x03(\v2\x11.eitri.v1.VMEventR\x06events\"\x11\n" +
-	"\x0fWatchVMsRequest\"(\n" +
+	"\x06events\x18\x01 \x03(\v2\x11.eitri.v1.VMEventR\x06events\"&\n" +
+	"\x0fWatchVMsRequest\x12\x13\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\"(\n" +
 	"\x06VMList\x12\x1e\n" +
 	"\x03vms\x18\x01 \x03(\v2\f.eitri.v1.VMR\x03vms\"\x96\x01\n" +
 	"\x10WatchVMsResponse\x12.\n" +

@@ -576,6 +576,14 @@ export declare const ListVMEventsResponseSchema: GenMessage<ListVMEventsResponse
  * @generated from message eitri.v1.WatchVMsRequest
  */
 export declare type WatchVMsRequest = Message<"eitri.v1.WatchVMsRequest"> & {
+  /**
+   * Empty watches every VM the caller can see; set, only that VM (the
+   * starting list holds it alone). A VM the caller cannot see is NotFound,
+   * as with WatchExposuresRequest.vm_id.
+   *
+   * @generated from field: string vm_id = 1;
+   */
+  vmId: string;
 };
 
 /**
