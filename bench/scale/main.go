@@ -264,6 +264,7 @@ func run(ctx context.Context, c config) error {
 	}
 	cpu0, _, _ := srv.usage()
 	self0 := selfCPU()
+	wait0, selfWait0 := runWait(srv.cmd.Process.Pid), runWait(os.Getpid())
 	r0 := reports.Load()
 	from := time.Now()
 	time.Sleep(c.dur)
@@ -272,6 +273,7 @@ func run(ctx context.Context, c config) error {
 	to := time.Now()
 	cpu1, rss, _ := srv.usage()
 	self1 := selfCPU()
+	wait1, selfWait1 := runWait(srv.cmd.Process.Pid), runWait(os.Getpid())
 	r1 := reports.Load()
 	window := to.Sub(from)
 
@@ -343,6 +345,8 @@ func run(ctx context.Context, c config) error {
 	fmt.Printf("  CPU per delivery        %.1f µs (control-plane CPU / messages received by watchers)\n",
 		float64((cpu1-cpu0).Microseconds())/float64(max(deliveries, 1)))
 	fmt.Printf("  simulator CPU           %.2f cores (its agents and watchers, on the same machine)\n", (self1-self0).Seconds()/window.Seconds())
+	fmt.Printf("  waiting for a CPU       control plane %.2f, simulator %.2f (thread-seconds runnable but not running, per second)\n",
+		(wait1-wait0).Seconds()/window.Seconds(), (selfWait1-selfWait0).Seconds()/window.Seconds())
 	if len(errs) > 0 {
 		fmt.Printf("  watcher errors          %d (first: %v)\n", len(errs), errs[0])
 	}

@@ -174,3 +174,26 @@ func (s *server) allocated(from, to time.Time) (mb int64, gcs int) {
 	}
 	return mb, gcs
 }
+
+// runWait is how long the threads of process pid have spent runnable but
+// waiting for a CPU (the second field of each /proc/pid/task/*/schedstat):
+// on a machine shared with other work, latency that no profile of the
+// process shows is time it was ready to run and not given a core.
+func runWait(pid int) time.Duration {
+	tasks, err := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/schedstat", pid))
+	if err != nil {
+		return 0
+	}
+	var sum int64
+	for _, t := range tasks {
+		b, err := os.ReadFile(t)
+		if err != nil {
+			continue // the thread ended
+		}
+		if f := strings.Fields(string(b)); len(f) >= 2 {
+			n, _ := strconv.ParseInt(f[1], 10, 64)
+			sum += n
+		}
+	}
+	return time.Duration(sum)
+}

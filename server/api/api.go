@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 	"github.com/go-chi/chi/v5"
@@ -104,17 +105,36 @@ func shutdownErr(ctx context.Context) error {
 }
 
 // stream sends the starting list, then every change, until the client goes
-// or the control plane stops.
+// or the control plane stops. A change after a quiet spell leaves at once;
+// a busy stream writes at most once per watchPace, everything new in one
+// batch.
 func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], first *R, send func(*R) error, wrap func(watch.Event[T]) *R) error {
 	defer w.Close()
 	if err := batch(ctx, func() error { return send(first) }); err != nil {
 		return err
 	}
+	var last time.Time // when the last batch started
+	pause := time.NewTimer(0)
+	defer pause.Stop()
+	settle := func(ctx context.Context) error {
+		wait := watchPace - time.Since(last)
+		if wait <= 0 {
+			return nil
+		}
+		pause.Reset(wait)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-pause.C:
+			return nil
+		}
+	}
 	for {
-		evs, err := w.Next(ctx)
+		evs, err := w.NextSettled(ctx, settle)
 		if err != nil {
 			return shutdownErr(ctx)
 		}
+		last = time.Now()
 		// Whatever piled up while the last batch was written goes out
 		// with one flush.
 		err = batch(ctx, func() error {
@@ -137,6 +157,14 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 		}
 	}
 }
+
+// watchPace is the shortest interval between two writes of one Watch
+// stream. Each write costs both ends a wakeup, a frame, a TLS record and a
+// system call whatever it carries; at a fleet's rate of change (a hundred
+// a second to every console) writing each change alone spent the machine
+// on those, and changes queued behind them for seconds. Paced, a change
+// waits at most this long for the ones after it.
+var watchPace = 20 * time.Millisecond
 
 type vmService struct{ handlers }
 

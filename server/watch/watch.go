@@ -117,22 +117,39 @@ func (w *Watcher[T]) offer(ev Event[T]) {
 // Next blocks until at least one event is pending and returns all pending
 // events in order, or returns ctx's error.
 func (w *Watcher[T]) Next(ctx context.Context) ([]Event[T], error) {
+	return w.NextSettled(ctx, nil)
+}
+
+// NextSettled is Next that, once something is pending, calls settle (if
+// not nil) before taking the queue: what arrives while settle waits joins
+// the same batch, still coalesced per object. A stream uses it to pace its
+// writes, so that a busy watcher is woken and written to once per interval
+// with everything new rather than once per change.
+func (w *Watcher[T]) NextSettled(ctx context.Context, settle func(context.Context) error) ([]Event[T], error) {
 	for {
 		w.mu.Lock()
-		if len(w.queue) > 0 {
-			out := w.queue
-			w.queue = nil
-			clear(w.pending)
-			w.mu.Unlock()
-			return out, nil
-		}
+		n := len(w.queue)
 		w.mu.Unlock()
+		if n > 0 {
+			break
+		}
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-w.ready:
 		}
 	}
+	if settle != nil {
+		if err := settle(ctx); err != nil {
+			return nil, err
+		}
+	}
+	w.mu.Lock()
+	out := w.queue
+	w.queue = nil
+	clear(w.pending)
+	w.mu.Unlock()
+	return out, nil
 }
 
 // Close unsubscribes the watcher.

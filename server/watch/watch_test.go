@@ -115,3 +115,30 @@ func TestEveryWatcherSharesOneMemoPerEvent(t *testing.T) {
 	assert.Same(t, ea.Memo.Do(build), eb.Memo.Do(build), "both watchers send the same message")
 	assert.Equal(t, 1, builds)
 }
+
+// What arrives while a stream settles joins the batch it is about to
+// write, coalesced with what was already pending.
+func TestChangesArrivingWhileSettlingJoinTheBatch(t *testing.T) {
+	top := NewTopic[int]()
+	w := top.Subscribe(nil)
+	defer w.Close()
+	top.Publish(Event[int]{ID: "a", Obj: 1})
+	settled := 0
+	evs, err := w.NextSettled(context.Background(), func(context.Context) error {
+		settled++
+		top.Publish(Event[int]{ID: "b", Obj: 2})
+		top.Publish(Event[int]{ID: "a", Obj: 3})
+		return nil
+	})
+	require.NoError(t, err)
+	assert.Equal(t, 1, settled)
+	require.Len(t, evs, 2)
+	assert.Equal(t, []Event[int]{{ID: "a", Obj: 3}, {ID: "b", Obj: 2}}, []Event[int]{{ID: evs[0].ID, Obj: evs[0].Obj}, {ID: evs[1].ID, Obj: evs[1].Obj}})
+
+	// Nothing pending: settle is not called until something is.
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err = w.NextSettled(ctx, func(context.Context) error { settled++; return nil })
+	assert.ErrorIs(t, err, context.Canceled)
+	assert.Equal(t, 1, settled)
+}
