@@ -108,11 +108,12 @@ func shutdownErr(ctx context.Context) error {
 // or the control plane stops. A change after a quiet spell leaves at once;
 // a busy stream writes at most once per watchPace, everything new in one
 // batch.
-func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], first *R, send func(*R) error, wrap func(watch.Event[T]) *R) error {
+func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], first *R, out serverStream[R], wrap func(watch.Event[T]) *R) error {
 	defer w.Close()
-	if err := batch(ctx, func() error { return send(first) }); err != nil {
+	if err := batch(ctx, func() error { return out.Send(first) }); err != nil {
 		return err
 	}
+	raw := rawFraming(ctx, out.Conn())
 	var last time.Time // when the last batch started
 	pause := time.NewTimer(0)
 	defer pause.Stop()
@@ -129,6 +130,7 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 			return nil
 		}
 	}
+	var frames []byte
 	for {
 		evs, err := w.NextSettled(ctx, settle)
 		if err != nil {
@@ -138,6 +140,7 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 		// Whatever piled up while the last batch was written goes out
 		// with one flush.
 		err = batch(ctx, func() error {
+			frames = frames[:0]
 			for _, ev := range evs {
 				// Every watcher of this change sends the same message, built
 				// and (see sharedWire) encoded once.
@@ -146,9 +149,22 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 					share(m)
 					return m
 				}).(*R)
-				if err := send(msg); err != nil {
+				if raw != nil {
+					var ok bool
+					if frames, ok = raw.append(frames, msg); ok {
+						continue
+					}
+					if err := raw.write(frames); err != nil {
+						return err
+					}
+					frames = frames[:0]
+				}
+				if err := out.Send(msg); err != nil {
 					return err
 				}
+			}
+			if raw != nil {
+				return raw.write(frames)
 			}
 			return nil
 		})
@@ -156,6 +172,12 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 			return err
 		}
 	}
+}
+
+// serverStream is what stream needs of a connect.ServerStream.
+type serverStream[R any] interface {
+	Send(*R) error
+	Conn() connect.StreamingHandlerConn
 }
 
 // watchPace is the shortest interval between two writes of one Watch
@@ -214,7 +236,7 @@ func (s vmService) WatchVMs(ctx context.Context, r *connect.Request[eitriv1.Watc
 		return s.toConnect(err)
 	}
 	first := &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_Snapshot{Snapshot: &eitriv1.VMList{Vms: list}}}
-	return stream(ctx, s.handlers, w, first, out.Send, func(ev watch.Event[*eitriv1.VM]) *eitriv1.WatchVMsResponse {
+	return stream(ctx, s.handlers, w, first, out, func(ev watch.Event[*eitriv1.VM]) *eitriv1.WatchVMsResponse {
 		if ev.Removed {
 			return &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_RemovedId{RemovedId: ev.ID}}
 		}
@@ -245,7 +267,7 @@ func (s exposureService) WatchExposures(ctx context.Context, r *connect.Request[
 		return s.toConnect(err)
 	}
 	first := &eitriv1.WatchExposuresResponse{Event: &eitriv1.WatchExposuresResponse_Snapshot{Snapshot: &eitriv1.ExposureList{Exposures: list}}}
-	return stream(ctx, s.handlers, w, first, out.Send, func(ev watch.Event[*eitriv1.Exposure]) *eitriv1.WatchExposuresResponse {
+	return stream(ctx, s.handlers, w, first, out, func(ev watch.Event[*eitriv1.Exposure]) *eitriv1.WatchExposuresResponse {
 		if ev.Removed {
 			return &eitriv1.WatchExposuresResponse{Event: &eitriv1.WatchExposuresResponse_RemovedId{RemovedId: ev.ID}}
 		}
@@ -290,7 +312,7 @@ func (s hostService) WatchHosts(ctx context.Context, _ *connect.Request[eitriv1.
 		return s.toConnect(err)
 	}
 	first := &eitriv1.WatchHostsResponse{Event: &eitriv1.WatchHostsResponse_Snapshot{Snapshot: &eitriv1.HostList{Hosts: list}}}
-	return stream(ctx, s.handlers, w, first, out.Send, func(ev watch.Event[*eitriv1.Host]) *eitriv1.WatchHostsResponse {
+	return stream(ctx, s.handlers, w, first, out, func(ev watch.Event[*eitriv1.Host]) *eitriv1.WatchHostsResponse {
 		if ev.Removed {
 			return &eitriv1.WatchHostsResponse{Event: &eitriv1.WatchHostsResponse_RemovedId{RemovedId: ev.ID}}
 		}
