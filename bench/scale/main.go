@@ -19,6 +19,9 @@
 //     allocated per delivered change (from its GODEBUG=gctrace=1 lines:
 //     the server has no debug endpoint and needs none for this),
 //
+//   - how long each process's threads were runnable but waiting for a CPU
+//     (schedstat): on a shared machine, queueing that no profile shows,
+//
 //   - and, in the same run, a plain in-process channel fan-out of the same
 //     change rate to the same number of receivers: the floor.
 //
