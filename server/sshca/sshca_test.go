@@ -1,0 +1,116 @@
+package sshca_test
+
+import (
+	"crypto/ed25519"
+	"crypto/rand"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
+
+	"github.com/a73x/eitri/server/sshca"
+)
+
+func newPub(t *testing.T) ssh.PublicKey {
+	t.Helper()
+	pk, _, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	pub, err := ssh.NewPublicKey(pk)
+	require.NoError(t, err)
+	return pub
+}
+
+func TestLoadOrCreateKeepsTheCAsAcrossRestarts(t *testing.T) {
+	dir := t.TempDir()
+	a, err := sshca.LoadOrCreate(dir)
+	require.NoError(t, err)
+	b, err := sshca.LoadOrCreate(dir)
+	require.NoError(t, err)
+	for _, k := range []sshca.Kind{sshca.User, sshca.Host} {
+		assert.Equal(t, a.PublicKey(k).Marshal(), b.PublicKey(k).Marshal(), "%s CA changed on restart", k)
+		assert.Equal(t, ssh.KeyAlgoED25519, a.PublicKey(k).Type())
+	}
+	assert.NotEqual(t, a.PublicKey(sshca.User).Marshal(), a.PublicKey(sshca.Host).Marshal(), "user and host CA must differ")
+}
+
+func TestUserCertificateIsCheckedByValidityAndPrincipal(t *testing.T) {
+	a, err := sshca.LoadOrCreate(t.TempDir())
+	require.NoError(t, err)
+	now := time.Now()
+	user := newPub(t)
+	cert, err := a.Sign(sshca.User, user, "alice@vm-1", []string{"eitri"}, sshca.Validity{After: now.Add(-time.Minute), Before: now.Add(5 * time.Minute)})
+	require.NoError(t, err)
+
+	caKey := a.PublicKey(sshca.User)
+	checker := func(at time.Time) *ssh.CertChecker {
+		return &ssh.CertChecker{
+			IsUserAuthority: func(k ssh.PublicKey) bool { return string(k.Marshal()) == string(caKey.Marshal()) },
+			Clock:           func() time.Time { return at },
+		}
+	}
+	require.NoError(t, checker(now).CheckCert("eitri", cert))
+	assert.ErrorContains(t, checker(now).CheckCert("root", cert), "not in the set of valid principals")
+	assert.ErrorContains(t, checker(now.Add(6*time.Minute)).CheckCert("eitri", cert), "expired")
+
+	// The host CA does not vouch for users.
+	hostCA := a.PublicKey(sshca.Host)
+	_, err = (&ssh.CertChecker{IsUserAuthority: func(k ssh.PublicKey) bool { return string(k.Marshal()) == string(hostCA.Marshal()) }}).
+		Authenticate(connMeta("eitri"), cert)
+	assert.Error(t, err)
+
+	_, err = a.Sign(sshca.User, user, "x", nil, sshca.Validity{After: now, Before: now.Add(time.Minute)})
+	assert.Error(t, err, "a certificate without principals is valid for everyone")
+}
+
+func TestSerialsDiffer(t *testing.T) {
+	seen := map[uint64]bool{}
+	for range 1000 {
+		s, err := sshca.Serial()
+		require.NoError(t, err)
+		require.False(t, seen[s], "serial %d repeated", s)
+		seen[s] = true
+	}
+}
+
+func TestRotateKeepsThePreviousKeyTrusted(t *testing.T) {
+	dir := t.TempDir()
+	a, err := sshca.LoadOrCreate(dir)
+	require.NoError(t, err)
+	first := a.PublicKey(sshca.Host)
+	require.Len(t, a.Trusted(sshca.Host), 1)
+
+	require.NoError(t, a.Rotate(sshca.Host))
+	second := a.PublicKey(sshca.Host)
+	assert.NotEqual(t, first.Marshal(), second.Marshal())
+	trusted := a.Trusted(sshca.Host)
+	require.Len(t, trusted, 2)
+	assert.Equal(t, second.Marshal(), trusted[0].Marshal(), "current key first")
+	assert.Equal(t, first.Marshal(), trusted[1].Marshal(), "previous key still trusted")
+	assert.Len(t, a.Trusted(sshca.User), 1, "rotating the host CA leaves the user CA alone")
+
+	// Survives a restart.
+	b, err := sshca.LoadOrCreate(dir)
+	require.NoError(t, err)
+	require.Len(t, b.Trusted(sshca.Host), 2)
+	assert.Equal(t, first.Marshal(), b.Trusted(sshca.Host)[1].Marshal())
+
+	// A second rotation drops the first key.
+	require.NoError(t, b.Rotate(sshca.Host))
+	trusted = b.Trusted(sshca.Host)
+	require.Len(t, trusted, 2)
+	assert.Equal(t, second.Marshal(), trusted[1].Marshal())
+	assert.Equal(t, "@cert-authority * "+sshca.AuthorizedKey(trusted[0]), sshca.KnownHostsLine(trusted[0]))
+}
+
+type meta string
+
+func (m meta) User() string                 { return string(m) }
+func (meta) SessionID() []byte              { return nil }
+func (meta) ClientVersion() []byte          { return nil }
+func (meta) ServerVersion() []byte          { return nil }
+func (meta) RemoteAddr() net.Addr           { return &net.TCPAddr{} }
+func (meta) LocalAddr() net.Addr            { return &net.TCPAddr{} }
+func connMeta(user string) ssh.ConnMetadata { return meta(user) }
