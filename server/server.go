@@ -27,6 +27,7 @@ import (
 	"github.com/a73x/eitri/server/httpguard"
 	"github.com/a73x/eitri/server/mcp"
 	"github.com/a73x/eitri/server/pki"
+	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
 )
 
@@ -98,6 +99,11 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		s.Fingerprint = pki.Fingerprint(cert.Certificate[0])
 		s.tls = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2", "http/1.1"}}
 	}
+	// The SSH CAs sit beside the TLS material, made on first start.
+	ca, err := sshca.LoadOrCreate(filepath.Join(cfg.DataDir, "ssh"))
+	if err != nil {
+		return nil, err
+	}
 	st, err := store.Open(ctx, filepath.Join(cfg.DataDir, "eitri.db"))
 	if err != nil {
 		return nil, err
@@ -108,6 +114,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
 		RestoreMargin: cfg.RestoreMargin, DestroySweep: cfg.DestroySweep, Now: cfg.Now,
 		MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,
+		SSHCA:             ca,
 	}, st)
 	if s.AdminToken, err = s.Fleet.Bootstrap(ctx, cfg.DataDir); err != nil {
 		st.Close()
@@ -151,6 +158,9 @@ func (s *Server) route(r *http.Request) httpguard.Rule {
 	case p == eitriv1connect.AgentServiceEnrollProcedure:
 		// The join token in the body is the credential.
 		return httpguard.Rule{MaxBody: api.MaxEnrollMessage + api.EnvelopeSlack, RPC: true}
+	case p == eitriv1connect.AgentServiceSignHostKeyProcedure:
+		// Unary: one VM id and one key.
+		return httpguard.Rule{Check: s.checkHost, MaxBody: api.MaxUserMessage + api.EnvelopeSlack, RPC: true}
 	case strings.HasPrefix(p, "/"+eitriv1connect.AgentServiceName+"/"):
 		// Sync lasts as long as the host is up; Connect bounds each report.
 		return httpguard.Rule{Check: s.checkHost, Stream: true, RPC: true}

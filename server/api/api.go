@@ -50,6 +50,7 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 		func() (string, http.Handler) { return eitriv1connect.NewTokenServiceHandler(tokenService{h}, opts...) },
 		func() (string, http.Handler) { return eitriv1connect.NewQuotaServiceHandler(quotaService{h}, opts...) },
 		func() (string, http.Handler) { return eitriv1connect.NewAgentServiceHandler(agentService{h}, opts...) },
+		func() (string, http.Handler) { return eitriv1connect.NewSSHServiceHandler(sshService{h}, opts...) },
 	} {
 		path, handler := mount()
 		// auth.Console: the console's cookie is good here (from its own pages).

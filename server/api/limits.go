@@ -47,6 +47,9 @@ func MessageLimit(procedure string) int64 {
 		return MaxEnrollMessage
 	case procedure == eitriv1connect.AgentServiceTunnelProcedure, procedure == eitriv1connect.VMServiceOpenTunnelProcedure:
 		return MaxTunnelMessage
+	case procedure == eitriv1connect.AgentServiceSignHostKeyProcedure:
+		// A VM id and one public key.
+		return MaxUserMessage
 	case strings.HasPrefix(procedure, "/"+eitriv1connect.AgentServiceName+"/"):
 		return MaxReportMessage
 	case IsReflection(procedure):

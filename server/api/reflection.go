@@ -19,6 +19,7 @@ var UserServices = []string{
 	eitriv1connect.HostServiceName,
 	eitriv1connect.TokenServiceName,
 	eitriv1connect.QuotaServiceName,
+	eitriv1connect.SSHServiceName,
 }
 
 // Reflection paths: gRPC server reflection, v1 and the v1alpha older tools

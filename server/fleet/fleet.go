@@ -19,6 +19,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/registry"
+	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
 )
@@ -109,6 +110,9 @@ type Config struct {
 	DestroySweep time.Duration
 	// PortRange is where unset host ports are allocated from.
 	PortMin, PortMax uint16
+	// SSHCA signs users' and guests' SSH keys; nil: no certificates, and
+	// guests trust no CA.
+	SSHCA *sshca.Authority
 	// MaxTunnelsPerUser caps each user's open tunnels (default
 	// DefaultMaxTunnelsPerUser).
 	MaxTunnelsPerUser int

@@ -128,12 +128,13 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 	deleted := map[string]bool{}
 	destroying := map[string]bool{}
 	now := f.now()
+	userCAs := f.trustedUserCAKeys()
 	for _, v := range vms {
 		d := &eitriv1.VMDesired{
 			VmId: v.ID, Name: v.Name, ImageUrl: v.ImageURL, ImageSha256: v.ImageSHA256,
 			Vcpus: v.VCPUs, MemMb: v.MemMB, DiskGb: v.DiskGB, PowerState: v.PowerState,
 			SshAuthorizedKey: v.SSHAuthorizedKey, Owner: v.OwnerID, Version: v.DesiredGen,
-			Retry: v.Retry,
+			Retry: v.Retry, SshUserCaKeys: userCAs,
 		}
 		if v.DeletedAt != nil {
 			d.Deleted = true

@@ -1136,7 +1136,12 @@ type VMDesired struct {
 	// agent that holds the VM failed, or counting failed attempts, under a
 	// lower retry resets its budgets and tries again at once. 0 from a control
 	// plane that predates it.
-	Retry         uint64 `protobuf:"varint,15,opt,name=retry,proto3" json:"retry,omitempty"`
+	Retry uint64 `protobuf:"varint,15,opt,name=retry,proto3" json:"retry,omitempty"`
+	// The SSH user CA keys the guest's sshd trusts (TrustedUserCAKeys), in
+	// authorized_keys form, current first. Written into the seed when the VM
+	// is created; a guest reads it once. Empty from a control plane without a
+	// CA.
+	SshUserCaKeys []string `protobuf:"bytes,16,rep,name=ssh_user_ca_keys,json=sshUserCaKeys,proto3" json:"ssh_user_ca_keys,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1274,6 +1279,13 @@ func (x *VMDesired) GetRetry() uint64 {
 		return x.Retry
 	}
 	return 0
+}
+
+func (x *VMDesired) GetSshUserCaKeys() []string {
+	if x != nil {
+		return x.SshUserCaKeys
+	}
+	return nil
 }
 
 // AgentUpgrade offers the agent a newer build. The agent reports it and
@@ -2209,6 +2221,106 @@ func (x *TunnelResponse) GetEof() bool {
 	return false
 }
 
+type SignHostKeyRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	// The guest's host public key in authorized_keys form (ed25519).
+	PublicKey     string `protobuf:"bytes,2,opt,name=public_key,json=publicKey,proto3" json:"public_key,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignHostKeyRequest) Reset() {
+	*x = SignHostKeyRequest{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignHostKeyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignHostKeyRequest) ProtoMessage() {}
+
+func (x *SignHostKeyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignHostKeyRequest.ProtoReflect.Descriptor instead.
+func (*SignHostKeyRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *SignHostKeyRequest) GetVmId() string {
+	if x != nil {
+		return x.VmId
+	}
+	return ""
+}
+
+func (x *SignHostKeyRequest) GetPublicKey() string {
+	if x != nil {
+		return x.PublicKey
+	}
+	return ""
+}
+
+type SignHostKeyResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The host certificate in authorized_keys form
+	// ("ssh-ed25519-cert-v01@openssh.com AAAA..."). Its principals are the
+	// VM's id and name.
+	Certificate   string `protobuf:"bytes,1,opt,name=certificate,proto3" json:"certificate,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignHostKeyResponse) Reset() {
+	*x = SignHostKeyResponse{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignHostKeyResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignHostKeyResponse) ProtoMessage() {}
+
+func (x *SignHostKeyResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignHostKeyResponse.ProtoReflect.Descriptor instead.
+func (*SignHostKeyResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *SignHostKeyResponse) GetCertificate() string {
+	if x != nil {
+		return x.Certificate
+	}
+	return ""
+}
+
 var File_eitri_v1_agent_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_agent_proto_rawDesc = "" +
@@ -2305,7 +2417,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\ragent_upgrade\x18\x03 \x01(\v2\x16.eitri.v1.AgentUpgradeR\fagentUpgrade\x127\n" +
 	"\texposures\x18\x04 \x03(\v2\x19.eitri.v1.ExposureDesiredR\texposures\x12(\n" +
 	"\x10control_plane_id\x18\x05 \x01(\tR\x0econtrolPlaneId\x12\x14\n" +
-	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\"\xab\x03\n" +
+	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\"\xd4\x03\n" +
 	"\tVMDesired\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -2323,7 +2435,8 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x05owner\x18\f \x01(\tR\x05owner\x12\x18\n" +
 	"\adestroy\x18\r \x01(\bR\adestroy\x12\x18\n" +
 	"\aversion\x18\x0e \x01(\x04R\aversion\x12\x14\n" +
-	"\x05retry\x18\x0f \x01(\x04R\x05retry\"R\n" +
+	"\x05retry\x18\x0f \x01(\x04R\x05retry\x12'\n" +
+	"\x10ssh_user_ca_keys\x18\x10 \x03(\tR\rsshUserCaKeys\"R\n" +
 	"\fAgentUpgrade\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x12\x16\n" +
@@ -2390,13 +2503,20 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x05error\x18\x06 \x01(\tR\x05error\"6\n" +
 	"\x0eTunnelResponse\x12\x12\n" +
 	"\x04data\x18\x01 \x01(\fR\x04data\x12\x10\n" +
-	"\x03eof\x18\x02 \x01(\bR\x03eof2\xc7\x02\n" +
+	"\x03eof\x18\x02 \x01(\bR\x03eof\"H\n" +
+	"\x12SignHostKeyRequest\x12\x13\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x1d\n" +
+	"\n" +
+	"public_key\x18\x02 \x01(\tR\tpublicKey\"7\n" +
+	"\x13SignHostKeyResponse\x12 \n" +
+	"\vcertificate\x18\x01 \x01(\tR\vcertificate2\x93\x03\n" +
 	"\fAgentService\x12;\n" +
 	"\x06Enroll\x12\x17.eitri.v1.EnrollRequest\x1a\x18.eitri.v1.EnrollResponse\x129\n" +
 	"\x04Sync\x12\x15.eitri.v1.SyncRequest\x1a\x16.eitri.v1.SyncResponse(\x010\x01\x12:\n" +
 	"\x05Calls\x12\x16.eitri.v1.CallsRequest\x1a\x17.eitri.v1.CallsResponse0\x01\x12B\n" +
 	"\aConsole\x12\x18.eitri.v1.ConsoleRequest\x1a\x19.eitri.v1.ConsoleResponse(\x010\x01\x12?\n" +
-	"\x06Tunnel\x12\x17.eitri.v1.TunnelRequest\x1a\x18.eitri.v1.TunnelResponse(\x010\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\x06Tunnel\x12\x17.eitri.v1.TunnelRequest\x1a\x18.eitri.v1.TunnelResponse(\x010\x01\x12J\n" +
+	"\vSignHostKey\x12\x1c.eitri.v1.SignHostKeyRequest\x1a\x1d.eitri.v1.SignHostKeyResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_agent_proto_rawDescOnce sync.Once
@@ -2410,7 +2530,7 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
@@ -2437,10 +2557,12 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*ConsoleResponse)(nil),      // 22: eitri.v1.ConsoleResponse
 	(*TunnelRequest)(nil),        // 23: eitri.v1.TunnelRequest
 	(*TunnelResponse)(nil),       // 24: eitri.v1.TunnelResponse
-	(*Capacity)(nil),             // 25: eitri.v1.Capacity
-	(*Metrics)(nil),              // 26: eitri.v1.Metrics
-	(*Progress)(nil),             // 27: eitri.v1.Progress
-	(*ExposureSessions)(nil),     // 28: eitri.v1.ExposureSessions
+	(*SignHostKeyRequest)(nil),   // 25: eitri.v1.SignHostKeyRequest
+	(*SignHostKeyResponse)(nil),  // 26: eitri.v1.SignHostKeyResponse
+	(*Capacity)(nil),             // 27: eitri.v1.Capacity
+	(*Metrics)(nil),              // 28: eitri.v1.Metrics
+	(*Progress)(nil),             // 29: eitri.v1.Progress
+	(*ExposureSessions)(nil),     // 30: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
@@ -2448,17 +2570,17 @@ var file_eitri_v1_agent_proto_depIdxs = []int32{
 	10, // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
 	7,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
 	9,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	25, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	26, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	27, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	28, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
 	14, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
 	6,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
 	8,  // 9: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
-	27, // 10: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
+	29, // 10: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
 	11, // 11: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
 	11, // 12: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
 	12, // 13: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
 	13, // 14: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	28, // 15: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	30, // 15: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
 	18, // 16: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
 	19, // 17: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
 	20, // 18: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
@@ -2467,13 +2589,15 @@ var file_eitri_v1_agent_proto_depIdxs = []int32{
 	16, // 21: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
 	21, // 22: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
 	23, // 23: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
-	1,  // 24: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 25: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	17, // 26: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
-	22, // 27: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
-	24, // 28: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
-	24, // [24:29] is the sub-list for method output_type
-	19, // [19:24] is the sub-list for method input_type
+	25, // 24: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
+	1,  // 25: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 26: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	17, // 27: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
+	22, // 28: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
+	24, // 29: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
+	26, // 30: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
+	25, // [25:31] is the sub-list for method output_type
+	19, // [19:25] is the sub-list for method input_type
 	19, // [19:19] is the sub-list for extension type_name
 	19, // [19:19] is the sub-list for extension extendee
 	0,  // [0:19] is the sub-list for field type_name
@@ -2503,7 +2627,7 @@ func file_eitri_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   25,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -43,6 +43,9 @@ const (
 	AgentServiceConsoleProcedure = "/eitri.v1.AgentService/Console"
 	// AgentServiceTunnelProcedure is the fully-qualified name of the AgentService's Tunnel RPC.
 	AgentServiceTunnelProcedure = "/eitri.v1.AgentService/Tunnel"
+	// AgentServiceSignHostKeyProcedure is the fully-qualified name of the AgentService's SignHostKey
+	// RPC.
+	AgentServiceSignHostKeyProcedure = "/eitri.v1.AgentService/SignHostKey"
 )
 
 // AgentServiceClient is a client for the eitri.v1.AgentService service.
@@ -70,6 +73,11 @@ type AgentServiceClient interface {
 	// side saying eof when it half-closes. The control plane ends the stream
 	// when the tunnel ends.
 	Tunnel(context.Context) *connect.BidiStreamForClient[v1.TunnelRequest, v1.TunnelResponse]
+	// SignHostKey certifies a guest's SSH host key with the control plane's
+	// host CA, for a VM placed on this host (another host's VM is NotFound).
+	// The agent asks before it writes the guest's seed; the seed installs the
+	// certificate (sshd HostCertificate).
+	SignHostKey(context.Context, *connect.Request[v1.SignHostKeyRequest]) (*connect.Response[v1.SignHostKeyResponse], error)
 }
 
 // NewAgentServiceClient constructs a client for the eitri.v1.AgentService service. By default, it
@@ -113,16 +121,23 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Tunnel")),
 			connect.WithClientOptions(opts...),
 		),
+		signHostKey: connect.NewClient[v1.SignHostKeyRequest, v1.SignHostKeyResponse](
+			httpClient,
+			baseURL+AgentServiceSignHostKeyProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("SignHostKey")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // agentServiceClient implements AgentServiceClient.
 type agentServiceClient struct {
-	enroll  *connect.Client[v1.EnrollRequest, v1.EnrollResponse]
-	sync    *connect.Client[v1.SyncRequest, v1.SyncResponse]
-	calls   *connect.Client[v1.CallsRequest, v1.CallsResponse]
-	console *connect.Client[v1.ConsoleRequest, v1.ConsoleResponse]
-	tunnel  *connect.Client[v1.TunnelRequest, v1.TunnelResponse]
+	enroll      *connect.Client[v1.EnrollRequest, v1.EnrollResponse]
+	sync        *connect.Client[v1.SyncRequest, v1.SyncResponse]
+	calls       *connect.Client[v1.CallsRequest, v1.CallsResponse]
+	console     *connect.Client[v1.ConsoleRequest, v1.ConsoleResponse]
+	tunnel      *connect.Client[v1.TunnelRequest, v1.TunnelResponse]
+	signHostKey *connect.Client[v1.SignHostKeyRequest, v1.SignHostKeyResponse]
 }
 
 // Enroll calls eitri.v1.AgentService.Enroll.
@@ -150,6 +165,11 @@ func (c *agentServiceClient) Tunnel(ctx context.Context) *connect.BidiStreamForC
 	return c.tunnel.CallBidiStream(ctx)
 }
 
+// SignHostKey calls eitri.v1.AgentService.SignHostKey.
+func (c *agentServiceClient) SignHostKey(ctx context.Context, req *connect.Request[v1.SignHostKeyRequest]) (*connect.Response[v1.SignHostKeyResponse], error) {
+	return c.signHostKey.CallUnary(ctx, req)
+}
+
 // AgentServiceHandler is an implementation of the eitri.v1.AgentService service.
 type AgentServiceHandler interface {
 	// Enroll trades a single-use join token for a host id and a host credential.
@@ -175,6 +195,11 @@ type AgentServiceHandler interface {
 	// side saying eof when it half-closes. The control plane ends the stream
 	// when the tunnel ends.
 	Tunnel(context.Context, *connect.BidiStream[v1.TunnelRequest, v1.TunnelResponse]) error
+	// SignHostKey certifies a guest's SSH host key with the control plane's
+	// host CA, for a VM placed on this host (another host's VM is NotFound).
+	// The agent asks before it writes the guest's seed; the seed installs the
+	// certificate (sshd HostCertificate).
+	SignHostKey(context.Context, *connect.Request[v1.SignHostKeyRequest]) (*connect.Response[v1.SignHostKeyResponse], error)
 }
 
 // NewAgentServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -214,6 +239,12 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Tunnel")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceSignHostKeyHandler := connect.NewUnaryHandler(
+		AgentServiceSignHostKeyProcedure,
+		svc.SignHostKey,
+		connect.WithSchema(agentServiceMethods.ByName("SignHostKey")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.AgentService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AgentServiceEnrollProcedure:
@@ -226,6 +257,8 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceConsoleHandler.ServeHTTP(w, r)
 		case AgentServiceTunnelProcedure:
 			agentServiceTunnelHandler.ServeHTTP(w, r)
+		case AgentServiceSignHostKeyProcedure:
+			agentServiceSignHostKeyHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -253,4 +286,8 @@ func (UnimplementedAgentServiceHandler) Console(context.Context, *connect.BidiSt
 
 func (UnimplementedAgentServiceHandler) Tunnel(context.Context, *connect.BidiStream[v1.TunnelRequest, v1.TunnelResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.AgentService.Tunnel is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) SignHostKey(context.Context, *connect.Request[v1.SignHostKeyRequest]) (*connect.Response[v1.SignHostKeyResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.AgentService.SignHostKey is not implemented"))
 }

@@ -742,6 +742,16 @@ export declare type VMDesired = Message<"eitri.v1.VMDesired"> & {
    * @generated from field: uint64 retry = 15;
    */
   retry: bigint;
+
+  /**
+   * The SSH user CA keys the guest's sshd trusts (TrustedUserCAKeys), in
+   * authorized_keys form, current first. Written into the seed when the VM
+   * is created; a guest reads it once. Empty from a control plane without a
+   * CA.
+   *
+   * @generated from field: repeated string ssh_user_ca_keys = 16;
+   */
+  sshUserCaKeys: string[];
 };
 
 /**
@@ -1224,6 +1234,49 @@ export declare type TunnelResponse = Message<"eitri.v1.TunnelResponse"> & {
 export declare const TunnelResponseSchema: GenMessage<TunnelResponse>;
 
 /**
+ * @generated from message eitri.v1.SignHostKeyRequest
+ */
+export declare type SignHostKeyRequest = Message<"eitri.v1.SignHostKeyRequest"> & {
+  /**
+   * @generated from field: string vm_id = 1;
+   */
+  vmId: string;
+
+  /**
+   * The guest's host public key in authorized_keys form (ed25519).
+   *
+   * @generated from field: string public_key = 2;
+   */
+  publicKey: string;
+};
+
+/**
+ * Describes the message eitri.v1.SignHostKeyRequest.
+ * Use `create(SignHostKeyRequestSchema)` to create a new message.
+ */
+export declare const SignHostKeyRequestSchema: GenMessage<SignHostKeyRequest>;
+
+/**
+ * @generated from message eitri.v1.SignHostKeyResponse
+ */
+export declare type SignHostKeyResponse = Message<"eitri.v1.SignHostKeyResponse"> & {
+  /**
+   * The host certificate in authorized_keys form
+   * ("ssh-ed25519-cert-v01@openssh.com AAAA..."). Its principals are the
+   * VM's id and name.
+   *
+   * @generated from field: string certificate = 1;
+   */
+  certificate: string;
+};
+
+/**
+ * Describes the message eitri.v1.SignHostKeyResponse.
+ * Use `create(SignHostKeyResponseSchema)` to create a new message.
+ */
+export declare const SignHostKeyResponseSchema: GenMessage<SignHostKeyResponse>;
+
+/**
  * AgentService is the only surface a host agent talks to. Enroll is
  * authorized by a join token; Sync by the host credential Enroll returned
  * (Authorization: Bearer <credential>). User tokens open neither.
@@ -1293,6 +1346,19 @@ export declare const AgentService: GenService<{
     methodKind: "bidi_streaming";
     input: typeof TunnelRequestSchema;
     output: typeof TunnelResponseSchema;
+  },
+  /**
+   * SignHostKey certifies a guest's SSH host key with the control plane's
+   * host CA, for a VM placed on this host (another host's VM is NotFound).
+   * The agent asks before it writes the guest's seed; the seed installs the
+   * certificate (sshd HostCertificate).
+   *
+   * @generated from rpc eitri.v1.AgentService.SignHostKey
+   */
+  signHostKey: {
+    methodKind: "unary";
+    input: typeof SignHostKeyRequestSchema;
+    output: typeof SignHostKeyResponseSchema;
   },
 }>;
 

@@ -1,0 +1,241 @@
+package fleet
+
+import (
+	"context"
+	"crypto/rsa"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"golang.org/x/crypto/ssh"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/sshca"
+	"github.com/a73x/eitri/server/store"
+)
+
+// User certificate lifetimes: a certificate is for one login, and nothing
+// can revoke it once issued, so it lives minutes.
+const (
+	DefaultUserCertTTL = 5 * time.Minute
+	MaxUserCertTTL     = time.Hour
+	// A guest's host certificate lives as long as a guest may: its key never
+	// changes, and a host CA rotation is what retires it.
+	hostCertValidity = 5 * 365 * 24 * time.Hour
+	// certBackdate covers clocks a little behind the control plane's (a
+	// guest just booted under emulation, a laptop).
+	certBackdate = time.Minute
+	// minRSABits is the smallest RSA user key certified; smaller ones are
+	// breakable.
+	minRSABits = 2048
+)
+
+// sshEventKind marks a certificate issued in a VM's timeline.
+const (
+	eventSSHCert     = "ssh-cert"
+	eventSSHHostCert = "ssh-host-cert"
+)
+
+func (f *Fleet) ca() (*sshca.Authority, error) {
+	if f.cfg.SSHCA == nil {
+		return nil, errorf(Precondition, "this control plane has no SSH certificate authority")
+	}
+	return f.cfg.SSHCA, nil
+}
+
+// SSHCAKeys returns the CAs' public keys; anyone signed in may read them.
+func (f *Fleet) SSHCAKeys(ctx context.Context) (*eitriv1.GetSSHCAKeysResponse, error) {
+	if _, err := principal(ctx); err != nil {
+		return nil, err
+	}
+	ca, err := f.ca()
+	if err != nil {
+		return nil, err
+	}
+	out := &eitriv1.GetSSHCAKeysResponse{}
+	for i, k := range ca.Trusted(sshca.User) {
+		out.UserCaKeys = append(out.UserCaKeys, caKey(k, i > 0))
+	}
+	for i, k := range ca.Trusted(sshca.Host) {
+		out.HostCaKeys = append(out.HostCaKeys, caKey(k, i > 0))
+		out.KnownHosts = append(out.KnownHosts, sshca.KnownHostsLine(k))
+	}
+	return out, nil
+}
+
+func caKey(k ssh.PublicKey, previous bool) *eitriv1.SSHCAKey {
+	return &eitriv1.SSHCAKey{PublicKey: sshca.AuthorizedKey(k), Fingerprint: ssh.FingerprintSHA256(k), Previous: previous}
+}
+
+// trustedUserCAKeys is what every guest's seed trusts (VMDesired): empty
+// without a CA.
+func (f *Fleet) trustedUserCAKeys() []string {
+	if f.cfg.SSHCA == nil {
+		return nil
+	}
+	var out []string
+	for _, k := range f.cfg.SSHCA.Trusted(sshca.User) {
+		out = append(out, sshca.AuthorizedKey(k))
+	}
+	return out
+}
+
+// SignUserKey certifies the caller's key to log into one of their VMs as
+// its login user, briefly, and records it on the VM.
+func (f *Fleet) SignUserKey(ctx context.Context, r *eitriv1.SignUserKeyRequest) (*eitriv1.SignUserKeyResponse, error) {
+	// Validate what costs nothing before touching the store.
+	if err := checkLen("public_key", r.GetPublicKey(), maxSSHKeyLen); err != nil {
+		return nil, err
+	}
+	ttl := DefaultUserCertTTL
+	if r.Ttl != nil {
+		if err := r.GetTtl().CheckValid(); err != nil {
+			return nil, invalid("ttl", "%v", err)
+		}
+		ttl = r.GetTtl().AsDuration()
+		if ttl <= 0 {
+			return nil, invalid("ttl", "must be positive (leave it unset for %s)", DefaultUserCertTTL)
+		}
+		if ttl > MaxUserCertTTL {
+			return nil, invalid("ttl", "at most %s, got %s", MaxUserCertTTL, ttl)
+		}
+	}
+	pub, err := userKey(r.GetPublicKey())
+	if err != nil {
+		return nil, err
+	}
+	vm, p, err := f.visible(ctx, r.GetVmId())
+	if err != nil {
+		return nil, invalidAs("vm_id", err)
+	}
+	ca, err := f.ca()
+	if err != nil {
+		return nil, err
+	}
+	if vm.DeletedAt != nil {
+		return nil, errorf(Precondition, "vm %s is deleted", vm.ID)
+	}
+	row, _ := f.reg.VM(vm.HostID, vm.ID)
+	login := row.GetLoginUser()
+	if login == "" {
+		// Never a certificate without a principal: sshd takes that as any
+		// user.
+		return nil, errorf(Precondition, "vm %s has no login user yet (its host has not reported one); try again once it is created", vm.ID)
+	}
+	now := f.now()
+	v := sshca.Validity{After: now.Add(-certBackdate), Before: now.Add(ttl)}
+	keyID := fmt.Sprintf("eitri user %s (%s) vm %s (%s)", p.Name, p.UserID, vm.Name, vm.ID)
+	cert, err := ca.Sign(sshca.User, pub, keyID, []string{login}, v)
+	if err != nil {
+		return nil, err
+	}
+	f.event(ctx, vm.ID, eventSSHCert, fmt.Sprintf("%s was issued an SSH certificate as %s for key %s: serial %d, valid %s to %s",
+		p.Name, login, ssh.FingerprintSHA256(pub), cert.Serial, v.After.Format(time.RFC3339), v.Before.Format(time.RFC3339)))
+	return &eitriv1.SignUserKeyResponse{
+		Certificate: sshca.AuthorizedKey(cert), Principal: login, Serial: cert.Serial, KeyId: keyID,
+		ValidAfter: timestamppb.New(v.After), ValidBefore: timestamppb.New(v.Before),
+	}, nil
+}
+
+// invalidAs names field in a validation error about the VM id (visible
+// says "id").
+func invalidAs(field string, err error) error {
+	if e, ok := err.(*Error); ok && e.Kind == Invalid && strings.HasPrefix(e.Msg, "id: ") {
+		return &Error{Kind: Invalid, Msg: field + ": " + strings.TrimPrefix(e.Msg, "id: ")}
+	}
+	return err
+}
+
+// userKey parses a key a person wants certified: one authorized_keys line
+// of a type and size worth certifying.
+func userKey(line string) (ssh.PublicKey, error) {
+	line = strings.TrimSpace(line)
+	if line == "" {
+		return nil, invalid("public_key", "required (an authorized_keys line such as \"ssh-ed25519 AAAA...\")")
+	}
+	if hasControl(line) {
+		return nil, invalid("public_key", "must be one line without control characters")
+	}
+	pub, _, _, rest, err := ssh.ParseAuthorizedKey([]byte(line))
+	if err != nil {
+		return nil, invalid("public_key", "not an SSH public key: %v", err)
+	}
+	if len(rest) > 0 {
+		return nil, invalid("public_key", "one key only")
+	}
+	switch pub.Type() {
+	case ssh.KeyAlgoED25519, ssh.KeyAlgoSKED25519, ssh.KeyAlgoECDSA256, ssh.KeyAlgoECDSA384, ssh.KeyAlgoECDSA521, ssh.KeyAlgoSKECDSA256:
+		return pub, nil
+	case ssh.KeyAlgoRSA:
+		ck, ok := pub.(ssh.CryptoPublicKey)
+		if !ok {
+			return nil, invalid("public_key", "unreadable RSA key")
+		}
+		rk, ok := ck.CryptoPublicKey().(*rsa.PublicKey)
+		if !ok || rk.N.BitLen() < minRSABits {
+			return nil, invalid("public_key", "RSA keys need at least %d bits; ed25519 is better", minRSABits)
+		}
+		return pub, nil
+	}
+	if _, ok := pub.(*ssh.Certificate); ok {
+		return nil, invalid("public_key", "is a certificate; send the plain public key")
+	}
+	return nil, invalid("public_key", "%s keys are not certified; use ed25519, ECDSA or RSA", pub.Type())
+}
+
+func hasControl(s string) bool {
+	for _, r := range s {
+		if r < 0x20 || r == 0x7f {
+			return true
+		}
+	}
+	return false
+}
+
+// SignHostKey certifies a guest's host key for the host the VM is placed
+// on, with the VM's id and name as principals: the names `eitri ssh`
+// connects to.
+func (f *Fleet) SignHostKey(ctx context.Context, hostID string, r *eitriv1.SignHostKeyRequest) (*eitriv1.SignHostKeyResponse, error) {
+	if err := checkLen("vm_id", r.GetVmId(), maxIDLen); err != nil {
+		return nil, err
+	}
+	if err := checkLen("public_key", r.GetPublicKey(), maxSSHKeyLen); err != nil {
+		return nil, err
+	}
+	if r.GetVmId() == "" {
+		return nil, invalid("vm_id", "required")
+	}
+	line := strings.TrimSpace(r.GetPublicKey())
+	if hasControl(line) {
+		return nil, invalid("public_key", "must be one line without control characters")
+	}
+	pub, _, _, _, err := ssh.ParseAuthorizedKey([]byte(line))
+	if err != nil {
+		return nil, invalid("public_key", "not an SSH public key: %v", err)
+	}
+	if pub.Type() != ssh.KeyAlgoED25519 {
+		return nil, invalid("public_key", "host keys are %s, got %s", ssh.KeyAlgoED25519, pub.Type())
+	}
+	vm, err := f.st.GetVM(ctx, r.GetVmId())
+	if err != nil && !errors.Is(err, store.ErrNotFound) {
+		return nil, err
+	}
+	if err != nil || vm.HostID != hostID {
+		// Another host's VM is as absent as a missing one.
+		return nil, errorf(NotFound, "vm %s not found on this host", r.GetVmId())
+	}
+	ca, err := f.ca()
+	if err != nil {
+		return nil, err
+	}
+	now := f.now()
+	cert, err := ca.Sign(sshca.Host, pub, fmt.Sprintf("eitri guest %s (%s)", vm.Name, vm.ID),
+		[]string{vm.ID, vm.Name}, sshca.Validity{After: now.Add(-certBackdate), Before: now.Add(hostCertValidity)})
+	if err != nil {
+		return nil, err
+	}
+	f.event(ctx, vm.ID, eventSSHHostCert, fmt.Sprintf("host key %s certified by the host CA: serial %d", ssh.FingerprintSHA256(pub), cert.Serial))
+	return &eitriv1.SignHostKeyResponse{Certificate: sshca.AuthorizedKey(cert)}, nil
+}
