@@ -43,7 +43,26 @@ type Params struct {
 	// cloud-init's phone_home on the first boot, a per-boot script on the
 	// later ones (phone_home runs once per instance).
 	PhoneHomeURL string
+	// TrustedUserCAKeys are SSH CA public keys (authorized_keys form) whose
+	// user certificates sshd accepts (TrustedUserCAKeys), beside
+	// SSHAuthorizedKey. Empty: none.
+	TrustedUserCAKeys []string
+	// HostCertificate, when set, is the host CA's certificate for
+	// HostPubKey (authorized_keys form), which sshd presents
+	// (HostCertificate) so clients trusting the CA need no per-guest key.
+	HostCertificate string
 }
+
+// Where the seed puts the SSH CA material, and the sshd drop-in naming it.
+// The certificate's name stays clear of cloud-init's ssh_deletekeys glob
+// (/etc/ssh/ssh_host_*key*), which runs after write_files. The drop-in
+// needs an sshd_config that includes sshd_config.d (Debian 12, Ubuntu
+// 20.04, Fedora and later).
+const (
+	UserCAKeysPath      = "/etc/ssh/eitri_user_ca.pub"
+	HostCertificatePath = "/etc/ssh/eitri_host_ed25519_cert.pub"
+	SSHDConfigPath      = "/etc/ssh/sshd_config.d/50-eitri.conf"
+)
 
 // ErrInvalidParams wraps every validation failure, so callers can treat a bad
 // seed request as permanent rather than retrying it.
@@ -83,13 +102,63 @@ func (p Params) Validate() error {
 			return err
 		}
 	}
+	for _, k := range p.TrustedUserCAKeys {
+		if err := validCAKey(k); err != nil {
+			return err
+		}
+	}
 	switch {
 	case p.HostPrivKey == "" && p.HostPubKey == "":
+		if p.HostCertificate != "" {
+			return invalid("host certificate without a host key")
+		}
 		return nil
 	case p.HostPrivKey == "" || p.HostPubKey == "":
 		return invalid("host key needs both the private and the public half")
 	}
-	return validHostKey(p.HostPrivKey, p.HostPubKey)
+	if err := validHostKey(p.HostPrivKey, p.HostPubKey); err != nil {
+		return err
+	}
+	if p.HostCertificate != "" {
+		return validHostCert(p.HostCertificate, p.HostPubKey)
+	}
+	return nil
+}
+
+// validCAKey accepts one public key line.
+func validCAKey(k string) error {
+	if hasControl(k) {
+		return invalid("user CA key must be one line without control characters")
+	}
+	pk, _, _, _, err := ssh.ParseAuthorizedKey([]byte(k))
+	if err != nil {
+		return invalid("user CA key: %v", err)
+	}
+	if _, ok := pk.(*ssh.Certificate); ok {
+		return invalid("user CA key is a certificate, not a key")
+	}
+	return nil
+}
+
+// validHostCert checks the certificate is a host certificate for the
+// guest's own host key: sshd ignores one that matches no host key.
+func validHostCert(certLine, pub string) error {
+	if hasControl(certLine) {
+		return invalid("host certificate must be one line without control characters")
+	}
+	k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(certLine))
+	if err != nil {
+		return invalid("host certificate: %v", err)
+	}
+	cert, ok := k.(*ssh.Certificate)
+	if !ok || cert.CertType != ssh.HostCert {
+		return invalid("host certificate is not an SSH host certificate")
+	}
+	pk, _, _, _, _ := ssh.ParseAuthorizedKey([]byte(pub)) // validHostKey parsed it
+	if !bytes.Equal(cert.Key.Marshal(), pk.Marshal()) {
+		return invalid("host certificate is for another key than the host key")
+	}
+	return nil
 }
 
 // validLabel accepts an RFC 1123 label: what a guest can set as its hostname
@@ -313,20 +382,49 @@ func UserData(p Params) string {
 		b.WriteString("  url: " + quote(p.PhoneHomeURL) + "\n")
 		b.WriteString("  post: [instance_id]\n")
 		b.WriteString("  tries: 10\n")
+	}
+	// write_files runs in cloud-init's first stage, before sshd starts.
+	var files []seedFile
+	if p.PhoneHomeURL != "" {
+		files = append(files, seedFile{PerBootScript, "0755", perBootScript(p.PhoneHomeURL)})
+	}
+	var sshd []string
+	if len(p.TrustedUserCAKeys) > 0 {
+		var keys strings.Builder
+		for _, k := range p.TrustedUserCAKeys {
+			keys.WriteString(strings.TrimSpace(k) + "\n")
+		}
+		files = append(files, seedFile{UserCAKeysPath, "0644", keys.String()})
+		sshd = append(sshd, "TrustedUserCAKeys "+UserCAKeysPath)
+	}
+	if p.HostCertificate != "" {
+		files = append(files, seedFile{HostCertificatePath, "0644", strings.TrimSpace(p.HostCertificate) + "\n"})
+		sshd = append(sshd, "HostCertificate "+HostCertificatePath)
+	}
+	if len(sshd) > 0 {
+		files = append(files, seedFile{SSHDConfigPath, "0644",
+			"# eitri: trust the control plane's SSH CAs (written by the seed).\n" + strings.Join(sshd, "\n") + "\n"})
+	}
+	if len(files) > 0 {
 		b.WriteString("write_files:\n")
-		b.WriteString("  - path: " + PerBootScript + "\n")
-		b.WriteString("    permissions: \"0755\"\n")
-		b.WriteString("    content: |\n")
-		for _, line := range strings.Split(perBootScript(p.PhoneHomeURL), "\n") {
-			if line == "" {
-				b.WriteString("\n")
-				continue
+		for _, f := range files {
+			b.WriteString("  - path: " + f.path + "\n")
+			b.WriteString("    permissions: \"" + f.mode + "\"\n")
+			b.WriteString("    content: |\n")
+			for _, line := range strings.Split(strings.TrimRight(f.content, "\n"), "\n") {
+				if line == "" {
+					b.WriteString("\n")
+					continue
+				}
+				b.WriteString("      " + line + "\n")
 			}
-			b.WriteString("      " + line + "\n")
 		}
 	}
 	return b.String()
 }
+
+// seedFile is one write_files entry.
+type seedFile struct{ path, mode, content string }
 
 // PerBootScript is where the seed puts the script that phones home on
 // every boot after the first; cloud-init's scripts_per_boot runs it.

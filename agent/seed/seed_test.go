@@ -292,3 +292,86 @@ func TestSystemToolsSeeTheLabel(t *testing.T) {
 		assert.Contains(t, strings.ToLower(string(listing)), "/user-data;1")
 	})
 }
+
+// certify signs pub (authorized_keys form) with a fresh CA as a certificate
+// of type typ, returning the certificate line and the CA's key line.
+func certify(t *testing.T, pub string, typ uint32) (cert, ca string) {
+	t.Helper()
+	_, caPriv, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	signer, err := ssh.NewSignerFromKey(caPriv)
+	require.NoError(t, err)
+	k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(pub))
+	require.NoError(t, err)
+	c := &ssh.Certificate{Key: k, CertType: typ, ValidPrincipals: []string{"vm-0f3c9a", "web-1"}, ValidBefore: ssh.CertTimeInfinity}
+	require.NoError(t, c.SignCert(rand.Reader, signer))
+	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(c))), strings.TrimSpace(string(ssh.MarshalAuthorizedKey(signer.PublicKey())))
+}
+
+func TestSeedTrustsTheUserCAAndPresentsTheHostCertificate(t *testing.T) {
+	py, err := exec.LookPath("python3")
+	if err != nil || exec.Command(py, "-c", "import yaml").Run() != nil {
+		t.Skip("python3 with PyYAML is needed to read the seed as cloud-init does")
+	}
+	p := validParams(t)
+	hostCert, _ := certify(t, p.HostPubKey, ssh.HostCert)
+	_, userCA := certify(t, p.HostPubKey, ssh.UserCert)
+	_, previousCA := certify(t, p.HostPubKey, ssh.UserCert)
+	p.HostCertificate = hostCert
+	p.TrustedUserCAKeys = []string{userCA, previousCA}
+	out := filepath.Join(t.TempDir(), "seed.iso")
+	require.NoError(t, seed.Write(out, p))
+	_, isoFiles := readISO(t, out)
+
+	cmd := exec.Command(py, "-c", "import sys, json, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)")
+	cmd.Stdin = strings.NewReader(isoFiles["user-data"])
+	raw, err := cmd.Output()
+	require.NoError(t, err)
+	var ud map[string]any
+	require.NoError(t, json.Unmarshal(raw, &ud))
+	files := map[string]map[string]any{}
+	for _, f := range ud["write_files"].([]any) {
+		m := f.(map[string]any)
+		files[m["path"].(string)] = m
+	}
+	require.Contains(t, files, seed.PerBootScript, "the phone-home script is still written")
+	require.Contains(t, files, seed.UserCAKeysPath)
+	assert.Equal(t, userCA+"\n"+previousCA+"\n", files[seed.UserCAKeysPath]["content"], "every trusted CA key, one a line")
+	require.Contains(t, files, seed.HostCertificatePath)
+	assert.Equal(t, hostCert+"\n", files[seed.HostCertificatePath]["content"])
+	require.Contains(t, files, seed.SSHDConfigPath)
+	conf := files[seed.SSHDConfigPath]["content"].(string)
+	assert.Contains(t, conf, "\nTrustedUserCAKeys "+seed.UserCAKeysPath+"\n")
+	assert.Contains(t, conf, "\nHostCertificate "+seed.HostCertificatePath+"\n")
+	assert.Equal(t, []any{p.SSHAuthorizedKey}, ud["ssh_authorized_keys"], "the injected key still works beside the CA")
+	assert.NotContains(t, seed.HostCertificatePath, "ssh_host_", "cloud-init's ssh_deletekeys would remove it")
+
+	// Without CA material the seed writes no sshd drop-in.
+	p.HostCertificate, p.TrustedUserCAKeys = "", nil
+	assert.NotContains(t, seed.UserData(p), seed.SSHDConfigPath)
+}
+
+func TestSeedRefusesBadSSHCAMaterial(t *testing.T) {
+	good := validParams(t)
+	_, otherPub := hostKey(t)
+	otherCert, ca := certify(t, otherPub, ssh.HostCert)
+	userCert, _ := certify(t, good.HostPubKey, ssh.UserCert)
+	for name, mutate := range map[string]func(*seed.Params){
+		"host certificate for another key": func(p *seed.Params) { p.HostCertificate = otherCert },
+		"user certificate as host":         func(p *seed.Params) { p.HostCertificate = userCert },
+		"host certificate not a cert":      func(p *seed.Params) { p.HostCertificate = p.HostPubKey },
+		"host certificate with newline":    func(p *seed.Params) { p.HostCertificate = otherCert + "\nruncmd: [x]" },
+		"host certificate without key": func(p *seed.Params) {
+			p.HostCertificate, p.HostPrivKey, p.HostPubKey = otherCert, "", ""
+		},
+		"CA key garbage":       func(p *seed.Params) { p.TrustedUserCAKeys = []string{"not a key"} },
+		"CA key with newline":  func(p *seed.Params) { p.TrustedUserCAKeys = []string{ca + "\nruncmd: [x]"} },
+		"CA key a certificate": func(p *seed.Params) { p.TrustedUserCAKeys = []string{otherCert} },
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := good
+			mutate(&p)
+			assert.ErrorIs(t, p.Validate(), seed.ErrInvalidParams)
+		})
+	}
+}
