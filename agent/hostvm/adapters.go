@@ -85,13 +85,15 @@ var _ reconcile.Seeder = (*Hypervisor)(nil).WriteSeed
 // never succeed.
 func (h *Hypervisor) WriteSeed(outPath string, p reconcile.SeedParams) error {
 	err := seed.Write(outPath, seed.Params{
-		InstanceID:       p.InstanceID,
-		Hostname:         p.Hostname,
-		SSHAuthorizedKey: p.SSHAuthorizedKey,
-		HostPrivKey:      p.HostPrivKey,
-		HostPubKey:       p.HostPubKey,
-		LoginUser:        p.LoginUser,
-		PhoneHomeURL:     h.net.PhoneHomeURL(p.InstanceID),
+		InstanceID:        p.InstanceID,
+		Hostname:          p.Hostname,
+		SSHAuthorizedKey:  p.SSHAuthorizedKey,
+		HostPrivKey:       p.HostPrivKey,
+		HostPubKey:        p.HostPubKey,
+		LoginUser:         p.LoginUser,
+		PhoneHomeURL:      h.net.PhoneHomeURL(p.InstanceID),
+		TrustedUserCAKeys: p.TrustedUserCAKeys,
+		HostCertificate:   p.HostCertificate,
 	})
 	if errors.Is(err, seed.ErrInvalidParams) {
 		return permanent.Wrap(err)

@@ -89,7 +89,16 @@ type SeedParams struct {
 	// LoginUser is the user the seed creates with the key and sudo;
 	// reported as the VM's login user.
 	LoginUser string
+	// TrustedUserCAKeys are the SSH user CA keys the guest's sshd trusts
+	// (VMDesired.ssh_user_ca_keys); HostCertificate certifies HostPubKey
+	// (empty: uncertified).
+	TrustedUserCAKeys []string
+	HostCertificate   string
 }
+
+// HostKeySigner has the control plane certify a guest's host key
+// (authorized_keys form), returning the certificate in the same form.
+type HostKeySigner func(ctx context.Context, vmID, hostPubKey string) (cert string, err error)
 
 // Seeder writes a cloud-init NoCloud seed image to outPath.
 type Seeder func(outPath string, p SeedParams) error
@@ -131,6 +140,13 @@ type Config struct {
 	// check). A create that does not fit it, beside what the host's VMs
 	// hold, fails before any work (see admit).
 	Capacity func() (Resources, error)
+	// SignHostKey certifies each new guest's host key before its seed is
+	// written (nil: guests get no host certificate). A guest whose key
+	// cannot be certified boots without a certificate.
+	SignHostKey HostKeySigner
+	// SignTimeout bounds one SignHostKey call (default 15s): a control
+	// plane that does not answer delays a create by no more.
+	SignTimeout time.Duration
 
 	Log *slog.Logger
 	Now func() time.Time
@@ -195,6 +211,9 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if cfg.VMTimeout < 0 {
 		return nil, errors.New("reconcile: negative VMTimeout")
+	}
+	if cfg.SignTimeout <= 0 {
+		cfg.SignTimeout = 15 * time.Second
 	}
 	if cfg.MaxConcurrentCreates <= 0 {
 		cfg.MaxConcurrentCreates = defaultMaxConcurrentCreates

@@ -1,6 +1,7 @@
 package reconcile
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"crypto/rand"
@@ -8,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,6 +17,7 @@ import (
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/wire/vmstate"
+	"golang.org/x/crypto/ssh"
 )
 
 // Narration, in the order a create says it.
@@ -22,6 +25,8 @@ const (
 	sayWaitingForSlot = "waiting for a create slot on this host"
 	sayDownloading    = "downloading image"
 	sayPreparingDisk  = "preparing root disk"
+	sayCertifying     = "certifying the SSH host key"
+	sayUncertified    = "SSH host key not certified (the guest boots with an uncertified key): "
 	sayBuildingSeed   = "building the cloud-init seed"
 	sayBooting        = "booting"
 	sayWaitingForIP   = "waiting for an address"
@@ -234,15 +239,32 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		return fail(err)
 	}
 
+	if rec.HostCert == "" && e.cfg.SignHostKey != nil {
+		say(sayCertifying)
+		if cert, err := e.certifyHostKey(ctx, id, rec.HostPubKey); err != nil {
+			// The guest is still reachable with its key pinned; only the
+			// CA shortcut is missing, which is no reason to fail it.
+			e.log.Warn("SSH host key not certified", "vm", id, "err", err)
+			say(sayUncertified + err.Error())
+		} else {
+			rec.HostCert = cert
+			if err := e.cfg.St.SaveVM(id, rec); err != nil {
+				e.log.Error("saving VM record", "vm", id, "err", err)
+			}
+		}
+	}
+
 	say(sayBuildingSeed)
 	seedPath := e.cfg.St.SeedPath(id)
 	if err := e.cfg.Seed(seedPath, SeedParams{
-		InstanceID:       id,
-		Hostname:         rec.Spec.Name,
-		SSHAuthorizedKey: rec.Spec.SSHAuthorizedKey,
-		HostPrivKey:      rec.HostPrivKey,
-		HostPubKey:       rec.HostPubKey,
-		LoginUser:        e.cfg.LoginUser,
+		InstanceID:        id,
+		Hostname:          rec.Spec.Name,
+		SSHAuthorizedKey:  rec.Spec.SSHAuthorizedKey,
+		HostPrivKey:       rec.HostPrivKey,
+		HostPubKey:        rec.HostPubKey,
+		LoginUser:         e.cfg.LoginUser,
+		TrustedUserCAKeys: d.GetSshUserCaKeys(),
+		HostCertificate:   rec.HostCert,
 	}); err != nil {
 		return fail(err)
 	}
@@ -270,6 +292,33 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 	}
 	e.log.Info("VM created", "vm", id)
 	return e.observe(ctx, d, rec, "", vmstate.PhaseCreating)
+}
+
+// certifyHostKey asks the control plane for the guest's host certificate,
+// for no longer than SignTimeout.
+func (e *Engine) certifyHostKey(ctx context.Context, id, pub string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.SignTimeout)
+	defer cancel()
+	line, err := e.cfg.SignHostKey(ctx, id, pub)
+	if err != nil {
+		return "", err
+	}
+	line = strings.TrimSpace(line)
+	// A certificate the seed would refuse must not fail the VM: it is
+	// dropped here, and the guest boots uncertified.
+	k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(line))
+	if err != nil {
+		return "", fmt.Errorf("the control plane's host certificate: %w", err)
+	}
+	want, _, _, _, err := ssh.ParseAuthorizedKey([]byte(pub))
+	if err != nil {
+		return "", err
+	}
+	cert, ok := k.(*ssh.Certificate)
+	if !ok || cert.CertType != ssh.HostCert || !bytes.Equal(cert.Key.Marshal(), want.Marshal()) || strings.ContainsAny(line, "\r\n") {
+		return "", errors.New("the control plane's host certificate is not one for this guest's host key")
+	}
+	return line, nil
 }
 
 // failCreate settles a failed create attempt. A create the desired state

@@ -72,6 +72,9 @@ type Record struct {
 	// the agent so the control plane can vouch for the guest before it boots.
 	HostPubKey  string `json:",omitempty"`
 	HostPrivKey string `json:",omitempty"`
+	// HostCert is the control plane's host certificate for HostPubKey;
+	// empty when it could not be had before the seed was written.
+	HostCert string `json:",omitempty"`
 	// LoginUser is the user the VM's seed created with its key; empty for
 	// VMs seeded before there was one.
 	LoginUser string `json:",omitempty"`

@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -27,6 +29,7 @@ import (
 	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/wire/connclient"
 )
 
@@ -206,10 +209,16 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
+	// One connection carries the Sync stream, the calls (consoles, tunnels,
+	// which reach a guest at the address its published ports do) and the
+	// host-key signing.
+	hc := connclient.HTTPClient(id.Fingerprint)
 	eng, err := reconcile.New(reconcile.Config{
 		Hyper: hv, Images: images.Resolve, Seed: hv.WriteSeed, St: st,
 		VMTimeout: a.vmTimeout, MaxConcurrentCreates: a.maxCreates, Log: log,
 		MaxCreateAttempts: a.createAttempts, RetryBackoff: a.retryBackoff,
+		// Guests' host keys are certified before their seed is written.
+		SignHostKey: hostKeySigner(hc, id),
 		// The admission check measures what the host reports as capacity.
 		Capacity: func() (reconcile.Resources, error) {
 			vcpus, mem, disk, err := hostvm.Capacity(a.dataDir)
@@ -263,9 +272,6 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	}
 	instance := rand.Text()
 	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", qb.Accel().Name, "address", addr)
-	// One connection carries the Sync stream and the calls (consoles,
-	// tunnels, which reach a guest at the address its published ports do).
-	hc := connclient.HTTPClient(id.Fingerprint)
 	go func() {
 		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: instance, Serial: qb, Guests: n.Resolve, Log: log})
 	}()
@@ -279,6 +285,19 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 				ControlPlaneId: cp, AppliedEpoch: epoch, AppliedGeneration: gen}
 		},
 	})
+}
+
+// hostKeySigner asks the control plane to certify a guest's host key, with
+// the host's credential.
+func hostKeySigner(hc *http.Client, id syncclient.Identity) reconcile.HostKeySigner {
+	client := eitriv1connect.NewAgentServiceClient(hc, id.ServerURL, connect.WithInterceptors(connclient.Bearer(id.Credential)))
+	return func(ctx context.Context, vmID, pub string) (string, error) {
+		resp, err := client.SignHostKey(ctx, connect.NewRequest(&eitriv1.SignHostKeyRequest{VmId: vmID, PublicKey: pub}))
+		if err != nil {
+			return "", err
+		}
+		return resp.Msg.GetCertificate(), nil
+	}
 }
 
 // accelChangeLogger warns when a re-probe changes the accelerator. The
