@@ -17,7 +17,7 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 # whose test logs in with the system ssh client.
 APT_PKGS := qemu-system-x86 qemu-utils busybox-static syslinux syslinux-common \
 	mtools dosfstools fdisk cpio kmod genisoimage iproute2 socat chromium curl jq \
-	mmdebstrap e2fsprogs openssh-client
+	mmdebstrap e2fsprogs openssh-client openssh-server
 
 .PHONY: help
 help:

@@ -72,6 +72,7 @@ type client struct {
 	exp   eitriv1connect.ExposureServiceClient
 	token eitriv1connect.TokenServiceClient
 	quota eitriv1connect.QuotaServiceClient
+	ssh   eitriv1connect.SSHServiceClient
 	out   io.Writer
 	// errOut is for what a person reads beside machine output (the
 	// narration of a wait under -o json).
@@ -100,6 +101,7 @@ func (a *app) clientFor(ep endpoint) *client {
 		exp:    eitriv1connect.NewExposureServiceClient(hc, ep.URL, opt),
 		token:  eitriv1connect.NewTokenServiceClient(hc, ep.URL, opt),
 		quota:  eitriv1connect.NewQuotaServiceClient(hc, ep.URL, opt),
+		ssh:    eitriv1connect.NewSSHServiceClient(hc, ep.URL, opt),
 		out:    a.io.out,
 		errOut: a.io.err,
 		format: a.format,

@@ -113,6 +113,7 @@ override it. Add -o json or -o yaml for the API's own field names.`,
 		newLoginCmd(a), newLogoutCmd(a),
 		newVMCmd(a), newHostCmd(a), newExposeCmd(a), newTokenCmd(a), newQuotaCmd(a),
 		newSSHCmd(a), newTunnelCmd(a), newPortForwardCmd(a),
+		newSSHCACmd(a),
 	} {
 		c.GroupID = groupClient
 		root.AddCommand(c)
