@@ -226,6 +226,8 @@ type scriptedHost struct {
 	mu  sync.Mutex
 	vms []*eitriv1.VMDesired
 	row func(d *eitriv1.VMDesired) *eitriv1.ActualVM
+	// id is the host's enrollment (its credential opens AgentService).
+	id syncclient.Identity
 }
 
 func (h *scriptedHost) Apply(s *eitriv1.DesiredStateSnapshot) bool {
@@ -256,8 +258,8 @@ func (h *scriptedHost) set(row func(d *eitriv1.VMDesired) *eitriv1.ActualVM) {
 // test.
 func (e *cliEnv) connectHost(name string) *scriptedHost {
 	e.t.Helper()
-	h := &scriptedHost{}
 	id := e.enroll(name)
+	h := &scriptedHost{id: id}
 	ctx, cancel := context.WithCancel(context.Background())
 	e.t.Cleanup(cancel)
 	go func() {

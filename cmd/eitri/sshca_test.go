@@ -1,0 +1,224 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/pem"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/server"
+)
+
+func TestSSHCAPrintsTheKeysAndTheKnownHostsLine(t *testing.T) {
+	e := newCLIEnv(t, server.Config{})
+	out, err := e.eitri("ssh-ca", "-o", "json")
+	require.NoError(t, err)
+	var r eitriv1.GetSSHCAKeysResponse
+	require.NoError(t, protojson.Unmarshal([]byte(out), &r), out)
+	require.Len(t, r.HostCaKeys, 1)
+	require.Len(t, r.UserCaKeys, 1)
+	line := "@cert-authority * " + r.HostCaKeys[0].PublicKey
+	assert.Equal(t, []string{line}, r.KnownHosts)
+
+	out, err = e.eitri("ssh-ca", "--known-hosts")
+	require.NoError(t, err)
+	assert.Equal(t, line+"\n", out, "ready to append to ~/.ssh/known_hosts")
+
+	out, err = e.eitri("ssh-ca")
+	require.NoError(t, err)
+	assert.Contains(t, out, r.UserCaKeys[0].PublicKey)
+	assert.Contains(t, out, r.UserCaKeys[0].Fingerprint)
+	assert.Contains(t, out, line)
+}
+
+// sshVM is a VM on a scripted host that reports login as its login user.
+func sshVM(t *testing.T, e *cliEnv, login string) (vmID string, host syncclient.Identity) {
+	t.Helper()
+	h := e.connectHost("h1")
+	h.set(func(d *eitriv1.VMDesired) *eitriv1.ActualVM {
+		return &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "running", Phase: "ready", Ip: "10.77.0.9", LoginUser: login}
+	})
+	vm, err := e.srv.Fleet.CreateVM(e.adminCtx(), &eitriv1.CreateVMRequest{Name: "web", ImageUrl: "http://images.test/g.raw",
+		ImageSha256: strings.Repeat("ab", 32), Vcpus: 1, MemMb: 256, DiskGb: 1})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		v, err := e.srv.Fleet.GetVM(e.adminCtx(), vm.Id)
+		return err == nil && v.LoginUser == login
+	}, 10*time.Second, 10*time.Millisecond, "the host reports the login user")
+	return vm.Id, h.id
+}
+
+func TestSSHLoginWritesAPrivateKeyAndItsCertificate(t *testing.T) {
+	e := newCLIEnv(t, server.Config{})
+	vmID, _ := sshVM(t, e, "eitri")
+	c, err := (&app{io: stdio{out: &bytes.Buffer{}, err: &bytes.Buffer{}}, format: formatTable}).dial()
+	require.NoError(t, err)
+	l, err := c.newSSHLogin(context.Background(), t.TempDir(), vmID, 0)
+	require.NoError(t, err)
+	info, err := os.Stat(l.Dir)
+	require.NoError(t, err)
+	assert.Equal(t, os.FileMode(0o700), info.Mode().Perm(), "the private key's directory is the user's alone")
+	for _, f := range []string{l.IdentityFile, l.CertificateFile, l.KnownHostsFile} {
+		info, err := os.Stat(f)
+		require.NoError(t, err)
+		assert.Equal(t, os.FileMode(0o600), info.Mode().Perm(), f)
+	}
+	certBytes, err := os.ReadFile(l.CertificateFile)
+	require.NoError(t, err)
+	k, _, _, _, err := ssh.ParseAuthorizedKey(certBytes)
+	require.NoError(t, err)
+	cert := k.(*ssh.Certificate)
+	keyBytes, err := os.ReadFile(l.IdentityFile)
+	require.NoError(t, err)
+	signer, err := ssh.ParsePrivateKey(keyBytes)
+	require.NoError(t, err)
+	assert.Equal(t, signer.PublicKey().Marshal(), cert.Key.Marshal(), "the certificate is for the key beside it")
+	assert.Equal(t, []string{"eitri"}, cert.ValidPrincipals)
+	assert.Equal(t, "eitri", l.User)
+	assert.WithinDuration(t, time.Now().Add(5*time.Minute), l.ValidBefore, time.Minute)
+	kh, err := os.ReadFile(l.KnownHostsFile)
+	require.NoError(t, err)
+	assert.True(t, strings.HasPrefix(string(kh), "@cert-authority * ssh-ed25519 "), string(kh))
+
+	require.NoError(t, l.Remove())
+	_, err = os.Stat(l.Dir)
+	assert.True(t, os.IsNotExist(err), "Remove leaves no key behind")
+}
+
+// TestSSHCertificatesGetIntoARealSSHD runs Debian's sshd on loopback,
+// configured as a guest's seed configures it (TrustedUserCAKeys,
+// HostCertificate), with a host key the control plane certified through
+// the agent's RPC, and logs in with the system ssh and a certificate from
+// newSSHLogin, trusting only the host CA's known_hosts line.
+func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
+	const sshd = "/usr/sbin/sshd"
+	if _, err := os.Stat(sshd); err != nil {
+		t.Skip("needs openssh-server (make deps)")
+	}
+	if _, err := exec.LookPath("ssh"); err != nil {
+		t.Skip("needs the ssh client (make deps)")
+	}
+	me, err := user.Current()
+	require.NoError(t, err)
+	if me.Uid == "0" {
+		// sshd refuses to start without its privilege separation directory.
+		require.NoError(t, os.MkdirAll("/run/sshd", 0o755))
+	}
+	e := newCLIEnv(t, server.Config{})
+	vmID, host := sshVM(t, e, me.Username)
+	ctx := context.Background()
+
+	// The guest's host key, certified as the agent has it certified.
+	dir := t.TempDir()
+	pub, priv, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	block, err := ssh.MarshalPrivateKey(priv, "")
+	require.NoError(t, err)
+	hostKey := filepath.Join(dir, "ssh_host_ed25519_key")
+	require.NoError(t, os.WriteFile(hostKey, pem.EncodeToMemory(block), 0o600))
+	sshPub, err := ssh.NewPublicKey(pub)
+	require.NoError(t, err)
+	agentAPI := eitriv1connect.NewAgentServiceClient(syncclient.HTTPClient(""), host.ServerURL, connect.WithInterceptors(syncclient.Bearer(host.Credential)))
+	hc, err := agentAPI.SignHostKey(ctx, connect.NewRequest(&eitriv1.SignHostKeyRequest{VmId: vmID, PublicKey: string(ssh.MarshalAuthorizedKey(sshPub))}))
+	require.NoError(t, err)
+	hostCert := filepath.Join(dir, "eitri_host_ed25519_cert.pub")
+	require.NoError(t, os.WriteFile(hostCert, []byte(hc.Msg.Certificate+"\n"), 0o644))
+
+	userCAs, err := e.eitri("ssh-ca", "-o", "json")
+	require.NoError(t, err)
+	var cas eitriv1.GetSSHCAKeysResponse
+	require.NoError(t, protojson.Unmarshal([]byte(userCAs), &cas))
+	caFile := filepath.Join(dir, "eitri_user_ca.pub")
+	require.NoError(t, os.WriteFile(caFile, []byte(cas.UserCaKeys[0].PublicKey+"\n"), 0o644))
+
+	port := hosttest.FreePort(t, "tcp")
+	conf := filepath.Join(dir, "sshd_config")
+	require.NoError(t, os.WriteFile(conf, []byte(fmt.Sprintf(`ListenAddress 127.0.0.1:%d
+HostKey %s
+HostCertificate %s
+TrustedUserCAKeys %s
+AuthorizedKeysFile none
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PermitRootLogin prohibit-password
+PidFile %s
+LogLevel VERBOSE
+`, port, hostKey, hostCert, caFile, filepath.Join(dir, "sshd.pid"))), 0o600))
+	var sshdLog syncBuffer
+	daemon := exec.Command(sshd, "-D", "-e", "-f", conf)
+	daemon.Stdout, daemon.Stderr = &sshdLog, &sshdLog
+	require.NoError(t, daemon.Start())
+	t.Cleanup(func() { _ = daemon.Process.Kill(); _ = daemon.Wait() })
+	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+	require.Eventually(t, func() bool {
+		c, err := net.Dial("tcp", addr)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond, "sshd listens:\n%s", &sshdLog)
+
+	c, err := (&app{io: stdio{out: &bytes.Buffer{}, err: &bytes.Buffer{}}, format: formatTable}).dial()
+	require.NoError(t, err)
+	login := func(ttl time.Duration) *sshLogin {
+		l, err := c.newSSHLogin(ctx, t.TempDir(), vmID, ttl)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = l.Remove() })
+		return l
+	}
+	runSSH := func(opts []string) (string, error) {
+		args := append([]string{"-F", "/dev/null", "-p", strconv.Itoa(port), "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"}, opts...)
+		out, err := exec.Command("ssh", append(args, "127.0.0.1", "echo", "in-the-guest")...).CombinedOutput()
+		return string(out), err
+	}
+
+	l := login(0)
+	for _, alias := range []string{vmID, "web"} {
+		out, err := runSSH(l.SSHOptions(alias))
+		require.NoError(t, err, "ssh as the VM's login user with a fresh certificate, host %s:\n%s\nsshd:\n%s", alias, out, &sshdLog)
+		assert.Contains(t, out, "in-the-guest")
+	}
+	assert.Contains(t, sshdLog.String(), "Accepted publickey for "+me.Username, "sshd took the certificate")
+
+	out, err := runSSH(l.SSHOptions("another-vm"))
+	assert.Error(t, err, "the host certificate names this VM only")
+	assert.Contains(t, out, "Host key verification failed")
+
+	other := l.SSHOptions(vmID)
+	other[len(other)-1] = "nobody" // -l: a user the certificate does not name
+	out, err = runSSH(other)
+	assert.Error(t, err, "a certificate for another principal is refused")
+	assert.Contains(t, out, "Permission denied")
+
+	expired := login(time.Second)
+	for time.Now().Before(expired.ValidBefore.Add(time.Second)) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	out, err = runSSH(expired.SSHOptions(vmID))
+	assert.Error(t, err, "an expired certificate is refused")
+	assert.Contains(t, out, "Permission denied")
+	assert.Contains(t, sshdLog.String(), "expired", "sshd says why")
+}
