@@ -51,8 +51,38 @@ After a CA rotation the previous key is listed too, marked "previous".`,
 		}),
 	}
 	cmd.Flags().BoolVar(&knownHosts, "known-hosts", false, "print only the @cert-authority known_hosts lines")
+	cmd.AddCommand(newSSHCARotateCmd(a))
 	a.addOutputFlag(cmd)
 	return cmd
+}
+
+func newSSHCARotateCmd(a *app) *cobra.Command {
+	return &cobra.Command{
+		Use:   "rotate user|host",
+		Short: "Admins: replace a CA's key (the old one stays trusted until the next rotation)",
+		Long: `Replace the user or the host CA's key. Certificates are signed by the new
+key from now on; the old key stays trusted (listed as previous, and seeded
+into new guests) until that CA is rotated again.
+
+Guests read their seed once, on their first boot: a guest created before a
+user CA rotation accepts no certificate from the new key (its injected key
+still works). After a host CA rotation, add the new known_hosts line
+(eitri ssh-ca --known-hosts); guests created before it keep presenting
+certificates from the old key.`,
+		Args:      cobra.ExactArgs(1),
+		ValidArgs: []cobra.Completion{"user", "host"},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := a.dial()
+			if err != nil {
+				return err
+			}
+			r, err := c.ssh.RotateSSHCA(cmd.Context(), connect.NewRequest(&eitriv1.RotateSSHCARequest{Ca: args[0]}))
+			if err != nil {
+				return apiError(err)
+			}
+			return c.show(r.Msg, func(w io.Writer) { sshCATable(w, r.Msg.GetKeys()) })
+		},
+	}
 }
 
 func sshCATable(w io.Writer, m *eitriv1.GetSSHCAKeysResponse) {

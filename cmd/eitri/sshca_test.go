@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -50,6 +51,17 @@ func TestSSHCAPrintsTheKeysAndTheKnownHostsLine(t *testing.T) {
 	assert.Contains(t, out, r.UserCaKeys[0].PublicKey)
 	assert.Contains(t, out, r.UserCaKeys[0].Fingerprint)
 	assert.Contains(t, out, line)
+
+	out, err = e.eitri("ssh-ca", "rotate", "host")
+	require.NoError(t, err)
+	assert.Regexp(t, `previous\s+\S+\s+`+regexp.QuoteMeta(r.HostCaKeys[0].PublicKey), out, "the old host key is listed as previous")
+	out, err = e.eitri("ssh-ca", "--known-hosts")
+	require.NoError(t, err)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	require.Len(t, lines, 2, "both host keys are trusted:\n%s", out)
+	assert.Equal(t, line, lines[1], "the old one second")
+	_, err = e.eitri("ssh-ca", "rotate", "everything")
+	assert.ErrorContains(t, err, "invalid argument: ca:")
 }
 
 // sshVM is a VM on a scripted host that reports login as its login user.

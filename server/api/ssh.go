@@ -22,6 +22,12 @@ func (s sshService) SignUserKey(ctx context.Context, r *connect.Request[eitriv1.
 	return reply(s.handlers, out, err)
 }
 
+// RotateSSHCA replaces one CA's key.
+func (s sshService) RotateSSHCA(ctx context.Context, r *connect.Request[eitriv1.RotateSSHCARequest]) (*connect.Response[eitriv1.RotateSSHCAResponse], error) {
+	keys, err := s.f.RotateSSHCA(ctx, r.Msg.GetCa())
+	return reply(s.handlers, &eitriv1.RotateSSHCAResponse{Keys: keys}, err)
+}
+
 // SignHostKey certifies a guest's host key for the host that runs it.
 func (s agentService) SignHostKey(ctx context.Context, r *connect.Request[eitriv1.SignHostKeyRequest]) (*connect.Response[eitriv1.SignHostKeyResponse], error) {
 	hostID, err := s.hostOf(ctx, r.Header())

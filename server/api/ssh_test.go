@@ -112,11 +112,11 @@ func TestSignUserKeyCertifiesTheLoginUserOfTheCallersVMOnly(t *testing.T) {
 	checker := func(at time.Time, ca string) *ssh.CertChecker {
 		return &ssh.CertChecker{IsUserAuthority: isKey(ca), Clock: func() time.Time { return at }}
 	}
-	require.NoError(t, checker(time.Now(), userCA).CheckCert("eitri", cert), "sshd's check with the user CA accepts it")
-	assert.Error(t, checker(time.Now(), userCA).CheckCert("root", cert), "for the login user only")
+	require.NoError(t, login(checker(time.Now(), userCA), "eitri", cert), "sshd's check with the user CA accepts it")
+	assert.Error(t, login(checker(time.Now(), userCA), "root", cert), "for the login user only")
 	_, err = checker(time.Now(), cas.Msg.HostCaKeys[0].PublicKey).Authenticate(connMeta("eitri"), cert)
 	assert.Error(t, err, "not signed by the host CA")
-	assert.ErrorContains(t, checker(got.ValidBefore.AsTime().Add(time.Second), userCA).CheckCert("eitri", cert), "expired",
+	assert.ErrorContains(t, login(checker(got.ValidBefore.AsTime().Add(time.Second), userCA), "eitri", cert), "expired",
 		"an expired certificate is refused")
 
 	evs, err := e.vms(alice).ListVMEvents(ctx, connect.NewRequest(&eitriv1.ListVMEventsRequest{VmId: id}))
@@ -246,3 +246,57 @@ func (sshMeta) RemoteAddr() net.Addr  { return &net.TCPAddr{} }
 func (sshMeta) LocalAddr() net.Addr   { return &net.TCPAddr{} }
 
 func connMeta(user string) ssh.ConnMetadata { return sshMeta(user) }
+
+func TestRotateSSHCAKeepsThePreviousKeyTrustedAndIsForAdmins(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	h, cred := e.enroll("h1")
+	a := e.connect(h, cred, big())
+	alice := e.user("alice")
+	before, err := e.ssh(alice).GetSSHCAKeys(ctx, connect.NewRequest(&eitriv1.GetSSHCAKeysRequest{}))
+	require.NoError(t, err)
+
+	_, err = e.ssh(alice).RotateSSHCA(ctx, connect.NewRequest(&eitriv1.RotateSSHCARequest{Ca: "user"}))
+	assert.Equal(t, connect.CodePermissionDenied, code(err), "only an admin rotates a CA")
+	_, err = e.ssh(e.admin).RotateSSHCA(ctx, connect.NewRequest(&eitriv1.RotateSSHCARequest{Ca: "both"}))
+	assert.Equal(t, connect.CodeInvalidArgument, code(err))
+	assert.ErrorContains(t, err, "ca:")
+
+	rotated, err := e.ssh(e.admin).RotateSSHCA(ctx, connect.NewRequest(&eitriv1.RotateSSHCARequest{Ca: "user"}))
+	require.NoError(t, err)
+	keys := rotated.Msg.Keys
+	require.Len(t, keys.UserCaKeys, 2)
+	assert.NotEqual(t, before.Msg.UserCaKeys[0].PublicKey, keys.UserCaKeys[0].PublicKey, "a new current key")
+	assert.False(t, keys.UserCaKeys[0].Previous)
+	assert.Equal(t, before.Msg.UserCaKeys[0].PublicKey, keys.UserCaKeys[1].PublicKey, "the old key is still trusted")
+	assert.True(t, keys.UserCaKeys[1].Previous)
+	assert.Len(t, keys.HostCaKeys, 1, "the host CA is untouched")
+
+	_, err = e.vms(alice).CreateVM(ctx, connect.NewRequest(createReq("web")))
+	require.NoError(t, err)
+	var snap *eitriv1.DesiredStateSnapshot
+	for snap = a.next(t); len(snap.Vms) == 0; snap = a.next(t) {
+	}
+	assert.Equal(t, []string{keys.UserCaKeys[0].PublicKey, keys.UserCaKeys[1].PublicKey}, snap.Vms[0].SshUserCaKeys,
+		"new guests trust both keys")
+
+	id := snap.Vms[0].VmId
+	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Vms: []*eitriv1.ActualVM{{VmId: id, Power: "running", Phase: "ready", LoginUser: "eitri"}}})
+	require.Eventually(t, func() bool {
+		v, err := e.vms(alice).GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+		return err == nil && v.Msg.Vm.LoginUser == "eitri"
+	}, 5*time.Second, 10*time.Millisecond)
+	got, err := e.ssh(alice).SignUserKey(ctx, connect.NewRequest(&eitriv1.SignUserKeyRequest{VmId: id, PublicKey: authorized(newSSHKey(t))}))
+	require.NoError(t, err)
+	cert := parseCert(t, got.Msg.Certificate)
+	assert.NoError(t, login(&ssh.CertChecker{IsUserAuthority: isKey(keys.UserCaKeys[0].PublicKey)}, "eitri", cert), "signed by the new key")
+	assert.Error(t, login(&ssh.CertChecker{IsUserAuthority: isKey(keys.UserCaKeys[1].PublicKey)}, "eitri", cert), "not by the old one")
+}
+
+// login is sshd's check of a user certificate: signed by a trusted user CA
+// (CertChecker.CheckCert alone does not look at the signer), valid now,
+// for this user.
+func login(c *ssh.CertChecker, user string, cert *ssh.Certificate) error {
+	_, err := c.Authenticate(connMeta(user), cert)
+	return err
+}

@@ -65,6 +65,40 @@ func (f *Fleet) SSHCAKeys(ctx context.Context) (*eitriv1.GetSSHCAKeysResponse, e
 	return out, nil
 }
 
+// RotateSSHCA replaces the user or host CA's key (admin only); see
+// sshca.Authority.Rotate for what stays trusted.
+func (f *Fleet) RotateSSHCA(ctx context.Context, which string) (*eitriv1.GetSSHCAKeysResponse, error) {
+	p, err := requireAdmin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	k := sshca.Kind(which)
+	if k != sshca.User && k != sshca.Host {
+		return nil, invalid("ca", "\"user\" or \"host\"")
+	}
+	ca, err := f.ca()
+	if err != nil {
+		return nil, err
+	}
+	if err := ca.Rotate(k); err != nil {
+		return nil, err
+	}
+	f.log.Info("SSH CA rotated", "ca", which, "by", p.Name, "key", ssh.FingerprintSHA256(ca.PublicKey(k)))
+	if k == sshca.User {
+		// Guests still to be seeded trust the new key too.
+		f.mu.Lock()
+		hosts := make([]string, 0, len(f.sessions))
+		for id := range f.sessions {
+			hosts = append(hosts, id)
+		}
+		f.mu.Unlock()
+		for _, h := range hosts {
+			f.kick(h)
+		}
+	}
+	return f.SSHCAKeys(ctx)
+}
+
 func caKey(k ssh.PublicKey, previous bool) *eitriv1.SSHCAKey {
 	return &eitriv1.SSHCAKey{PublicKey: sshca.AuthorizedKey(k), Fingerprint: ssh.FingerprintSHA256(k), Previous: previous}
 }

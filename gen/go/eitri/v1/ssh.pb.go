@@ -342,6 +342,96 @@ func (x *SignUserKeyResponse) GetValidBefore() *timestamppb.Timestamp {
 	return nil
 }
 
+type RotateSSHCARequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "user" or "host".
+	Ca            string `protobuf:"bytes,1,opt,name=ca,proto3" json:"ca,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RotateSSHCARequest) Reset() {
+	*x = RotateSSHCARequest{}
+	mi := &file_eitri_v1_ssh_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RotateSSHCARequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RotateSSHCARequest) ProtoMessage() {}
+
+func (x *RotateSSHCARequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_ssh_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RotateSSHCARequest.ProtoReflect.Descriptor instead.
+func (*RotateSSHCARequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_ssh_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *RotateSSHCARequest) GetCa() string {
+	if x != nil {
+		return x.Ca
+	}
+	return ""
+}
+
+type RotateSSHCAResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The keys after the rotation, as GetSSHCAKeys returns them.
+	Keys          *GetSSHCAKeysResponse `protobuf:"bytes,1,opt,name=keys,proto3" json:"keys,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RotateSSHCAResponse) Reset() {
+	*x = RotateSSHCAResponse{}
+	mi := &file_eitri_v1_ssh_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RotateSSHCAResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RotateSSHCAResponse) ProtoMessage() {}
+
+func (x *RotateSSHCAResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_ssh_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RotateSSHCAResponse.ProtoReflect.Descriptor instead.
+func (*RotateSSHCAResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_ssh_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *RotateSSHCAResponse) GetKeys() *GetSSHCAKeysResponse {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
 var File_eitri_v1_ssh_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_ssh_proto_rawDesc = "" +
@@ -372,11 +462,16 @@ const file_eitri_v1_ssh_proto_rawDesc = "" +
 	"\x06key_id\x18\x04 \x01(\tR\x05keyId\x12;\n" +
 	"\vvalid_after\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"validAfter\x12=\n" +
-	"\fvalid_before\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\vvalidBefore2\xa7\x01\n" +
+	"\fvalid_before\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\vvalidBefore\"$\n" +
+	"\x12RotateSSHCARequest\x12\x0e\n" +
+	"\x02ca\x18\x01 \x01(\tR\x02ca\"I\n" +
+	"\x13RotateSSHCAResponse\x122\n" +
+	"\x04keys\x18\x01 \x01(\v2\x1e.eitri.v1.GetSSHCAKeysResponseR\x04keys2\xf3\x01\n" +
 	"\n" +
 	"SSHService\x12M\n" +
 	"\fGetSSHCAKeys\x12\x1d.eitri.v1.GetSSHCAKeysRequest\x1a\x1e.eitri.v1.GetSSHCAKeysResponse\x12J\n" +
-	"\vSignUserKey\x12\x1c.eitri.v1.SignUserKeyRequest\x1a\x1d.eitri.v1.SignUserKeyResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\vSignUserKey\x12\x1c.eitri.v1.SignUserKeyRequest\x1a\x1d.eitri.v1.SignUserKeyResponse\x12J\n" +
+	"\vRotateSSHCA\x12\x1c.eitri.v1.RotateSSHCARequest\x1a\x1d.eitri.v1.RotateSSHCAResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_ssh_proto_rawDescOnce sync.Once
@@ -390,31 +485,36 @@ func file_eitri_v1_ssh_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_ssh_proto_rawDescData
 }
 
-var file_eitri_v1_ssh_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_eitri_v1_ssh_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_eitri_v1_ssh_proto_goTypes = []any{
 	(*SSHCAKey)(nil),              // 0: eitri.v1.SSHCAKey
 	(*GetSSHCAKeysRequest)(nil),   // 1: eitri.v1.GetSSHCAKeysRequest
 	(*GetSSHCAKeysResponse)(nil),  // 2: eitri.v1.GetSSHCAKeysResponse
 	(*SignUserKeyRequest)(nil),    // 3: eitri.v1.SignUserKeyRequest
 	(*SignUserKeyResponse)(nil),   // 4: eitri.v1.SignUserKeyResponse
-	(*durationpb.Duration)(nil),   // 5: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil), // 6: google.protobuf.Timestamp
+	(*RotateSSHCARequest)(nil),    // 5: eitri.v1.RotateSSHCARequest
+	(*RotateSSHCAResponse)(nil),   // 6: eitri.v1.RotateSSHCAResponse
+	(*durationpb.Duration)(nil),   // 7: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil), // 8: google.protobuf.Timestamp
 }
 var file_eitri_v1_ssh_proto_depIdxs = []int32{
 	0, // 0: eitri.v1.GetSSHCAKeysResponse.user_ca_keys:type_name -> eitri.v1.SSHCAKey
 	0, // 1: eitri.v1.GetSSHCAKeysResponse.host_ca_keys:type_name -> eitri.v1.SSHCAKey
-	5, // 2: eitri.v1.SignUserKeyRequest.ttl:type_name -> google.protobuf.Duration
-	6, // 3: eitri.v1.SignUserKeyResponse.valid_after:type_name -> google.protobuf.Timestamp
-	6, // 4: eitri.v1.SignUserKeyResponse.valid_before:type_name -> google.protobuf.Timestamp
-	1, // 5: eitri.v1.SSHService.GetSSHCAKeys:input_type -> eitri.v1.GetSSHCAKeysRequest
-	3, // 6: eitri.v1.SSHService.SignUserKey:input_type -> eitri.v1.SignUserKeyRequest
-	2, // 7: eitri.v1.SSHService.GetSSHCAKeys:output_type -> eitri.v1.GetSSHCAKeysResponse
-	4, // 8: eitri.v1.SSHService.SignUserKey:output_type -> eitri.v1.SignUserKeyResponse
-	7, // [7:9] is the sub-list for method output_type
-	5, // [5:7] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	7, // 2: eitri.v1.SignUserKeyRequest.ttl:type_name -> google.protobuf.Duration
+	8, // 3: eitri.v1.SignUserKeyResponse.valid_after:type_name -> google.protobuf.Timestamp
+	8, // 4: eitri.v1.SignUserKeyResponse.valid_before:type_name -> google.protobuf.Timestamp
+	2, // 5: eitri.v1.RotateSSHCAResponse.keys:type_name -> eitri.v1.GetSSHCAKeysResponse
+	1, // 6: eitri.v1.SSHService.GetSSHCAKeys:input_type -> eitri.v1.GetSSHCAKeysRequest
+	3, // 7: eitri.v1.SSHService.SignUserKey:input_type -> eitri.v1.SignUserKeyRequest
+	5, // 8: eitri.v1.SSHService.RotateSSHCA:input_type -> eitri.v1.RotateSSHCARequest
+	2, // 9: eitri.v1.SSHService.GetSSHCAKeys:output_type -> eitri.v1.GetSSHCAKeysResponse
+	4, // 10: eitri.v1.SSHService.SignUserKey:output_type -> eitri.v1.SignUserKeyResponse
+	6, // 11: eitri.v1.SSHService.RotateSSHCA:output_type -> eitri.v1.RotateSSHCAResponse
+	9, // [9:12] is the sub-list for method output_type
+	6, // [6:9] is the sub-list for method input_type
+	6, // [6:6] is the sub-list for extension type_name
+	6, // [6:6] is the sub-list for extension extendee
+	0, // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_ssh_proto_init() }
@@ -428,7 +528,7 @@ func file_eitri_v1_ssh_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_ssh_proto_rawDesc), len(file_eitri_v1_ssh_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   5,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -37,6 +37,8 @@ const (
 	SSHServiceGetSSHCAKeysProcedure = "/eitri.v1.SSHService/GetSSHCAKeys"
 	// SSHServiceSignUserKeyProcedure is the fully-qualified name of the SSHService's SignUserKey RPC.
 	SSHServiceSignUserKeyProcedure = "/eitri.v1.SSHService/SignUserKey"
+	// SSHServiceRotateSSHCAProcedure is the fully-qualified name of the SSHService's RotateSSHCA RPC.
+	SSHServiceRotateSSHCAProcedure = "/eitri.v1.SSHService/RotateSSHCA"
 )
 
 // SSHServiceClient is a client for the eitri.v1.SSHService service.
@@ -49,6 +51,15 @@ type SSHServiceClient interface {
 	// user is not known (its host has not reported it). Recorded as a VM event
 	// ("ssh-cert": who, key fingerprint, serial, validity).
 	SignUserKey(context.Context, *connect.Request[v1.SignUserKeyRequest]) (*connect.Response[v1.SignUserKeyResponse], error)
+	// RotateSSHCA replaces one CA's key. The replaced key stays trusted (listed
+	// as previous, and in new guests' seeds) until the next rotation of that
+	// CA; certificates are signed by the new key from now on. Guests read
+	// their seed once: a guest seeded before a user CA rotation trusts only
+	// the keys it was seeded with, so certificates from the new key are
+	// refused there (its injected key still works); a host CA rotation leaves
+	// existing guests' host certificates valid while the previous key is
+	// trusted by clients. Admin only.
+	RotateSSHCA(context.Context, *connect.Request[v1.RotateSSHCARequest]) (*connect.Response[v1.RotateSSHCAResponse], error)
 }
 
 // NewSSHServiceClient constructs a client for the eitri.v1.SSHService service. By default, it uses
@@ -74,6 +85,12 @@ func NewSSHServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 			connect.WithSchema(sSHServiceMethods.ByName("SignUserKey")),
 			connect.WithClientOptions(opts...),
 		),
+		rotateSSHCA: connect.NewClient[v1.RotateSSHCARequest, v1.RotateSSHCAResponse](
+			httpClient,
+			baseURL+SSHServiceRotateSSHCAProcedure,
+			connect.WithSchema(sSHServiceMethods.ByName("RotateSSHCA")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -81,6 +98,7 @@ func NewSSHServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 type sSHServiceClient struct {
 	getSSHCAKeys *connect.Client[v1.GetSSHCAKeysRequest, v1.GetSSHCAKeysResponse]
 	signUserKey  *connect.Client[v1.SignUserKeyRequest, v1.SignUserKeyResponse]
+	rotateSSHCA  *connect.Client[v1.RotateSSHCARequest, v1.RotateSSHCAResponse]
 }
 
 // GetSSHCAKeys calls eitri.v1.SSHService.GetSSHCAKeys.
@@ -93,6 +111,11 @@ func (c *sSHServiceClient) SignUserKey(ctx context.Context, req *connect.Request
 	return c.signUserKey.CallUnary(ctx, req)
 }
 
+// RotateSSHCA calls eitri.v1.SSHService.RotateSSHCA.
+func (c *sSHServiceClient) RotateSSHCA(ctx context.Context, req *connect.Request[v1.RotateSSHCARequest]) (*connect.Response[v1.RotateSSHCAResponse], error) {
+	return c.rotateSSHCA.CallUnary(ctx, req)
+}
+
 // SSHServiceHandler is an implementation of the eitri.v1.SSHService service.
 type SSHServiceHandler interface {
 	// GetSSHCAKeys returns the CAs' public keys. Any authenticated caller.
@@ -103,6 +126,15 @@ type SSHServiceHandler interface {
 	// user is not known (its host has not reported it). Recorded as a VM event
 	// ("ssh-cert": who, key fingerprint, serial, validity).
 	SignUserKey(context.Context, *connect.Request[v1.SignUserKeyRequest]) (*connect.Response[v1.SignUserKeyResponse], error)
+	// RotateSSHCA replaces one CA's key. The replaced key stays trusted (listed
+	// as previous, and in new guests' seeds) until the next rotation of that
+	// CA; certificates are signed by the new key from now on. Guests read
+	// their seed once: a guest seeded before a user CA rotation trusts only
+	// the keys it was seeded with, so certificates from the new key are
+	// refused there (its injected key still works); a host CA rotation leaves
+	// existing guests' host certificates valid while the previous key is
+	// trusted by clients. Admin only.
+	RotateSSHCA(context.Context, *connect.Request[v1.RotateSSHCARequest]) (*connect.Response[v1.RotateSSHCAResponse], error)
 }
 
 // NewSSHServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -124,12 +156,20 @@ func NewSSHServiceHandler(svc SSHServiceHandler, opts ...connect.HandlerOption) 
 		connect.WithSchema(sSHServiceMethods.ByName("SignUserKey")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sSHServiceRotateSSHCAHandler := connect.NewUnaryHandler(
+		SSHServiceRotateSSHCAProcedure,
+		svc.RotateSSHCA,
+		connect.WithSchema(sSHServiceMethods.ByName("RotateSSHCA")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.SSHService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SSHServiceGetSSHCAKeysProcedure:
 			sSHServiceGetSSHCAKeysHandler.ServeHTTP(w, r)
 		case SSHServiceSignUserKeyProcedure:
 			sSHServiceSignUserKeyHandler.ServeHTTP(w, r)
+		case SSHServiceRotateSSHCAProcedure:
+			sSHServiceRotateSSHCAHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -145,4 +185,8 @@ func (UnimplementedSSHServiceHandler) GetSSHCAKeys(context.Context, *connect.Req
 
 func (UnimplementedSSHServiceHandler) SignUserKey(context.Context, *connect.Request[v1.SignUserKeyRequest]) (*connect.Response[v1.SignUserKeyResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.SSHService.SignUserKey is not implemented"))
+}
+
+func (UnimplementedSSHServiceHandler) RotateSSHCA(context.Context, *connect.Request[v1.RotateSSHCARequest]) (*connect.Response[v1.RotateSSHCAResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.SSHService.RotateSSHCA is not implemented"))
 }

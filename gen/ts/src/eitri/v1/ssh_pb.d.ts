@@ -174,6 +174,42 @@ export declare type SignUserKeyResponse = Message<"eitri.v1.SignUserKeyResponse"
 export declare const SignUserKeyResponseSchema: GenMessage<SignUserKeyResponse>;
 
 /**
+ * @generated from message eitri.v1.RotateSSHCARequest
+ */
+export declare type RotateSSHCARequest = Message<"eitri.v1.RotateSSHCARequest"> & {
+  /**
+   * "user" or "host".
+   *
+   * @generated from field: string ca = 1;
+   */
+  ca: string;
+};
+
+/**
+ * Describes the message eitri.v1.RotateSSHCARequest.
+ * Use `create(RotateSSHCARequestSchema)` to create a new message.
+ */
+export declare const RotateSSHCARequestSchema: GenMessage<RotateSSHCARequest>;
+
+/**
+ * @generated from message eitri.v1.RotateSSHCAResponse
+ */
+export declare type RotateSSHCAResponse = Message<"eitri.v1.RotateSSHCAResponse"> & {
+  /**
+   * The keys after the rotation, as GetSSHCAKeys returns them.
+   *
+   * @generated from field: eitri.v1.GetSSHCAKeysResponse keys = 1;
+   */
+  keys?: GetSSHCAKeysResponse | undefined;
+};
+
+/**
+ * Describes the message eitri.v1.RotateSSHCAResponse.
+ * Use `create(RotateSSHCAResponseSchema)` to create a new message.
+ */
+export declare const RotateSSHCAResponseSchema: GenMessage<RotateSSHCAResponse>;
+
+/**
  * SSHService is the control plane's SSH certificate authority. Guests trust
  * its user CA (their seed sets sshd's TrustedUserCAKeys) and present host
  * certificates from its host CA, so a client needs no per-guest key: a
@@ -206,6 +242,23 @@ export declare const SSHService: GenService<{
     methodKind: "unary";
     input: typeof SignUserKeyRequestSchema;
     output: typeof SignUserKeyResponseSchema;
+  },
+  /**
+   * RotateSSHCA replaces one CA's key. The replaced key stays trusted (listed
+   * as previous, and in new guests' seeds) until the next rotation of that
+   * CA; certificates are signed by the new key from now on. Guests read
+   * their seed once: a guest seeded before a user CA rotation trusts only
+   * the keys it was seeded with, so certificates from the new key are
+   * refused there (its injected key still works); a host CA rotation leaves
+   * existing guests' host certificates valid while the previous key is
+   * trusted by clients. Admin only.
+   *
+   * @generated from rpc eitri.v1.SSHService.RotateSSHCA
+   */
+  rotateSSHCA: {
+    methodKind: "unary";
+    input: typeof RotateSSHCARequestSchema;
+    output: typeof RotateSSHCAResponseSchema;
   },
 }>;
 
