@@ -158,7 +158,7 @@ func host(t *testing.T, ctx context.Context, hc *http.Client, url, admin string)
 					power = "stopped"
 				}
 				rep.Vms = append(rep.Vms, &eitriv1.ActualVM{VmId: vm.VmId, Power: power, Phase: "ready", Ip: ips[vm.VmId],
-					SshHostPubkey: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDocsDocsDocsDocsDocsDocsDocsDocsDocsDocsDocs"})
+					SshHostPubkey: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDocsDocsDocsDocsDocsDocsDocsDocsDocsDocsDocs", LoginUser: "eitri"})
 			}
 			for _, x := range snap.GetExposures() {
 				rep.Exposures = append(rep.Exposures, &eitriv1.ExposureActual{Id: x.Id, State: "active"})
