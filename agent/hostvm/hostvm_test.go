@@ -3,6 +3,8 @@ package hostvm
 import (
 	"bytes"
 	"context"
+	"crypto/ed25519"
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -25,6 +27,7 @@ import (
 	"github.com/kdomanski/iso9660"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
 )
 
 func TestCheckSpec(t *testing.T) {
@@ -112,7 +115,13 @@ func TestWriteSeed(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "seed.iso")
 	// A network that serves no phone-home endpoint: the seed asks for none.
 	h := &Hypervisor{net: &netsetup.Network{}}
-	require.NoError(t, h.WriteSeed(out, reconcile.SeedParams{InstanceID: "vm-1", Hostname: "web-1", LoginUser: "eitri"}))
+	caPub, _, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	ca, err := ssh.NewPublicKey(caPub)
+	require.NoError(t, err)
+	caLine := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(ca)))
+	require.NoError(t, h.WriteSeed(out, reconcile.SeedParams{InstanceID: "vm-1", Hostname: "web-1", LoginUser: "eitri",
+		TrustedUserCAKeys: []string{caLine}}))
 
 	f, err := os.Open(out)
 	require.NoError(t, err)
@@ -135,6 +144,8 @@ func TestWriteSeed(t *testing.T) {
 	assert.Contains(t, files["meta-data"], "vm-1", "the instance id reaches the seed")
 	assert.Contains(t, files["user-data"], "- name: \"eitri\"", "the login user reaches the seed")
 	assert.NotContains(t, files["user-data"], "phone_home")
+	assert.Contains(t, files["user-data"], caLine, "the trusted user CA reaches the seed")
+	assert.Contains(t, files["user-data"], "TrustedUserCAKeys ")
 
 	err = h.WriteSeed(filepath.Join(t.TempDir(), "bad.iso"), reconcile.SeedParams{InstanceID: "vm-1", Hostname: "not a label"})
 	require.Error(t, err)
