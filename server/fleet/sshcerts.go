@@ -5,6 +5,7 @@ import (
 	"crypto/rsa"
 	"errors"
 	"fmt"
+	"regexp"
 	"strings"
 	"time"
 
@@ -32,7 +33,10 @@ const (
 	minRSABits = 2048
 )
 
-// sshEventKind marks a certificate issued in a VM's timeline.
+// loginUserRe is a portable POSIX user name, as the seed creates.
+var loginUserRe = regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`)
+
+// Event kinds of the certificates issued for a VM, in its timeline.
 const (
 	eventSSHCert     = "ssh-cert"
 	eventSSHHostCert = "ssh-host-cert"
@@ -157,6 +161,10 @@ func (f *Fleet) SignUserKey(ctx context.Context, r *eitriv1.SignUserKeyRequest) 
 		// Never a certificate without a principal: sshd takes that as any
 		// user.
 		return nil, errorf(Precondition, "vm %s has no login user yet (its host has not reported one); try again once it is created", vm.ID)
+	}
+	if !loginUserRe.MatchString(login) {
+		// The host's word goes into a certificate: only a plain user name.
+		return nil, errorf(Precondition, "vm %s: its host reported an unusable login user", vm.ID)
 	}
 	now := f.now()
 	v := sshca.Validity{After: now.Add(-certBackdate), Before: now.Add(ttl)}
