@@ -22,6 +22,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
 
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
@@ -278,6 +279,20 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 		"the VM becomes ready with an address")
 	ready := last()
 	assert.Empty(t, ready.detail, "a settled VM says nothing more")
+
+	// The agent had the guest's host key certified by the control plane's
+	// host CA before it wrote the seed.
+	got, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+	require.NoError(t, err)
+	hostKey, _, _, _, err := ssh.ParseAuthorizedKey([]byte(got.Msg.Vm.SshHostPubkey))
+	require.NoError(t, err, "the host key is reported")
+	evs, err := vms.ListVMEvents(ctx, connect.NewRequest(&eitriv1.ListVMEventsRequest{VmId: id}))
+	require.NoError(t, err)
+	certified := false
+	for _, ev := range evs.Msg.Events {
+		certified = certified || ev.Kind == "ssh-host-cert" && strings.Contains(ev.Message, ssh.FingerprintSHA256(hostKey))
+	}
+	assert.True(t, certified, "the guest's host key was certified: %v", evs.Msg.Events)
 
 	var details []string
 	for _, s := range watched.list() {

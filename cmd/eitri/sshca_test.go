@@ -208,7 +208,7 @@ LogLevel VERBOSE
 	}
 
 	l := login(0)
-	for _, alias := range []string{vmID, "web"} {
+	for _, alias := range []string{vmID, "web", "eitri-" + vmID} {
 		out, err := runSSH(l.SSHOptions(alias))
 		require.NoError(t, err, "ssh as the VM's login user with a fresh certificate, host %s:\n%s\nsshd:\n%s", alias, out, &sshdLog)
 		assert.Contains(t, out, "in-the-guest")

@@ -208,7 +208,7 @@ func TestSignHostKeyCertifiesTheGuestsOfTheCallingHostOnly(t *testing.T) {
 	cert := parseCert(t, resp.Msg.Certificate)
 	assert.Equal(t, uint32(ssh.HostCert), cert.CertType)
 	assert.Equal(t, key.Marshal(), cert.Key.Marshal())
-	assert.ElementsMatch(t, []string{vm.Id, "db"}, cert.ValidPrincipals)
+	assert.ElementsMatch(t, []string{vm.Id, "db", "eitri-" + vm.Id}, cert.ValidPrincipals)
 	assert.Greater(t, time.Unix(int64(cert.ValidBefore), 0), time.Now().AddDate(1, 0, 0), "a host certificate lives as long as its guest may")
 
 	// What an ssh client with "@cert-authority * <host CA>" does.
@@ -216,6 +216,7 @@ func TestSignHostKeyCertifiesTheGuestsOfTheCallingHostOnly(t *testing.T) {
 	remote := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 22}
 	assert.NoError(t, checker.CheckHostKey(vm.Id+":22", remote, cert), "verifies for the VM's id")
 	assert.NoError(t, checker.CheckHostKey("db:22", remote, cert), "and its name")
+	assert.NoError(t, checker.CheckHostKey("eitri-"+vm.Id+":22", remote, cert), "and the alias eitri ssh uses")
 	assert.Error(t, checker.CheckHostKey("other:22", remote, cert), "not for another guest")
 	userChecker := &ssh.CertChecker{IsHostAuthority: func(k ssh.PublicKey, _ string) bool { return isKey(cas.Msg.UserCaKeys[0].PublicKey)(k) }}
 	assert.Error(t, userChecker.CheckHostKey(vm.Id+":22", remote, cert), "not signed by the user CA")

@@ -236,8 +236,13 @@ func hasControl(s string) bool {
 	return false
 }
 
+// HostKeyAlias is the name `eitri ssh` gives a VM's host key (ssh's
+// HostKeyAlias and destination): a guest's host certificate names it.
+func HostKeyAlias(vmID string) string { return "eitri-" + vmID }
+
 // SignHostKey certifies a guest's host key for the host the VM is placed
-// on, with the VM's id and name as principals: the names `eitri ssh`
+// on, with the names a client may connect to it by as principals: the VM's
+// id, its name, and HostKeyAlias(id), the alias `eitri ssh`
 // connects to.
 func (f *Fleet) SignHostKey(ctx context.Context, hostID string, r *eitriv1.SignHostKeyRequest) (*eitriv1.SignHostKeyResponse, error) {
 	if err := checkLen("vm_id", r.GetVmId(), maxIDLen); err != nil {
@@ -274,7 +279,7 @@ func (f *Fleet) SignHostKey(ctx context.Context, hostID string, r *eitriv1.SignH
 	}
 	now := f.now()
 	cert, err := ca.Sign(sshca.Host, pub, fmt.Sprintf("eitri guest %s (%s)", vm.Name, vm.ID),
-		[]string{vm.ID, vm.Name}, sshca.Validity{After: now.Add(-certBackdate), Before: now.Add(hostCertValidity)})
+		[]string{vm.ID, vm.Name, HostKeyAlias(vm.ID)}, sshca.Validity{After: now.Add(-certBackdate), Before: now.Add(hostCertValidity)})
 	if err != nil {
 		return nil, err
 	}

@@ -2278,7 +2278,8 @@ type SignHostKeyResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The host certificate in authorized_keys form
 	// ("ssh-ed25519-cert-v01@openssh.com AAAA..."). Its principals are the
-	// VM's id and name.
+	// VM's id, its name, and "eitri-<id>" (the host key alias `eitri ssh`
+	// uses).
 	Certificate   string `protobuf:"bytes,1,opt,name=certificate,proto3" json:"certificate,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

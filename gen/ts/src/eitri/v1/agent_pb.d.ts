@@ -1263,7 +1263,8 @@ export declare type SignHostKeyResponse = Message<"eitri.v1.SignHostKeyResponse"
   /**
    * The host certificate in authorized_keys form
    * ("ssh-ed25519-cert-v01@openssh.com AAAA..."). Its principals are the
-   * VM's id and name.
+   * VM's id, its name, and "eitri-<id>" (the host key alias `eitri ssh`
+   * uses).
    *
    * @generated from field: string certificate = 1;
    */
