@@ -301,3 +301,41 @@ func login(c *ssh.CertChecker, user string, cert *ssh.Certificate) error {
 	_, err := c.Authenticate(connMeta(user), cert)
 	return err
 }
+
+func TestSignUserKeyIsRateLimitedPerUser(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	h, cred := e.enroll("h1")
+	a := e.connect(h, cred, big())
+	alice, bob := e.user("alice"), e.user("bob")
+	var ids []string
+	for _, tok := range []string{alice, bob} {
+		created, err := e.vms(tok).CreateVM(ctx, connect.NewRequest(createReq("web")))
+		require.NoError(t, err)
+		ids = append(ids, created.Msg.Vm.Id)
+		a.next(t)
+	}
+	var rows []*eitriv1.ActualVM
+	for _, id := range ids {
+		rows = append(rows, &eitriv1.ActualVM{VmId: id, Power: "running", Phase: "ready", LoginUser: "eitri"})
+	}
+	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Vms: rows})
+	require.Eventually(t, func() bool {
+		v, err := e.vms(bob).GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: ids[1]}))
+		return err == nil && v.Msg.Vm.LoginUser == "eitri"
+	}, 5*time.Second, 10*time.Millisecond)
+
+	key := authorized(newSSHKey(t))
+	var err error
+	n := 0
+	for ; n < 100; n++ {
+		if _, err = e.ssh(alice).SignUserKey(ctx, connect.NewRequest(&eitriv1.SignUserKeyRequest{VmId: ids[0], PublicKey: key})); err != nil {
+			break
+		}
+	}
+	assert.Equal(t, connect.CodeResourceExhausted, code(err), "%v", err)
+	assert.GreaterOrEqual(t, n, 20, "a burst is allowed")
+	assert.Less(t, n, 30, "then the rate is bounded")
+	_, err = e.ssh(bob).SignUserKey(ctx, connect.NewRequest(&eitriv1.SignUserKeyRequest{VmId: ids[1], PublicKey: key}))
+	assert.NoError(t, err, "one user's rate is not another's")
+}

@@ -146,6 +146,8 @@ type Fleet struct {
 
 	consoles consoleHub  // console calls relayed by hosts (console.go)
 	tunnels  tunnelCount // open tunnels by user (tunnel.go)
+
+	userCerts certLimits // SSH certificates per user (sshcerts.go)
 }
 
 // New returns a fleet over st.

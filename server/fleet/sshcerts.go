@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/crypto/ssh"
+	"golang.org/x/time/rate"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
@@ -31,7 +33,42 @@ const (
 	// minRSABits is the smallest RSA user key certified; smaller ones are
 	// breakable.
 	minRSABits = 2048
+	// A user's certificates come in a burst (a script logging into a few
+	// VMs), then one every few seconds: each is written to the VM's
+	// timeline, which must not grow as fast as someone can ask.
+	userCertBurst = 20
+	userCertEvery = 3 * time.Second
 )
+
+// certLimits holds each user's certificate allowance.
+type certLimits struct {
+	mu sync.Mutex
+	m  map[string]*rate.Limiter
+}
+
+func (l *certLimits) allow(userID string, now time.Time) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.m == nil {
+		l.m = map[string]*rate.Limiter{}
+	}
+	lim := l.m[userID]
+	if lim == nil {
+		lim = rate.NewLimiter(rate.Every(userCertEvery), userCertBurst)
+		l.m[userID] = lim
+	}
+	ok := lim.AllowN(now, 1)
+	// A full allowance is the same as none: forget those, so the map holds
+	// only users asking now.
+	if len(l.m) > 64 {
+		for id, o := range l.m {
+			if o.TokensAt(now) >= userCertBurst {
+				delete(l.m, id)
+			}
+		}
+	}
+	return ok
+}
 
 // loginUserRe is a portable POSIX user name, as the seed creates.
 var loginUserRe = regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`)
@@ -154,6 +191,9 @@ func (f *Fleet) SignUserKey(ctx context.Context, r *eitriv1.SignUserKeyRequest) 
 	}
 	if vm.DeletedAt != nil {
 		return nil, errorf(Precondition, "vm %s is deleted", vm.ID)
+	}
+	if !f.userCerts.allow(p.UserID, f.now()) {
+		return nil, errorf(Exhausted, "more than %d SSH certificates in a row; one more every %s", userCertBurst, userCertEvery)
 	}
 	row, _ := f.reg.VM(vm.HostID, vm.ID)
 	login := row.GetLoginUser()

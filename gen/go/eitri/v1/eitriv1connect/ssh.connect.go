@@ -49,7 +49,8 @@ type SSHServiceClient interface {
 	// their VMs (an admin: any VM) as its login user, for a few minutes.
 	// Another user's VM is NotFound; FailedPrecondition while the VM's login
 	// user is not known (its host has not reported it). Recorded as a VM event
-	// ("ssh-cert": who, key fingerprint, serial, validity).
+	// ("ssh-cert": who, key fingerprint, serial, validity). A user gets 20
+	// in a row, then one every 3 seconds (ResourceExhausted beyond).
 	SignUserKey(context.Context, *connect.Request[v1.SignUserKeyRequest]) (*connect.Response[v1.SignUserKeyResponse], error)
 	// RotateSSHCA replaces one CA's key. The replaced key stays trusted (listed
 	// as previous, and in new guests' seeds) until the next rotation of that
@@ -124,7 +125,8 @@ type SSHServiceHandler interface {
 	// their VMs (an admin: any VM) as its login user, for a few minutes.
 	// Another user's VM is NotFound; FailedPrecondition while the VM's login
 	// user is not known (its host has not reported it). Recorded as a VM event
-	// ("ssh-cert": who, key fingerprint, serial, validity).
+	// ("ssh-cert": who, key fingerprint, serial, validity). A user gets 20
+	// in a row, then one every 3 seconds (ResourceExhausted beyond).
 	SignUserKey(context.Context, *connect.Request[v1.SignUserKeyRequest]) (*connect.Response[v1.SignUserKeyResponse], error)
 	// RotateSSHCA replaces one CA's key. The replaced key stays trusted (listed
 	// as previous, and in new guests' seeds) until the next rotation of that

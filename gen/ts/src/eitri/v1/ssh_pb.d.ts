@@ -234,7 +234,8 @@ export declare const SSHService: GenService<{
    * their VMs (an admin: any VM) as its login user, for a few minutes.
    * Another user's VM is NotFound; FailedPrecondition while the VM's login
    * user is not known (its host has not reported it). Recorded as a VM event
-   * ("ssh-cert": who, key fingerprint, serial, validity).
+   * ("ssh-cert": who, key fingerprint, serial, validity). A user gets 20
+   * in a row, then one every 3 seconds (ResourceExhausted beyond).
    *
    * @generated from rpc eitri.v1.SSHService.SignUserKey
    */
