@@ -68,6 +68,10 @@ func TestTheSeedCarriesTheHostCertificateAndTheTrustedUserCAs(t *testing.T) {
 	assert.NoError(t, checker.CheckHostKey("vm1:22", nil, cert))
 	assert.Equal(t, p.HostCertificate, f.record("vm1").HostCert, "kept, so a retried create does not ask again")
 	assert.Equal(t, []string{"vm1"}, ca.calls)
+
+	rows, _ := narrate(t, setup(t, func(c *Config) { c.SignHostKey = ca.sign }), context.Background(), vm("vm2"))
+	assert.Equal(t, []string{"waiting for a create slot on this host", "downloading image", "preparing root disk",
+		"certifying the SSH host key", "building the cloud-init seed", "booting"}, details(rows))
 }
 
 func TestAGuestWhoseKeyCannotBeCertifiedStillBoots(t *testing.T) {
@@ -94,6 +98,15 @@ func TestAGuestWhoseKeyCannotBeCertifiedStillBoots(t *testing.T) {
 			assert.Empty(t, row.GetLastError())
 			assert.Empty(t, f.seeds.last().HostCertificate, "the guest boots uncertified")
 			assert.Empty(t, f.record("vm1").HostCert)
+
+			rows, _ := narrate(t, setup(t, func(c *Config) { c.SignHostKey = signer }), context.Background(), vm("vm2"))
+			said := details(rows)
+			assert.Contains(t, said, "certifying the SSH host key")
+			found := false
+			for _, d := range said {
+				found = found || strings.HasPrefix(d, "building the cloud-init seed; SSH host key not certified")
+			}
+			assert.True(t, found, "the create says the guest boots uncertified: %q", said)
 		})
 	}
 }

@@ -26,7 +26,7 @@ const (
 	sayDownloading    = "downloading image"
 	sayPreparingDisk  = "preparing root disk"
 	sayCertifying     = "certifying the SSH host key"
-	sayUncertified    = "SSH host key not certified (the guest boots with an uncertified key): "
+	sayUncertified    = "SSH host key not certified, the guest boots without a host certificate: "
 	sayBuildingSeed   = "building the cloud-init seed"
 	sayBooting        = "booting"
 	sayWaitingForIP   = "waiting for an address"
@@ -239,13 +239,15 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		return fail(err)
 	}
 
+	seedSays := sayBuildingSeed
 	if rec.HostCert == "" && e.cfg.SignHostKey != nil {
 		say(sayCertifying)
 		if cert, err := e.certifyHostKey(ctx, id, rec.HostPubKey); err != nil {
 			// The guest is still reachable with its key pinned; only the
-			// CA shortcut is missing, which is no reason to fail it.
+			// CA shortcut is missing, which is no reason to fail it. The
+			// seed step says so, so it stays on screen for a while.
 			e.log.Warn("SSH host key not certified", "vm", id, "err", err)
-			say(sayUncertified + err.Error())
+			seedSays += "; " + sayUncertified + err.Error()
 		} else {
 			rec.HostCert = cert
 			if err := e.cfg.St.SaveVM(id, rec); err != nil {
@@ -254,7 +256,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		}
 	}
 
-	say(sayBuildingSeed)
+	say(seedSays)
 	seedPath := e.cfg.St.SeedPath(id)
 	if err := e.cfg.Seed(seedPath, SeedParams{
 		InstanceID:        id,
