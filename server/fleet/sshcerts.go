@@ -213,8 +213,13 @@ func (f *Fleet) SignUserKey(ctx context.Context, r *eitriv1.SignUserKeyRequest) 
 	if err != nil {
 		return nil, err
 	}
-	f.event(ctx, vm.ID, eventSSHCert, fmt.Sprintf("%s was issued an SSH certificate as %s for key %s: serial %d, valid %s to %s",
-		p.Name, login, ssh.FingerprintSHA256(pub), cert.Serial, v.After.Format(time.RFC3339), v.Before.Format(time.RFC3339)))
+	// No certificate leaves unrecorded: it cannot be revoked, so the
+	// timeline is the only account of who could log in.
+	if err := f.st.AddVMEvent(context.WithoutCancel(ctx), store.VMEvent{VMID: vm.ID, At: now, Kind: eventSSHCert,
+		Message: fmt.Sprintf("%s was issued an SSH certificate as %s for key %s: serial %d, valid %s to %s",
+			p.Name, login, ssh.FingerprintSHA256(pub), cert.Serial, v.After.Format(time.RFC3339), v.Before.Format(time.RFC3339))}); err != nil {
+		return nil, storeErr(err, "vm "+vm.ID)
+	}
 	return &eitriv1.SignUserKeyResponse{
 		Certificate: sshca.AuthorizedKey(cert), Principal: login, Serial: cert.Serial, KeyId: keyID,
 		ValidAfter: timestamppb.New(v.After), ValidBefore: timestamppb.New(v.Before),
