@@ -15,6 +15,7 @@
 package sshca
 
 import (
+	"bytes"
 	"crypto/ed25519"
 	"crypto/rand"
 	"encoding/binary"
@@ -95,6 +96,11 @@ func load(dir string, k Kind) (*keyset, error) {
 	default:
 		if ks.previous, _, _, _, err = ssh.ParseAuthorizedKey(prev); err != nil {
 			return nil, fmt.Errorf("%s: %w", k.previousPath(dir), err)
+		}
+		if bytes.Equal(ks.previous.Marshal(), signer.PublicKey().Marshal()) {
+			// A rotation cut short after recording the old key as previous
+			// and before writing the new one: there is only one key.
+			ks.previous = nil
 		}
 	}
 	return ks, nil

@@ -4,6 +4,8 @@ import (
 	"crypto/ed25519"
 	"crypto/rand"
 	"net"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -121,4 +123,16 @@ func connMeta(user string) ssh.ConnMetadata { return meta(user) }
 func login(c *ssh.CertChecker, user string, cert *ssh.Certificate) error {
 	_, err := c.Authenticate(connMeta(user), cert)
 	return err
+}
+
+func TestARotationCutShortLeavesOneKey(t *testing.T) {
+	dir := t.TempDir()
+	a, err := sshca.LoadOrCreate(dir)
+	require.NoError(t, err)
+	// What a crash between Rotate's first and second write leaves: the
+	// current key recorded as previous too.
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "user_ca.previous.pub"), ssh.MarshalAuthorizedKey(a.PublicKey(sshca.User)), 0o644))
+	b, err := sshca.LoadOrCreate(dir)
+	require.NoError(t, err)
+	assert.Len(t, b.Trusted(sshca.User), 1)
 }
