@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/kdomanski/iso9660"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
@@ -293,6 +294,17 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 		certified = certified || ev.Kind == "ssh-host-cert" && strings.Contains(ev.Message, ssh.FingerprintSHA256(hostKey))
 	}
 	assert.True(t, certified, "the guest's host key was certified: %v", evs.Msg.Events)
+	// And its seed carries that certificate and the user CA, for sshd.
+	seeds, _ := filepath.Glob(filepath.Join(dir, "agent", "state", "*", id, "seed.iso"))
+	require.Len(t, seeds, 1, "the VM's seed on its host")
+	userData := isoFile(t, seeds[0], "user-data")
+	cas, err := eitriv1connect.NewSSHServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token))).
+		GetSSHCAKeys(ctx, connect.NewRequest(&eitriv1.GetSSHCAKeysRequest{}))
+	require.NoError(t, err)
+	assert.Contains(t, userData, cas.Msg.UserCaKeys[0].PublicKey, "the guest trusts the user CA")
+	assert.Contains(t, userData, "TrustedUserCAKeys /etc/ssh/")
+	assert.Contains(t, userData, "HostCertificate /etc/ssh/")
+	assert.Contains(t, userData, "ssh-ed25519-cert-v01@openssh.com ", "the host certificate is in the seed")
 
 	var details []string
 	for _, s := range watched.list() {
@@ -568,4 +580,27 @@ func TestWaitFollowsARealCreate(t *testing.T) {
 	assert.Contains(t, err.Error(), "missing failed: ")
 	assert.Contains(t, err.Error(), "404")
 	assert.Contains(t, out.String(), "failed")
+}
+
+// isoFile reads one root file of an ISO9660 image (a seed).
+func isoFile(t *testing.T, path, name string) string {
+	t.Helper()
+	f, err := os.Open(path)
+	require.NoError(t, err)
+	defer f.Close()
+	img, err := iso9660.OpenImage(f)
+	require.NoError(t, err)
+	root, err := img.RootDir()
+	require.NoError(t, err)
+	kids, err := root.GetChildren()
+	require.NoError(t, err)
+	for _, k := range kids {
+		if k.Name() == name {
+			b, err := io.ReadAll(k.Reader())
+			require.NoError(t, err)
+			return string(b)
+		}
+	}
+	t.Fatalf("%s has no %s", path, name)
+	return ""
 }
