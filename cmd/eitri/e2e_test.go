@@ -298,7 +298,7 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 	seeds, _ := filepath.Glob(filepath.Join(dir, "agent", "state", "*", id, "seed.iso"))
 	require.Len(t, seeds, 1, "the VM's seed on its host")
 	userData := isoFile(t, seeds[0], "user-data")
-	cas, err := eitriv1connect.NewSSHServiceClient(hc, base, connect.WithInterceptors(syncclient.Bearer(token))).
+	cas, err := eitriv1connect.NewSSHServiceClient(hc, base, connect.WithInterceptors(connclient.Bearer(token))).
 		GetSSHCAKeys(ctx, connect.NewRequest(&eitriv1.GetSSHCAKeysRequest{}))
 	require.NoError(t, err)
 	assert.Contains(t, userData, cas.Msg.UserCaKeys[0].PublicKey, "the guest trusts the user CA")

@@ -29,6 +29,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 func TestSSHCAPrintsTheKeysAndTheKnownHostsLine(t *testing.T) {
@@ -151,7 +152,7 @@ func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
 	require.NoError(t, os.WriteFile(hostKey, pem.EncodeToMemory(block), 0o600))
 	sshPub, err := ssh.NewPublicKey(pub)
 	require.NoError(t, err)
-	agentAPI := eitriv1connect.NewAgentServiceClient(syncclient.HTTPClient(""), host.ServerURL, connect.WithInterceptors(syncclient.Bearer(host.Credential)))
+	agentAPI := eitriv1connect.NewAgentServiceClient(connclient.HTTPClient(""), host.ServerURL, connect.WithInterceptors(connclient.Bearer(host.Credential)))
 	hc, err := agentAPI.SignHostKey(ctx, connect.NewRequest(&eitriv1.SignHostKeyRequest{VmId: vmID, PublicKey: string(ssh.MarshalAuthorizedKey(sshPub))}))
 	require.NoError(t, err)
 	hostCert := filepath.Join(dir, "eitri_host_ed25519_cert.pub")
