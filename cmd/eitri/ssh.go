@@ -22,7 +22,9 @@ func newSSHCmd(a *app) *cobra.Command {
 		Long: "Runs ssh as the VM's login user, connected through `eitri tunnel` (nothing is published).\n" +
 			"The guest's host key, as its host reported it, is written to a known_hosts file eitri owns\n" +
 			"(in eitri's config dir) and checked strictly: a key that differs is refused, and none is\n" +
-			"ever trusted on first use. Arguments after -- go to ssh after the destination (options,\n" +
+			"ever trusted on first use; the control plane's host CA is trusted beside it. ssh logs in\n" +
+			"with a key made for this login and a 5-minute certificate for it from the control plane,\n" +
+			"both removed when ssh exits. Arguments after -- go to ssh after the destination (options,\n" +
 			"then a command).",
 		Args:              cobra.MinimumNArgs(1),
 		ValidArgsFunction: a.completeVMs,
@@ -37,6 +39,16 @@ func newSSHCmd(a *app) *cobra.Command {
 				target, err := c.sshTarget(ctx, id, extra)
 				if err != nil {
 					return err
+				}
+				// A certificate for a few minutes, for a key made for this
+				// login only. Without one (an older control plane, a guest
+				// seeded before the CA) ssh still offers the user's own keys.
+				login, err := c.newSSHLogin(ctx, "", target.VMID, 0)
+				if err != nil {
+					fmt.Fprintf(a.io.err, "eitri: no SSH certificate (%v); ssh offers your own keys\n", err)
+				} else {
+					defer login.Remove()
+					target.Login = login
 				}
 				ssh := exec.CommandContext(ctx, "ssh", sshArgs(target)...)
 				ssh.Stdin, ssh.Stdout, ssh.Stderr = a.io.in, a.io.out, a.io.err
@@ -61,6 +73,8 @@ type sshTarget struct {
 	KnownHosts string
 	// Extra is the caller's ssh arguments, after the destination.
 	Extra []string
+	// Login is a short-lived certificate and its key; nil: none.
+	Login *sshLogin
 }
 
 // HostAlias names the VM's host key in KnownHosts (and is ssh's
@@ -81,6 +95,10 @@ func sshArgs(t sshTarget) []string {
 		// The file is eitri's: ssh adds nothing to it.
 		"-o", "UpdateHostKeys=no",
 		"-o", "CheckHostIP=no",
+	}
+	if t.Login != nil {
+		// Offered first; the user's own keys (agent, ~/.ssh) follow.
+		args = append(args, "-i", t.Login.IdentityFile, "-o", "CertificateFile="+t.Login.CertificateFile)
 	}
 	if t.User != "" {
 		args = append(args, "-l", t.User)
@@ -111,6 +129,14 @@ func (c *client) sshTarget(ctx context.Context, id string, extra []string) (sshT
 	if err := pinHostKey(path, t.HostAlias(), vm.GetSshHostPubkey()); err != nil {
 		return sshTarget{}, err
 	}
+	// The host CA too: a guest presenting a host certificate is checked
+	// against it (the certificate names the alias), a guest without one
+	// against the pinned key.
+	if cas, err := c.ssh.GetSSHCAKeys(ctx, connect.NewRequest(&eitriv1.GetSSHCAKeysRequest{})); err == nil {
+		if err := pinHostCAs(path, cas.Msg.GetHostCaKeys()); err != nil {
+			return sshTarget{}, err
+		}
+	}
 	return t, nil
 }
 
@@ -123,6 +149,20 @@ func knownHostsPath() (string, error) {
 	return filepath.Join(filepath.Dir(cfg), "known_hosts"), nil
 }
 
+// pinHostCAs makes keys the only @cert-authority lines in path (eitri's
+// own known_hosts: "*" covers the VMs eitri ssh connects to, nothing else).
+func pinHostCAs(path string, keys []*eitriv1.SSHCAKey) error {
+	var add []string
+	for _, k := range keys {
+		key, _, _, _, err := ssh.ParseAuthorizedKey([]byte(k.GetPublicKey()))
+		if err != nil {
+			return fmt.Errorf("the control plane's host CA key is not a key: %w", err)
+		}
+		add = append(add, "@cert-authority * "+strings.TrimSpace(string(ssh.MarshalAuthorizedKey(key))))
+	}
+	return rewriteKnownHosts(path, func(f []string) bool { return f[0] == "@cert-authority" }, add)
+}
+
 // pinHostKey makes the key the only one in path for alias, keeping the
 // other aliases' lines. The key is parsed and written in its canonical
 // form, so nothing but a key reaches the file.
@@ -132,18 +172,24 @@ func pinHostKey(path, alias, authorizedKey string) error {
 		return fmt.Errorf("the VM's reported SSH host key is not a key: %w", err)
 	}
 	line := alias + " " + strings.TrimSpace(string(ssh.MarshalAuthorizedKey(key)))
+	return rewriteKnownHosts(path, func(f []string) bool { return f[0] == alias }, []string{line})
+}
+
+// rewriteKnownHosts replaces the lines of path that drop says (given a
+// line's fields) with add, keeping the others, atomically.
+func rewriteKnownHosts(path string, drop func(fields []string) bool, add []string) error {
 	old, err := os.ReadFile(path)
 	if err != nil && !os.IsNotExist(err) {
 		return err
 	}
 	var lines []string
 	for _, l := range strings.Split(string(old), "\n") {
-		if f := strings.Fields(l); len(f) == 0 || f[0] == alias {
+		if f := strings.Fields(l); len(f) == 0 || drop(f) {
 			continue
 		}
 		lines = append(lines, l)
 	}
-	lines = append(lines, line)
+	lines = append(lines, add...)
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return err
 	}

@@ -96,7 +96,11 @@ func TestEitriSSHPinsTheReportedHostKeyAndRunsSSH(t *testing.T) {
 	})
 	bin := t.TempDir()
 	record := filepath.Join(t.TempDir(), "args")
-	require.NoError(t, os.WriteFile(filepath.Join(bin, "ssh"), []byte("#!/bin/sh\nprintf '%s\\n' \"$@\" > "+record+"\n"), 0o755))
+	certCopy := filepath.Join(t.TempDir(), "cert")
+	// It records its arguments and keeps a copy of the certificate it was
+	// given (eitri removes the original once ssh exits).
+	require.NoError(t, os.WriteFile(filepath.Join(bin, "ssh"), []byte("#!/bin/sh\nprintf '%s\\n' \"$@\" > "+record+
+		"\nfor a; do case \"$a\" in CertificateFile=*) cp \"${a#CertificateFile=}\" "+certCopy+";; esac; done\n"), 0o755))
 	t.Setenv("PATH", bin+":"+os.Getenv("PATH"))
 
 	_, err := e.eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32), "--wait")
@@ -119,7 +123,23 @@ func TestEitriSSHPinsTheReportedHostKeyAndRunsSSH(t *testing.T) {
 	assert.Equal(t, filepath.Join(os.Getenv("XDG_CONFIG_HOME"), "eitri", "known_hosts"), known)
 	kh, err := os.ReadFile(known)
 	require.NoError(t, err)
-	assert.Equal(t, alias+" "+key+"\n", string(kh), "the reported key, under the alias ssh checks")
+	cas, err := e.eitri("ssh-ca", "--known-hosts")
+	require.NoError(t, err)
+	assert.Equal(t, alias+" "+key+"\n"+cas, string(kh), "the reported key, under the alias ssh checks, and the host CA")
+
+	// A certificate for a key made for this login, as the login user.
+	certPath, ok := option(args, "CertificateFile")
+	require.True(t, ok, "%q", args)
+	assert.Contains(t, args, "-i")
+	_, err = os.Stat(certPath)
+	assert.True(t, os.IsNotExist(err), "the key and certificate are removed once ssh exits")
+	certLine, err := os.ReadFile(certCopy)
+	require.NoError(t, err)
+	k, _, _, _, err := ssh.ParseAuthorizedKey(certLine)
+	require.NoError(t, err)
+	cert, ok := k.(*ssh.Certificate)
+	require.True(t, ok)
+	assert.Equal(t, []string{"eitri"}, cert.ValidPrincipals)
 
 	_, err = e.eitri("ssh", "web-1", "extra")
 	var ue usageError
