@@ -25,7 +25,6 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/a73x/eitri/agent/hosttest"
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
@@ -66,7 +65,7 @@ func TestSSHCAPrintsTheKeysAndTheKnownHostsLine(t *testing.T) {
 }
 
 // sshVM is a VM on a scripted host that reports login as its login user.
-func sshVM(t *testing.T, e *cliEnv, login string) (vmID string, host syncclient.Identity) {
+func sshVM(t *testing.T, e *cliEnv, login string) (vmID string, host *scriptedHost) {
 	t.Helper()
 	h := e.connectHost("h1")
 	h.set(func(d *eitriv1.VMDesired) *eitriv1.ActualVM {
@@ -79,7 +78,7 @@ func sshVM(t *testing.T, e *cliEnv, login string) (vmID string, host syncclient.
 		v, err := e.srv.Fleet.GetVM(e.adminCtx(), vm.Id)
 		return err == nil && v.LoginUser == login
 	}, 10*time.Second, 10*time.Millisecond, "the host reports the login user")
-	return vm.Id, h.id
+	return vm.Id, h
 }
 
 func TestSSHLoginWritesAPrivateKeyAndItsCertificate(t *testing.T) {
@@ -139,7 +138,8 @@ func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
 		require.NoError(t, os.MkdirAll("/run/sshd", 0o755))
 	}
 	e := newCLIEnv(t, server.Config{})
-	vmID, host := sshVM(t, e, me.Username)
+	vmID, scripted := sshVM(t, e, me.Username)
+	host := scripted.id
 	ctx := context.Background()
 
 	// The guest's host key, certified as the agent has it certified.
@@ -234,4 +234,48 @@ LogLevel VERBOSE
 	assert.Error(t, err, "an expired certificate is refused")
 	assert.Contains(t, out, "Permission denied")
 	assert.Contains(t, sshdLog.String(), "expired", "sshd says why")
+
+	// eitri ssh itself, its ProxyCommand standing in for the tunnel (socat
+	// to the loopback sshd). The host reports a key other than the one
+	// sshd holds: only the host certificate, checked against the host CA
+	// under the alias eitri ssh uses, can vouch for the guest.
+	proxy := filepath.Join(t.TempDir(), "eitri-proxy")
+	require.NoError(t, os.WriteFile(proxy, []byte(fmt.Sprintf("#!/bin/sh\nexec socat - TCP:127.0.0.1:%d\n", port)), 0o755))
+	old := selfPath
+	selfPath = func() (string, error) { return proxy, nil }
+	defer func() { selfPath = old }()
+	decoy := newHostKeyLine(t)
+	scripted.set(func(d *eitriv1.VMDesired) *eitriv1.ActualVM {
+		return &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "running", Phase: "ready", Ip: "10.77.0.9", LoginUser: me.Username, SshHostPubkey: decoy}
+	})
+	require.Eventually(t, func() bool {
+		v, err := e.srv.Fleet.GetVM(e.adminCtx(), vmID)
+		return err == nil && v.SshHostPubkey == decoy
+	}, 10*time.Second, 10*time.Millisecond)
+	var sshOut syncBuffer
+	err = execute(ctx, []string{"ssh", vmID, "--", "-o", "BatchMode=yes", "echo", "via-eitri-ssh"}, stdio{in: strings.NewReader(""), out: &sshOut, err: &sshOut})
+	require.NoError(t, err, "eitri ssh:\n%s\nsshd:\n%s", &sshOut, &sshdLog)
+	assert.Contains(t, sshOut.String(), "via-eitri-ssh")
+
+	// Without the CA line the decoy pin alone refuses the guest: the
+	// certificate above was what let it in.
+	cfgDir, err := knownHostsPath()
+	require.NoError(t, err)
+	require.NoError(t, rewriteKnownHosts(cfgDir, func(f []string) bool { return f[0] == "@cert-authority" }, nil))
+	pinned, err := os.ReadFile(cfgDir)
+	require.NoError(t, err)
+	args := sshArgs(sshTarget{Self: proxy, VMID: vmID, User: me.Username, KnownHosts: cfgDir})
+	args = append([]string{"-F", "/dev/null", "-o", "BatchMode=yes"}, args...)
+	out2, err := exec.Command("ssh", append(args, "echo", "x")...).CombinedOutput()
+	assert.Error(t, err, "known_hosts:\n%s", pinned)
+	assert.Contains(t, string(out2), "Host key verification failed")
+}
+
+func newHostKeyLine(t *testing.T) string {
+	t.Helper()
+	pub, _, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	k, err := ssh.NewPublicKey(pub)
+	require.NoError(t, err)
+	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k)))
 }
