@@ -14,7 +14,8 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 # Debian packages the tests and dev mode use (jq for the README's quickstart): QEMU and the tools that build
 # the test guest, socat for the proxy benchmark, chromium for the console's
 # end-to-end test; mmdebstrap and e2fsprogs build the Debian cloud-style image,
-# whose test logs in with the system ssh client.
+# whose test logs in with the system ssh client; the SSH certificate tests
+# run openssh-server's sshd on loopback.
 APT_PKGS := qemu-system-x86 qemu-utils busybox-static syslinux syslinux-common \
 	mtools dosfstools fdisk cpio kmod genisoimage iproute2 socat chromium curl jq \
 	mmdebstrap e2fsprogs openssh-client openssh-server
