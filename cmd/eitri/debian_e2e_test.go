@@ -108,6 +108,22 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	out := g.run("id -un; hostname")
 	assert.Equal(t, "eitri\ndeb-1\n", out, "the login user logs in with the injected key, on the host the seed named")
 
+	// SSH certificates: a 5-minute user certificate from the control plane
+	// logs in as the login user, and the guest's host certificate verifies
+	// against the host CA alone (known_hosts holds only the
+	// @cert-authority line), under the VM's id.
+	token, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
+	require.NoError(t, err)
+	cli := (&app{io: stdio{out: io.Discard, err: io.Discard}, format: formatTable}).
+		clientFor(endpoint{URL: "http://127.0.0.1:18080", Token: strings.TrimSpace(string(token))})
+	login, err := cli.newSSHLogin(ctx, t.TempDir(), id, 0)
+	require.NoError(t, err)
+	defer login.Remove()
+	certArgs := append([]string{"-F", "/dev/null", "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"}, login.SSHOptions(id)...)
+	certOut, err := exec.Command("ssh", append(certArgs, vm.AssignedIp, "id", "-un")...).CombinedOutput()
+	require.NoError(t, err, "ssh with a certificate, trusting only the host CA: %s", certOut)
+	assert.Equal(t, "eitri\n", string(certOut))
+
 	// cloud-init finished without an error, from the NoCloud seed, and
 	// logged no warning or error but the known ones.
 	status := g.run("cloud-init status --wait --long")
