@@ -281,6 +281,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 			return fail(err)
 		}
 		rec.BootedAt = e.cfg.Now()
+		rec.FirstBoot = true
 	}
 
 	// Disk and seed are complete: from here on this VM is converged, never
@@ -444,7 +445,7 @@ func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 		return e.observeKnown(ctx, d, rec, false, "", vmstate.PhaseStopped)
 	}
 	rec = e.forgetStableFailures(rec)
-	return e.observeKnown(ctx, d, rec, true, "", e.bootPhase(rec))
+	return e.observeKnown(ctx, d, rec, true, "", e.runningPhase(rec))
 }
 
 // setOwner moves a created VM to the owner the desired state names. The
@@ -491,6 +492,10 @@ func (e *Engine) observeKnown(ctx context.Context, d *eitriv1.VMDesired, rec sta
 	signal, ready := e.cfg.Hyper.Ready(ctx, id)
 	if !ready {
 		return outcome{row: newRow(id, rec, vmstate.PowerRunning, waitPhase, lastErr, sayWaitingForReady)}
+	}
+	if rec.FirstBoot {
+		rec.FirstBoot = false
+		e.save(id, rec)
 	}
 	row := newRow(id, rec, vmstate.PowerRunning, vmstate.PhaseReady, lastErr, "")
 	row.ReadySignal = signal

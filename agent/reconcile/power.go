@@ -60,6 +60,16 @@ func (e *Engine) bootPhase(rec state.Record) string {
 	return vmstate.PhaseStarting
 }
 
+// runningPhase is the phase of a guest running as wanted but not ready yet:
+// still creating while the create's own boot comes up (a later pass must not
+// call it starting), else as bootPhase.
+func (e *Engine) runningPhase(rec state.Record) string {
+	if rec.FirstBoot && rec.Restarts == 0 {
+		return vmstate.PhaseCreating
+	}
+	return e.bootPhase(rec)
+}
+
 // start boots a created VM that is wanted running and is not, and says so.
 // A guest that ended unasked is restarted, and the exit is counted and
 // described in every row from then on; failed runs in a row back off, and
@@ -88,6 +98,7 @@ func (e *Engine) start(ctx context.Context, d *eitriv1.VMDesired, rec state.Reco
 	switch {
 	case err == nil:
 		rec.BootedAt = e.cfg.Now()
+		rec.FirstBoot = false
 		e.save(id, rec)
 		e.log.Info("VM booted", "vm", id)
 		return e.observe(ctx, d, rec, "", phase)

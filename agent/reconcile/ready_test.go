@@ -25,6 +25,8 @@ func TestAGuestIsReadyWhenTheHypervisorSaysNotWhenItLeases(t *testing.T) {
 	assert.Empty(t, r.GetReadySignal())
 	assert.Equal(t, DefaultLoginUser, r.GetLoginUser())
 	assert.Equal(t, DefaultLoginUser, f.seeds.last().LoginUser, "the seed creates the user the row names")
+	f.waitPasses("vm1", 3)
+	assert.Equal(t, "creating", f.row("vm1").GetPhase(), "later passes over the create's own boot still say creating, not starting")
 
 	f.hv.set(func(h *fakeHyper) { h.notReady = false })
 	r = f.eventuallyRow("vm1", phaseIs("ready"), "ready once the hypervisor says so")

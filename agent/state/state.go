@@ -101,6 +101,10 @@ type Record struct {
 	RestartAt     time.Time  `json:",omitzero"`
 	RestartReason string     `json:",omitempty"`
 	BootedAt      time.Time  `json:",omitzero"`
+	// FirstBoot is set while the guest booted by the create has not yet been
+	// seen ready: until then the VM is still being created, whatever pass
+	// looks at it.
+	FirstBoot bool `json:",omitempty"`
 
 	// QuarantinedAt is when the agent started holding this VM (no snapshot
 	// names it, or names it with an older version than Version); zero while
