@@ -112,12 +112,12 @@ func LoadOrCreate(dir string, hosts []string) (tls.Certificate, error) {
 		// against the CA can.
 		{"server.key", "EC PRIVATE KEY", keyDER, 0o600},
 	} {
-		if err := writePEM(filepath.Join(dir, f.name), f.mode, pemBlock(f.typ, f.der)); err != nil {
+		if err := WriteDurable(filepath.Join(dir, f.name), f.mode, pemBlock(f.typ, f.der)); err != nil {
 			return tls.Certificate{}, err
 		}
 	}
 	chain := append(pemBlock("CERTIFICATE", der), pemBlock("CERTIFICATE", caDER)...)
-	if err := writePEM(certPath, 0o644, chain); err != nil {
+	if err := WriteDurable(certPath, 0o644, chain); err != nil {
 		return tls.Certificate{}, err
 	}
 	c, err := tls.LoadX509KeyPair(certPath, keyPath)
@@ -156,11 +156,12 @@ func pemBlock(typ string, der []byte) []byte {
 	return pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der})
 }
 
-// writePEM replaces path with data, durably: the control plane's identity is
-// handed out (as a fingerprint in join tokens) as soon as it exists, so a
-// power loss must not take it back. The file is flushed before the rename and
-// the directory after it, so path is either absent or whole.
-func writePEM(path string, mode os.FileMode, data []byte) (err error) {
+// WriteDurable replaces path with data, durably: the control plane's
+// identity is handed out (as a fingerprint in join tokens, as a CA guests
+// trust) as soon as it exists, so a power loss must not take it back. The
+// file is flushed before the rename and the directory after it, so path is
+// either absent or whole.
+func WriteDurable(path string, mode os.FileMode, data []byte) (err error) {
 	tmp := path + ".tmp"
 	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
 	if err != nil {

@@ -29,6 +29,8 @@ import (
 	"time"
 
 	"golang.org/x/crypto/ssh"
+
+	"github.com/a73x/eitri/server/pki"
 )
 
 // Kind names one of the two authorities.
@@ -112,10 +114,10 @@ func create(dir string, k Kind) (*keyset, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := writeFile(k.keyPath(dir), 0o600, pemBytes); err != nil {
+	if err := pki.WriteDurable(k.keyPath(dir), 0o600, pemBytes); err != nil {
 		return nil, err
 	}
-	if err := writeFile(k.keyPath(dir)+".pub", 0o644, ssh.MarshalAuthorizedKey(signer.PublicKey())); err != nil {
+	if err := pki.WriteDurable(k.keyPath(dir)+".pub", 0o644, ssh.MarshalAuthorizedKey(signer.PublicKey())); err != nil {
 		return nil, err
 	}
 	return &keyset{signer: signer}, nil
@@ -152,13 +154,13 @@ func (a *Authority) Rotate(k Kind) error {
 	if err != nil {
 		return err
 	}
-	if err := writeFile(k.previousPath(a.dir), 0o644, ssh.MarshalAuthorizedKey(old.signer.PublicKey())); err != nil {
+	if err := pki.WriteDurable(k.previousPath(a.dir), 0o644, ssh.MarshalAuthorizedKey(old.signer.PublicKey())); err != nil {
 		return err
 	}
-	if err := writeFile(k.keyPath(a.dir), 0o600, pemBytes); err != nil {
+	if err := pki.WriteDurable(k.keyPath(a.dir), 0o600, pemBytes); err != nil {
 		return err
 	}
-	if err := writeFile(k.keyPath(a.dir)+".pub", 0o644, ssh.MarshalAuthorizedKey(signer.PublicKey())); err != nil {
+	if err := pki.WriteDurable(k.keyPath(a.dir)+".pub", 0o644, ssh.MarshalAuthorizedKey(signer.PublicKey())); err != nil {
 		return err
 	}
 	a.keys[k] = &keyset{signer: signer, previous: old.signer.PublicKey()}
@@ -272,39 +274,4 @@ func unix(t time.Time) uint64 {
 		return 0
 	}
 	return uint64(t.Unix())
-}
-
-// writeFile replaces path with data durably (flushed, renamed, directory
-// flushed): a CA handed out and then lost on power failure would strand
-// every guest that trusts it.
-func writeFile(path string, mode os.FileMode, data []byte) (err error) {
-	tmp := path + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(tmp)
-		}
-	}()
-	if _, err = f.Write(data); err != nil {
-		return err
-	}
-	if err = f.Sync(); err != nil {
-		return err
-	}
-	if err = f.Close(); err != nil {
-		return err
-	}
-	if err = os.Rename(tmp, path); err != nil {
-		return err
-	}
-	d, err := os.Open(filepath.Dir(path))
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }
