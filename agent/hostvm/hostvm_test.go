@@ -18,16 +18,17 @@ import (
 
 	"github.com/a73x/eitri/agent/hosttest"
 	"github.com/a73x/eitri/agent/permanent"
+	"github.com/a73x/eitri/agent/seed/seedtest"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
 
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/reconcile"
 	"github.com/a73x/eitri/agent/state"
-	"github.com/kdomanski/iso9660"
-	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
-	"golang.org/x/crypto/ssh"
 )
 
 func TestCheckSpec(t *testing.T) {
@@ -123,22 +124,7 @@ func TestWriteSeed(t *testing.T) {
 	require.NoError(t, h.WriteSeed(out, reconcile.SeedParams{InstanceID: "vm-1", Hostname: "web-1", LoginUser: "eitri",
 		TrustedUserCAKeys: []string{caLine}}))
 
-	f, err := os.Open(out)
-	require.NoError(t, err)
-	defer f.Close()
-	img, err := iso9660.OpenImage(f)
-	require.NoError(t, err)
-	root, err := img.RootDir()
-	require.NoError(t, err)
-	kids, err := root.GetChildren()
-	require.NoError(t, err)
-	files := map[string]string{}
-	for _, k := range kids {
-		data := new(bytes.Buffer)
-		_, err := data.ReadFrom(k.Reader())
-		require.NoError(t, err)
-		files[k.Name()] = data.String()
-	}
+	_, files := seedtest.Read(t, out)
 	require.Contains(t, files, "meta-data")
 	assert.Contains(t, files["meta-data"], "web-1", "the hostname reaches the seed")
 	assert.Contains(t, files["meta-data"], "vm-1", "the instance id reaches the seed")

@@ -7,19 +7,18 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"errors"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 
-	"github.com/kdomanski/iso9660"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
 
 	"github.com/a73x/eitri/agent/seed"
+	"github.com/a73x/eitri/agent/seed/seedtest"
 )
 
 // hostKey returns a fresh ed25519 pair in the OpenSSH formats the agent uses.
@@ -56,35 +55,12 @@ func validParams(t *testing.T) seed.Params {
 	}
 }
 
-// readISO returns the volume label and every root file's contents.
-func readISO(t *testing.T, path string) (string, map[string]string) {
-	t.Helper()
-	f, err := os.Open(path)
-	require.NoError(t, err)
-	defer f.Close()
-	img, err := iso9660.OpenImage(f)
-	require.NoError(t, err)
-	label, err := img.Label()
-	require.NoError(t, err)
-	root, err := img.RootDir()
-	require.NoError(t, err)
-	children, err := root.GetChildren()
-	require.NoError(t, err)
-	files := map[string]string{}
-	for _, c := range children {
-		b, err := io.ReadAll(c.Reader())
-		require.NoError(t, err)
-		files[c.Name()] = string(b)
-	}
-	return label, files
-}
-
 func TestWriteRoundTrip(t *testing.T) {
 	p := validParams(t)
 	out := filepath.Join(t.TempDir(), "seed.iso")
 	require.NoError(t, seed.Write(out, p))
 
-	label, files := readISO(t, out)
+	label, files := seedtest.Read(t, out)
 	assert.Equal(t, "cidata", label)
 	require.Contains(t, files, "meta-data")
 	require.Contains(t, files, "user-data")
@@ -115,7 +91,7 @@ func TestWriteReplacesAtomically(t *testing.T) {
 	p.InstanceID = "vm-second"
 	require.NoError(t, seed.Write(out, p))
 
-	_, files := readISO(t, out)
+	_, files := seedtest.Read(t, out)
 	assert.Contains(t, files["meta-data"], "vm-second")
 	entries, err := os.ReadDir(dir)
 	require.NoError(t, err)
@@ -126,7 +102,7 @@ func TestWriteReplacesAtomically(t *testing.T) {
 func TestWriteWithoutOptionalKeys(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "seed.iso")
 	require.NoError(t, seed.Write(out, seed.Params{InstanceID: "i-1", Hostname: "bare"}))
-	_, files := readISO(t, out)
+	_, files := seedtest.Read(t, out)
 	ud := files["user-data"]
 	assert.NotContains(t, ud, "ssh_authorized_keys")
 	assert.NotContains(t, ud, "ssh_keys")
@@ -321,7 +297,7 @@ func TestSeedTrustsTheUserCAAndPresentsTheHostCertificate(t *testing.T) {
 	p.TrustedUserCAKeys = []string{userCA, previousCA}
 	out := filepath.Join(t.TempDir(), "seed.iso")
 	require.NoError(t, seed.Write(out, p))
-	_, isoFiles := readISO(t, out)
+	_, isoFiles := seedtest.Read(t, out)
 
 	cmd := exec.Command(py, "-c", "import sys, json, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)")
 	cmd.Stdin = strings.NewReader(isoFiles["user-data"])

@@ -20,13 +20,13 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"github.com/kdomanski/iso9660"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
 
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
+	"github.com/a73x/eitri/agent/seed/seedtest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/wire/connclient"
@@ -582,25 +582,10 @@ func TestWaitFollowsARealCreate(t *testing.T) {
 	assert.Contains(t, out.String(), "failed")
 }
 
-// isoFile reads one root file of an ISO9660 image (a seed).
+// isoFile reads one root file of a seed image.
 func isoFile(t *testing.T, path, name string) string {
 	t.Helper()
-	f, err := os.Open(path)
-	require.NoError(t, err)
-	defer f.Close()
-	img, err := iso9660.OpenImage(f)
-	require.NoError(t, err)
-	root, err := img.RootDir()
-	require.NoError(t, err)
-	kids, err := root.GetChildren()
-	require.NoError(t, err)
-	for _, k := range kids {
-		if k.Name() == name {
-			b, err := io.ReadAll(k.Reader())
-			require.NoError(t, err)
-			return string(b)
-		}
-	}
-	t.Fatalf("%s has no %s", path, name)
-	return ""
+	_, files := seedtest.Read(t, path)
+	require.Contains(t, files, name, "%s has no %s", path, name)
+	return files[name]
 }
