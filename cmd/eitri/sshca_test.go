@@ -148,8 +148,8 @@ func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
 	require.NoError(t, err)
 	block, err := ssh.MarshalPrivateKey(priv, "")
 	require.NoError(t, err)
-	hostKey := filepath.Join(dir, "ssh_host_ed25519_key")
-	require.NoError(t, os.WriteFile(hostKey, pem.EncodeToMemory(block), 0o600))
+	hostKeyPath := filepath.Join(dir, "ssh_host_ed25519_key")
+	require.NoError(t, os.WriteFile(hostKeyPath, pem.EncodeToMemory(block), 0o600))
 	sshPub, err := ssh.NewPublicKey(pub)
 	require.NoError(t, err)
 	agentAPI := eitriv1connect.NewAgentServiceClient(connclient.HTTPClient(""), host.ServerURL, connect.WithInterceptors(connclient.Bearer(host.Credential)))
@@ -179,7 +179,7 @@ StrictModes no
 PermitRootLogin prohibit-password
 PidFile %s
 LogLevel VERBOSE
-`, port, hostKey, hostCert, caFile, filepath.Join(dir, "sshd.pid"))), 0o600))
+`, port, hostKeyPath, hostCert, caFile, filepath.Join(dir, "sshd.pid"))), 0o600))
 	var sshdLog syncBuffer
 	daemon := exec.Command(sshd, "-D", "-e", "-f", conf)
 	daemon.Stdout, daemon.Stderr = &sshdLog, &sshdLog
@@ -244,7 +244,7 @@ LogLevel VERBOSE
 	old := selfPath
 	selfPath = func() (string, error) { return proxy, nil }
 	defer func() { selfPath = old }()
-	decoy := newHostKeyLine(t)
+	decoy := hostKey(t)
 	scripted.set(func(d *eitriv1.VMDesired) *eitriv1.ActualVM {
 		return &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "running", Phase: "ready", Ip: "10.77.0.9", LoginUser: me.Username, SshHostPubkey: decoy}
 	})
@@ -269,13 +269,4 @@ LogLevel VERBOSE
 	out2, err := exec.Command("ssh", append(args, "echo", "x")...).CombinedOutput()
 	assert.Error(t, err, "known_hosts:\n%s", pinned)
 	assert.Contains(t, string(out2), "Host key verification failed")
-}
-
-func newHostKeyLine(t *testing.T) string {
-	t.Helper()
-	pub, _, err := ed25519.GenerateKey(rand.Reader)
-	require.NoError(t, err)
-	k, err := ssh.NewPublicKey(pub)
-	require.NoError(t, err)
-	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k)))
 }

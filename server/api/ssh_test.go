@@ -18,6 +18,7 @@ import (
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/server/sshca/sshcatest"
 )
 
 func (e *env) ssh(tok string) eitriv1connect.SSHServiceClient {
@@ -114,7 +115,7 @@ func TestSignUserKeyCertifiesTheLoginUserOfTheCallersVMOnly(t *testing.T) {
 	}
 	require.NoError(t, login(checker(time.Now(), userCA), "eitri", cert), "sshd's check with the user CA accepts it")
 	assert.Error(t, login(checker(time.Now(), userCA), "root", cert), "for the login user only")
-	_, err = checker(time.Now(), cas.Msg.HostCaKeys[0].PublicKey).Authenticate(connMeta("eitri"), cert)
+	_, err = checker(time.Now(), cas.Msg.HostCaKeys[0].PublicKey).Authenticate(sshcatest.ConnMeta("eitri"), cert)
 	assert.Error(t, err, "not signed by the host CA")
 	assert.ErrorContains(t, login(checker(got.ValidBefore.AsTime().Add(time.Second), userCA), "eitri", cert), "expired",
 		"an expired certificate is refused")
@@ -237,17 +238,6 @@ func TestSignHostKeyCertifiesTheGuestsOfTheCallingHostOnly(t *testing.T) {
 	assert.ErrorContains(t, err, "public_key:")
 }
 
-type sshMeta string
-
-func (m sshMeta) User() string        { return string(m) }
-func (sshMeta) SessionID() []byte     { return nil }
-func (sshMeta) ClientVersion() []byte { return nil }
-func (sshMeta) ServerVersion() []byte { return nil }
-func (sshMeta) RemoteAddr() net.Addr  { return &net.TCPAddr{} }
-func (sshMeta) LocalAddr() net.Addr   { return &net.TCPAddr{} }
-
-func connMeta(user string) ssh.ConnMetadata { return sshMeta(user) }
-
 func TestRotateSSHCAKeepsThePreviousKeyTrustedAndIsForAdmins(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -298,7 +288,7 @@ func TestRotateSSHCAKeepsThePreviousKeyTrustedAndIsForAdmins(t *testing.T) {
 // (CertChecker.CheckCert alone does not look at the signer), valid now,
 // for this user.
 func login(c *ssh.CertChecker, user string, cert *ssh.Certificate) error {
-	_, err := c.Authenticate(connMeta(user), cert)
+	_, err := c.Authenticate(sshcatest.ConnMeta(user), cert)
 	return err
 }
 

@@ -3,7 +3,6 @@ package sshca_test
 import (
 	"crypto/ed25519"
 	"crypto/rand"
-	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -14,6 +13,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/a73x/eitri/server/sshca"
+	"github.com/a73x/eitri/server/sshca/sshcatest"
 )
 
 func newPub(t *testing.T) ssh.PublicKey {
@@ -60,7 +60,7 @@ func TestUserCertificateIsCheckedByValidityAndPrincipal(t *testing.T) {
 	// The host CA does not vouch for users.
 	hostCA := a.PublicKey(sshca.Host)
 	_, err = (&ssh.CertChecker{IsUserAuthority: func(k ssh.PublicKey) bool { return string(k.Marshal()) == string(hostCA.Marshal()) }}).
-		Authenticate(connMeta("eitri"), cert)
+		Authenticate(sshcatest.ConnMeta("eitri"), cert)
 	assert.Error(t, err)
 
 	_, err = a.Sign(sshca.User, user, "x", nil, sshca.Validity{After: now, Before: now.Add(time.Minute)})
@@ -107,21 +107,11 @@ func TestRotateKeepsThePreviousKeyTrusted(t *testing.T) {
 	assert.Equal(t, "@cert-authority * "+sshca.AuthorizedKey(trusted[0]), sshca.KnownHostsLine(trusted[0]))
 }
 
-type meta string
-
-func (m meta) User() string                 { return string(m) }
-func (meta) SessionID() []byte              { return nil }
-func (meta) ClientVersion() []byte          { return nil }
-func (meta) ServerVersion() []byte          { return nil }
-func (meta) RemoteAddr() net.Addr           { return &net.TCPAddr{} }
-func (meta) LocalAddr() net.Addr            { return &net.TCPAddr{} }
-func connMeta(user string) ssh.ConnMetadata { return meta(user) }
-
 // login is sshd's check of a user certificate: signed by a trusted user CA
 // (CertChecker.CheckCert alone does not look at the signer), valid now,
 // for this user.
 func login(c *ssh.CertChecker, user string, cert *ssh.Certificate) error {
-	_, err := c.Authenticate(connMeta(user), cert)
+	_, err := c.Authenticate(sshcatest.ConnMeta(user), cert)
 	return err
 }
 
