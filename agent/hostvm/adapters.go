@@ -93,6 +93,7 @@ func (h *Hypervisor) WriteSeed(outPath string, p reconcile.SeedParams) error {
 		LoginUser:         p.LoginUser,
 		PhoneHomeURL:      h.net.PhoneHomeURL(p.InstanceID),
 		TrustedUserCAKeys: p.TrustedUserCAKeys,
+		UserCertPrincipal: p.UserCertPrincipal,
 		HostCertificate:   p.HostCertificate,
 	})
 	if errors.Is(err, seed.ErrInvalidParams) {

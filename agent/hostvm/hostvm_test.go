@@ -122,7 +122,7 @@ func TestWriteSeed(t *testing.T) {
 	require.NoError(t, err)
 	caLine := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(ca)))
 	require.NoError(t, h.WriteSeed(out, reconcile.SeedParams{InstanceID: "vm-1", Hostname: "web-1", LoginUser: "eitri",
-		TrustedUserCAKeys: []string{caLine}}))
+		TrustedUserCAKeys: []string{caLine}, UserCertPrincipal: "eitri@vm-1"}))
 
 	_, files := seedtest.Read(t, out)
 	require.Contains(t, files, "meta-data")

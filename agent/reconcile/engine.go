@@ -93,6 +93,9 @@ type SeedParams struct {
 	// (VMDesired.ssh_user_ca_keys); HostCertificate certifies HostPubKey
 	// (empty: uncertified).
 	TrustedUserCAKeys []string
+	// UserCertPrincipal is the certificate principal the guest's sshd
+	// accepts for LoginUser (wire/sshcert.Principal).
+	UserCertPrincipal string
 	HostCertificate   string
 }
 

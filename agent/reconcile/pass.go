@@ -13,11 +13,13 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/crypto/ssh"
+
 	"github.com/a73x/eitri/agent/permanent"
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/sshcert"
 	"github.com/a73x/eitri/wire/vmstate"
-	"golang.org/x/crypto/ssh"
 )
 
 // Narration, in the order a create says it.
@@ -266,6 +268,7 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		HostPubKey:        rec.HostPubKey,
 		LoginUser:         e.cfg.LoginUser,
 		TrustedUserCAKeys: d.GetSshUserCaKeys(),
+		UserCertPrincipal: sshcert.Principal(e.cfg.LoginUser, id),
 		HostCertificate:   rec.HostCert,
 	}); err != nil {
 		return fail(err)

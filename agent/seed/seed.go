@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 
 	"github.com/kdomanski/iso9660"
@@ -47,6 +48,11 @@ type Params struct {
 	// user certificates sshd accepts (TrustedUserCAKeys), beside
 	// SSHAuthorizedKey. Empty: none.
 	TrustedUserCAKeys []string
+	// UserCertPrincipal is the one certificate principal sshd accepts for
+	// LoginUser (AuthorizedPrincipalsFile): every guest trusts the same CA,
+	// so it names this guest, and a certificate issued for another VM opens
+	// nothing here. Required with TrustedUserCAKeys.
+	UserCertPrincipal string
 	// HostCertificate, when set, is the host CA's certificate for
 	// HostPubKey (authorized_keys form), which sshd presents
 	// (HostCertificate) so clients trusting the CA need no per-guest key.
@@ -59,10 +65,15 @@ type Params struct {
 // needs an sshd_config that includes sshd_config.d (Debian 12, Ubuntu
 // 20.04, Fedora and later).
 const (
-	UserCAKeysPath      = "/etc/ssh/eitri_user_ca.pub"
+	UserCAKeysPath = "/etc/ssh/eitri_user_ca.pub"
+	// PrincipalsDir holds one file per user listing the certificate
+	// principals sshd accepts for that user.
+	PrincipalsDir       = "/etc/ssh/eitri_principals"
 	HostCertificatePath = "/etc/ssh/eitri_host_ed25519_cert.pub"
 	SSHDConfigPath      = "/etc/ssh/sshd_config.d/50-eitri.conf"
 )
+
+var principalRe = regexp.MustCompile(`^[A-Za-z0-9@._-]{1,128}$`)
 
 // ErrInvalidParams wraps every validation failure, so callers can treat a bad
 // seed request as permanent rather than retrying it.
@@ -105,6 +116,16 @@ func (p Params) Validate() error {
 	for _, k := range p.TrustedUserCAKeys {
 		if err := validCAKey(k); err != nil {
 			return err
+		}
+	}
+	if len(p.TrustedUserCAKeys) > 0 {
+		// Without its own principal a guest would take any certificate the
+		// CA issued for the user name, another tenant's included.
+		if p.LoginUser == "" || p.UserCertPrincipal == "" {
+			return invalid("trusted user CA keys need a login user and a certificate principal")
+		}
+		if !principalRe.MatchString(p.UserCertPrincipal) {
+			return invalid("certificate principal %q: only letters, digits and @._- (at most 128)", p.UserCertPrincipal)
 		}
 	}
 	switch {
@@ -394,8 +415,9 @@ func UserData(p Params) string {
 		for _, k := range p.TrustedUserCAKeys {
 			keys.WriteString(strings.TrimSpace(k) + "\n")
 		}
-		files = append(files, seedFile{UserCAKeysPath, "0644", keys.String()})
-		sshd = append(sshd, "TrustedUserCAKeys "+UserCAKeysPath)
+		files = append(files, seedFile{UserCAKeysPath, "0644", keys.String()},
+			seedFile{PrincipalsDir + "/" + p.LoginUser, "0644", p.UserCertPrincipal + "\n"})
+		sshd = append(sshd, "TrustedUserCAKeys "+UserCAKeysPath, "AuthorizedPrincipalsFile "+PrincipalsDir+"/%u")
 	}
 	if p.HostCertificate != "" {
 		files = append(files, seedFile{HostCertificatePath, "0644", strings.TrimSpace(p.HostCertificate) + "\n"})

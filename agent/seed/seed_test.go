@@ -295,6 +295,7 @@ func TestSeedTrustsTheUserCAAndPresentsTheHostCertificate(t *testing.T) {
 	_, previousCA := certify(t, p.HostPubKey, ssh.UserCert)
 	p.HostCertificate = hostCert
 	p.TrustedUserCAKeys = []string{userCA, previousCA}
+	p.UserCertPrincipal = p.LoginUser + "@" + p.InstanceID
 	out := filepath.Join(t.TempDir(), "seed.iso")
 	require.NoError(t, seed.Write(out, p))
 	_, isoFiles := seedtest.Read(t, out)
@@ -319,6 +320,10 @@ func TestSeedTrustsTheUserCAAndPresentsTheHostCertificate(t *testing.T) {
 	conf := files[seed.SSHDConfigPath]["content"].(string)
 	assert.Contains(t, conf, "\nTrustedUserCAKeys "+seed.UserCAKeysPath+"\n")
 	assert.Contains(t, conf, "\nHostCertificate "+seed.HostCertificatePath+"\n")
+	assert.Contains(t, conf, "\nAuthorizedPrincipalsFile "+seed.PrincipalsDir+"/%u\n",
+		"sshd takes a certificate for this guest's principal only, not any certificate naming the user")
+	require.Contains(t, files, seed.PrincipalsDir+"/"+p.LoginUser)
+	assert.Equal(t, p.UserCertPrincipal+"\n", files[seed.PrincipalsDir+"/"+p.LoginUser]["content"])
 	assert.Equal(t, []any{p.SSHAuthorizedKey}, ud["ssh_authorized_keys"], "the injected key still works beside the CA")
 	assert.NotContains(t, seed.HostCertificatePath, "ssh_host_", "cloud-init's ssh_deletekeys would remove it")
 
@@ -343,6 +348,15 @@ func TestSeedRefusesBadSSHCAMaterial(t *testing.T) {
 		"CA key garbage":       func(p *seed.Params) { p.TrustedUserCAKeys = []string{"not a key"} },
 		"CA key with newline":  func(p *seed.Params) { p.TrustedUserCAKeys = []string{ca + "\nruncmd: [x]"} },
 		"CA key a certificate": func(p *seed.Params) { p.TrustedUserCAKeys = []string{otherCert} },
+		"CA key without a principal": func(p *seed.Params) {
+			p.TrustedUserCAKeys, p.UserCertPrincipal = []string{ca}, ""
+		},
+		"CA key without a login user": func(p *seed.Params) {
+			p.TrustedUserCAKeys, p.LoginUser = []string{ca}, ""
+		},
+		"principal with a space": func(p *seed.Params) {
+			p.TrustedUserCAKeys, p.UserCertPrincipal = []string{ca}, "eitri vm-1"
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			p := good

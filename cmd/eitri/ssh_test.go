@@ -139,7 +139,7 @@ func TestEitriSSHPinsTheReportedHostKeyAndRunsSSH(t *testing.T) {
 	require.NoError(t, err)
 	cert, ok := k.(*ssh.Certificate)
 	require.True(t, ok)
-	assert.Equal(t, []string{"eitri"}, cert.ValidPrincipals)
+	assert.Equal(t, []string{"eitri@" + strings.TrimPrefix(alias, "eitri-")}, cert.ValidPrincipals, "the login user on this VM")
 
 	_, err = e.eitri("ssh", "web-1", "extra")
 	var ue usageError

@@ -115,7 +115,7 @@ type sshLogin struct {
 	// KnownHostsFile holds "@cert-authority * <host CA>" lines
 	// (ssh -o UserKnownHostsFile=).
 	KnownHostsFile string
-	// User is the certificate's only principal: the VM's login user.
+	// User is the VM's login user, whom the certificate logs in as.
 	User        string
 	ValidBefore time.Time
 }
@@ -179,7 +179,7 @@ func (c *client) newSSHLogin(ctx context.Context, dir, vmID string, ttl time.Dur
 			return nil, err
 		}
 	}
-	l.User = signed.Msg.GetPrincipal()
+	l.User = signed.Msg.GetLoginUser()
 	l.ValidBefore = signed.Msg.GetValidBefore().AsTime()
 	ok = true
 	return l, nil

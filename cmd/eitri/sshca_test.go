@@ -106,7 +106,7 @@ func TestSSHLoginWritesAPrivateKeyAndItsCertificate(t *testing.T) {
 	signer, err := ssh.ParsePrivateKey(keyBytes)
 	require.NoError(t, err)
 	assert.Equal(t, signer.PublicKey().Marshal(), cert.Key.Marshal(), "the certificate is for the key beside it")
-	assert.Equal(t, []string{"eitri"}, cert.ValidPrincipals)
+	assert.Equal(t, []string{"eitri@" + vmID}, cert.ValidPrincipals, "the login user on this VM")
 	assert.Equal(t, "eitri", l.User)
 	assert.WithinDuration(t, time.Now().Add(5*time.Minute), l.ValidBefore, time.Minute)
 	kh, err := os.ReadFile(l.KnownHostsFile)
@@ -165,12 +165,19 @@ func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
 	caFile := filepath.Join(dir, "eitri_user_ca.pub")
 	require.NoError(t, os.WriteFile(caFile, []byte(cas.UserCaKeys[0].PublicKey+"\n"), 0o644))
 
+	// As the seed does: the login user takes certificates for this VM's
+	// principal only.
+	principals := filepath.Join(dir, "principals")
+	require.NoError(t, os.MkdirAll(principals, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(principals, me.Username), []byte(me.Username+"@"+vmID+"\n"), 0o644))
+
 	port := hosttest.FreePort(t, "tcp")
 	conf := filepath.Join(dir, "sshd_config")
 	require.NoError(t, os.WriteFile(conf, []byte(fmt.Sprintf(`ListenAddress 127.0.0.1:%d
 HostKey %s
 HostCertificate %s
 TrustedUserCAKeys %s
+AuthorizedPrincipalsFile %s/%%u
 AuthorizedKeysFile none
 PasswordAuthentication no
 KbdInteractiveAuthentication no
@@ -179,7 +186,7 @@ StrictModes no
 PermitRootLogin prohibit-password
 PidFile %s
 LogLevel VERBOSE
-`, port, hostKeyPath, hostCert, caFile, filepath.Join(dir, "sshd.pid"))), 0o600))
+`, port, hostKeyPath, hostCert, caFile, principals, filepath.Join(dir, "sshd.pid"))), 0o600))
 	var sshdLog syncBuffer
 	daemon := exec.Command(sshd, "-D", "-e", "-f", conf)
 	daemon.Stdout, daemon.Stderr = &sshdLog, &sshdLog
@@ -224,6 +231,23 @@ LogLevel VERBOSE
 	other[len(other)-1] = "nobody" // -l: a user the certificate does not name
 	out, err = runSSH(other)
 	assert.Error(t, err, "a certificate for another principal is refused")
+	assert.Contains(t, out, "Permission denied")
+
+	// A certificate its holder got for another VM (the same login user,
+	// the same CA) opens nothing here: this is how one tenant's certificate
+	// is kept out of another tenant's guest.
+	other2, err := e.srv.Fleet.CreateVM(e.adminCtx(), &eitriv1.CreateVMRequest{Name: "web-2", ImageUrl: "http://images.test/g.raw",
+		ImageSha256: strings.Repeat("ab", 32), Vcpus: 1, MemMb: 256, DiskGb: 1})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		v, err := e.srv.Fleet.GetVM(e.adminCtx(), other2.Id)
+		return err == nil && v.LoginUser == me.Username
+	}, 10*time.Second, 10*time.Millisecond)
+	forOther, err := c.newSSHLogin(ctx, t.TempDir(), other2.Id, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = forOther.Remove() })
+	out, err = runSSH(forOther.SSHOptions(vmID))
+	assert.Error(t, err, "a certificate for another VM is refused")
 	assert.Contains(t, out, "Permission denied")
 
 	expired := login(time.Second)

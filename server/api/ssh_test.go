@@ -101,8 +101,12 @@ func TestSignUserKeyCertifiesTheLoginUserOfTheCallersVMOnly(t *testing.T) {
 	cert := parseCert(t, got.Certificate)
 	assert.Equal(t, uint32(ssh.UserCert), cert.CertType)
 	assert.Equal(t, key.Marshal(), cert.Key.Marshal(), "the caller's key is certified")
-	assert.Equal(t, []string{"eitri"}, cert.ValidPrincipals, "the login user is the only principal")
-	assert.Equal(t, "eitri", got.Principal)
+	// sshd accepts this principal for the login user on this VM alone (its
+	// seed's AuthorizedPrincipalsFile): every guest trusts the same CA.
+	principal := "eitri@" + id
+	assert.Equal(t, []string{principal}, cert.ValidPrincipals, "the login user on this VM is the only principal")
+	assert.Equal(t, principal, got.Principal)
+	assert.Equal(t, "eitri", got.LoginUser)
 	assert.Equal(t, cert.Serial, got.Serial)
 	assert.Contains(t, cert.KeyId, "alice")
 	assert.Contains(t, cert.KeyId, id)
@@ -113,11 +117,12 @@ func TestSignUserKeyCertifiesTheLoginUserOfTheCallersVMOnly(t *testing.T) {
 	checker := func(at time.Time, ca string) *ssh.CertChecker {
 		return &ssh.CertChecker{IsUserAuthority: isKey(ca), Clock: func() time.Time { return at }}
 	}
-	require.NoError(t, login(checker(time.Now(), userCA), "eitri", cert), "sshd's check with the user CA accepts it")
-	assert.Error(t, login(checker(time.Now(), userCA), "root", cert), "for the login user only")
-	_, err = checker(time.Now(), cas.Msg.HostCaKeys[0].PublicKey).Authenticate(sshcatest.ConnMeta("eitri"), cert)
+	require.NoError(t, login(checker(time.Now(), userCA), principal, cert), "sshd's check with the user CA accepts it")
+	assert.Error(t, login(checker(time.Now(), userCA), "root@"+id, cert), "for the login user only")
+	assert.Error(t, login(checker(time.Now(), userCA), "eitri", cert), "never for the user name alone, which every guest has")
+	_, err = checker(time.Now(), cas.Msg.HostCaKeys[0].PublicKey).Authenticate(sshcatest.ConnMeta(principal), cert)
 	assert.Error(t, err, "not signed by the host CA")
-	assert.ErrorContains(t, login(checker(got.ValidBefore.AsTime().Add(time.Second), userCA), "eitri", cert), "expired",
+	assert.ErrorContains(t, login(checker(got.ValidBefore.AsTime().Add(time.Second), userCA), principal, cert), "expired",
 		"an expired certificate is refused")
 
 	evs, err := e.vms(alice).ListVMEvents(ctx, connect.NewRequest(&eitriv1.ListVMEventsRequest{VmId: id}))
@@ -280,8 +285,8 @@ func TestRotateSSHCAKeepsThePreviousKeyTrustedAndIsForAdmins(t *testing.T) {
 	got, err := e.ssh(alice).SignUserKey(ctx, connect.NewRequest(&eitriv1.SignUserKeyRequest{VmId: id, PublicKey: authorized(newSSHKey(t))}))
 	require.NoError(t, err)
 	cert := parseCert(t, got.Msg.Certificate)
-	assert.NoError(t, login(&ssh.CertChecker{IsUserAuthority: isKey(keys.UserCaKeys[0].PublicKey)}, "eitri", cert), "signed by the new key")
-	assert.Error(t, login(&ssh.CertChecker{IsUserAuthority: isKey(keys.UserCaKeys[1].PublicKey)}, "eitri", cert), "not by the old one")
+	assert.NoError(t, login(&ssh.CertChecker{IsUserAuthority: isKey(keys.UserCaKeys[0].PublicKey)}, got.Msg.Principal, cert), "signed by the new key")
+	assert.Error(t, login(&ssh.CertChecker{IsUserAuthority: isKey(keys.UserCaKeys[1].PublicKey)}, got.Msg.Principal, cert), "not by the old one")
 }
 
 // login is sshd's check of a user certificate: signed by a trusted user CA

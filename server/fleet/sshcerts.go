@@ -17,6 +17,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/sshcert"
 )
 
 // User certificate lifetimes: a certificate is for one login, and nothing
@@ -209,7 +210,8 @@ func (f *Fleet) SignUserKey(ctx context.Context, r *eitriv1.SignUserKeyRequest) 
 	now := f.now()
 	v := sshca.Validity{After: now.Add(-certBackdate), Before: now.Add(ttl)}
 	keyID := fmt.Sprintf("eitri user %s (%s) vm %s (%s)", p.Name, p.UserID, vm.Name, vm.ID)
-	cert, err := ca.Sign(sshca.User, pub, keyID, []string{login}, v)
+	principal := sshcert.Principal(login, vm.ID)
+	cert, err := ca.Sign(sshca.User, pub, keyID, []string{principal}, v)
 	if err != nil {
 		return nil, err
 	}
@@ -217,11 +219,11 @@ func (f *Fleet) SignUserKey(ctx context.Context, r *eitriv1.SignUserKeyRequest) 
 	// timeline is the only account of who could log in.
 	if err := f.st.AddVMEvent(context.WithoutCancel(ctx), store.VMEvent{VMID: vm.ID, At: now, Kind: eventSSHCert,
 		Message: fmt.Sprintf("%s was issued an SSH certificate as %s for key %s: serial %d, valid %s to %s",
-			p.Name, login, ssh.FingerprintSHA256(pub), cert.Serial, v.After.Format(time.RFC3339), v.Before.Format(time.RFC3339))}); err != nil {
+			p.Name, principal, ssh.FingerprintSHA256(pub), cert.Serial, v.After.Format(time.RFC3339), v.Before.Format(time.RFC3339))}); err != nil {
 		return nil, storeErr(err, "vm "+vm.ID)
 	}
 	return &eitriv1.SignUserKeyResponse{
-		Certificate: sshca.AuthorizedKey(cert), Principal: login, Serial: cert.Serial, KeyId: keyID,
+		Certificate: sshca.AuthorizedKey(cert), Principal: principal, LoginUser: login, Serial: cert.Serial, KeyId: keyID,
 		ValidAfter: timestamppb.New(v.After), ValidBefore: timestamppb.New(v.Before),
 	}, nil
 }

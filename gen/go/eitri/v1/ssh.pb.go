@@ -259,13 +259,17 @@ type SignUserKeyResponse struct {
 	// ("ssh-ed25519-cert-v01@openssh.com AAAA..."), to be saved next to the
 	// private key as <key>-cert.pub or passed with ssh -o CertificateFile.
 	Certificate string `protobuf:"bytes,1,opt,name=certificate,proto3" json:"certificate,omitempty"`
-	// The only principal: the VM's login user.
+	// The only principal: "<login user>@<vm id>". Every eitri guest trusts
+	// the same user CA, so the principal names the VM too; the guest's sshd
+	// accepts it for the login user alone (AuthorizedPrincipalsFile).
 	Principal string `protobuf:"bytes,2,opt,name=principal,proto3" json:"principal,omitempty"`
 	Serial    uint64 `protobuf:"varint,3,opt,name=serial,proto3" json:"serial,omitempty"`
 	// Names the caller and the VM, as sshd logs it.
-	KeyId         string                 `protobuf:"bytes,4,opt,name=key_id,json=keyId,proto3" json:"key_id,omitempty"`
-	ValidAfter    *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=valid_after,json=validAfter,proto3" json:"valid_after,omitempty"`
-	ValidBefore   *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=valid_before,json=validBefore,proto3" json:"valid_before,omitempty"`
+	KeyId       string                 `protobuf:"bytes,4,opt,name=key_id,json=keyId,proto3" json:"key_id,omitempty"`
+	ValidAfter  *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=valid_after,json=validAfter,proto3" json:"valid_after,omitempty"`
+	ValidBefore *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=valid_before,json=validBefore,proto3" json:"valid_before,omitempty"`
+	// The user to log in as (ssh -l): the VM's login user.
+	LoginUser     string `protobuf:"bytes,7,opt,name=login_user,json=loginUser,proto3" json:"login_user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -340,6 +344,13 @@ func (x *SignUserKeyResponse) GetValidBefore() *timestamppb.Timestamp {
 		return x.ValidBefore
 	}
 	return nil
+}
+
+func (x *SignUserKeyResponse) GetLoginUser() string {
+	if x != nil {
+		return x.LoginUser
+	}
+	return ""
 }
 
 type RotateSSHCARequest struct {
@@ -454,7 +465,7 @@ const file_eitri_v1_ssh_proto_rawDesc = "" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x1d\n" +
 	"\n" +
 	"public_key\x18\x02 \x01(\tR\tpublicKey\x12+\n" +
-	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\x80\x02\n" +
+	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\x9f\x02\n" +
 	"\x13SignUserKeyResponse\x12 \n" +
 	"\vcertificate\x18\x01 \x01(\tR\vcertificate\x12\x1c\n" +
 	"\tprincipal\x18\x02 \x01(\tR\tprincipal\x12\x16\n" +
@@ -462,7 +473,9 @@ const file_eitri_v1_ssh_proto_rawDesc = "" +
 	"\x06key_id\x18\x04 \x01(\tR\x05keyId\x12;\n" +
 	"\vvalid_after\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"validAfter\x12=\n" +
-	"\fvalid_before\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\vvalidBefore\"$\n" +
+	"\fvalid_before\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\vvalidBefore\x12\x1d\n" +
+	"\n" +
+	"login_user\x18\a \x01(\tR\tloginUser\"$\n" +
 	"\x12RotateSSHCARequest\x12\x0e\n" +
 	"\x02ca\x18\x01 \x01(\tR\x02ca\"I\n" +
 	"\x13RotateSSHCAResponse\x122\n" +

@@ -138,7 +138,9 @@ export declare type SignUserKeyResponse = Message<"eitri.v1.SignUserKeyResponse"
   certificate: string;
 
   /**
-   * The only principal: the VM's login user.
+   * The only principal: "<login user>@<vm id>". Every eitri guest trusts
+   * the same user CA, so the principal names the VM too; the guest's sshd
+   * accepts it for the login user alone (AuthorizedPrincipalsFile).
    *
    * @generated from field: string principal = 2;
    */
@@ -165,6 +167,13 @@ export declare type SignUserKeyResponse = Message<"eitri.v1.SignUserKeyResponse"
    * @generated from field: google.protobuf.Timestamp valid_before = 6;
    */
   validBefore?: Timestamp | undefined;
+
+  /**
+   * The user to log in as (ssh -l): the VM's login user.
+   *
+   * @generated from field: string login_user = 7;
+   */
+  loginUser: string;
 };
 
 /**
