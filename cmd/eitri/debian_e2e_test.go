@@ -28,6 +28,7 @@ import (
 
 	"github.com/a73x/eitri/agent/netnstest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/sshcert"
 )
 
 // debianImageEnv names the Debian cloud-style image guestimage/debian.sh
@@ -123,6 +124,59 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	certOut, err := exec.Command("ssh", append(certArgs, vm.AssignedIp, "id", "-un")...).CombinedOutput()
 	require.NoError(t, err, "ssh with a certificate, trusting only the host CA: %s", certOut)
 	assert.Equal(t, "eitri\n", string(certOut))
+
+	// Certificates the guest must refuse, made with the control plane's
+	// own user CA key (as the control plane would have issued them): one
+	// for the same login user on another VM, which is what another tenant
+	// can get for their own VM, and one for this VM that has expired.
+	caPEM, err := os.ReadFile(filepath.Join(dir, "control", "ssh", "user_ca"))
+	require.NoError(t, err)
+	caSigner, err := ssh.ParsePrivateKey(caPEM)
+	require.NoError(t, err)
+	refused := func(what, principal string, before time.Time) {
+		t.Helper()
+		pub, priv, err := ed25519.GenerateKey(rand.Reader)
+		require.NoError(t, err)
+		sshPub, err := ssh.NewPublicKey(pub)
+		require.NoError(t, err)
+		cert := &ssh.Certificate{Key: sshPub, CertType: ssh.UserCert, KeyId: what, ValidPrincipals: []string{principal},
+			ValidAfter: uint64(time.Now().Add(-time.Hour).Unix()), ValidBefore: uint64(before.Unix()),
+			Permissions: ssh.Permissions{Extensions: map[string]string{"permit-pty": ""}}}
+		require.NoError(t, cert.SignCert(rand.Reader, caSigner))
+		kdir := t.TempDir()
+		block, err := ssh.MarshalPrivateKey(priv, "")
+		require.NoError(t, err)
+		keyPath, certPath := filepath.Join(kdir, "id"), filepath.Join(kdir, "id-cert.pub")
+		require.NoError(t, os.WriteFile(keyPath, pem.EncodeToMemory(block), 0o600))
+		require.NoError(t, os.WriteFile(certPath, ssh.MarshalAuthorizedKey(cert), 0o600))
+		args := []string{"-F", "/dev/null", "-o", "BatchMode=yes", "-o", "ConnectTimeout=20",
+			"-i", keyPath, "-o", "CertificateFile=" + certPath, "-o", "IdentitiesOnly=yes",
+			"-o", "UserKnownHostsFile=" + login.KnownHostsFile, "-o", "StrictHostKeyChecking=yes", "-o", "HostKeyAlias=" + id,
+			"-l", vm.LoginUser, vm.AssignedIp, "true"}
+		out, err := exec.Command("ssh", args...).CombinedOutput()
+		assert.Error(t, err, "%s is refused", what)
+		assert.Contains(t, string(out), "Permission denied", what)
+	}
+	refused("a certificate for another VM", "eitri@vm-someoneelse", time.Now().Add(time.Hour))
+	refused("an expired certificate", sshcert.Principal(vm.LoginUser, id), time.Now().Add(-time.Minute))
+
+	// eitri ssh itself: through a tunnel (ProxyCommand `eitri tunnel`),
+	// with a certificate made for this login and the host key pinned.
+	if bin := os.Getenv("EITRI_BIN"); bin != "" {
+		abs, err := filepath.Abs(bin)
+		require.NoError(t, err)
+		old := selfPath
+		selfPath = func() (string, error) { return abs, nil }
+		defer func() { selfPath = old }()
+		t.Setenv("EITRI_URL", "http://127.0.0.1:18080")
+		t.Setenv("EITRI_TOKEN", strings.TrimSpace(string(token)))
+		t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+		var sshOut, sshErr syncBuffer
+		err = execute(ctx, []string{"ssh", "deb-1", "--", "-o", "BatchMode=yes", "-o", "ConnectTimeout=60", "id", "-un"},
+			stdio{in: strings.NewReader(""), out: &sshOut, err: &sshErr})
+		require.NoError(t, err, "eitri ssh: %s", &sshErr)
+		assert.Equal(t, "eitri\n", sshOut.String(), "eitri ssh gets a shell as the login user")
+	}
 
 	// cloud-init finished without an error, from the NoCloud seed, and
 	// logged no warning or error but the known ones.
