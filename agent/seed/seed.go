@@ -41,8 +41,8 @@ type Params struct {
 	// image's default user is kept and gets the key too.
 	LoginUser string
 	// PhoneHomeURL, when set, is where the guest posts once it has booted:
-	// cloud-init's phone_home on the first boot, a per-boot script on the
-	// later ones (phone_home runs once per instance).
+	// a systemd unit the seed installs does, after cloud-init's final stage,
+	// on every boot.
 	PhoneHomeURL string
 	// TrustedUserCAKeys are SSH CA public keys (authorized_keys form) whose
 	// user certificates sshd accepts (TrustedUserCAKeys), beside
@@ -222,9 +222,8 @@ func validUser(u string) error {
 	return nil
 }
 
-// validPhoneHome accepts a plain http(s) URL with nothing a shell or YAML
-// could read differently: it is written into a script as well as the
-// config.
+// validPhoneHome accepts a plain http(s) URL with nothing YAML or Python
+// could read differently: it is written into a script in the config.
 func validPhoneHome(raw string) error {
 	u, err := url.Parse(raw)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil {
@@ -396,18 +395,12 @@ func UserData(p Params) string {
 		}
 		b.WriteString("  ed25519_public: " + quote(strings.TrimSpace(p.HostPubKey)) + "\n")
 	}
-	if p.PhoneHomeURL != "" {
-		// phone_home runs last in cloud-init's final stage: the guest is
-		// as configured as cloud-init will make it.
-		b.WriteString("phone_home:\n")
-		b.WriteString("  url: " + quote(p.PhoneHomeURL) + "\n")
-		b.WriteString("  post: [instance_id]\n")
-		b.WriteString("  tries: 10\n")
-	}
 	// write_files runs in cloud-init's first stage, before sshd starts.
 	var files []seedFile
 	if p.PhoneHomeURL != "" {
-		files = append(files, seedFile{PerBootScript, "0755", perBootScript(p.PhoneHomeURL)})
+		files = append(files,
+			seedFile{PhoneHomeScript, "0700", phoneHomeScript(p.PhoneHomeURL)},
+			seedFile{PhoneHomeUnitPath, "0644", phoneHomeUnit})
 	}
 	var sshd []string
 	if len(p.TrustedUserCAKeys) > 0 {
@@ -442,29 +435,86 @@ func UserData(p Params) string {
 			}
 		}
 	}
+	if p.PhoneHomeURL != "" {
+		// Enabled for later boots, started for this one: --no-block
+		// because runcmd runs inside cloud-final.service, which the unit
+		// waits for.
+		b.WriteString("runcmd:\n")
+		b.WriteString("  - [\"systemctl\", \"enable\", \"" + PhoneHomeUnit + "\"]\n")
+		b.WriteString("  - [\"systemctl\", \"start\", \"--no-block\", \"" + PhoneHomeUnit + "\"]\n")
+	}
 	return b.String()
 }
 
 // seedFile is one write_files entry.
 type seedFile struct{ path, mode, content string }
 
-// PerBootScript is where the seed puts the script that phones home on
-// every boot after the first; cloud-init's scripts_per_boot runs it.
-const PerBootScript = "/var/lib/cloud/scripts/per-boot/eitri-phone-home"
+// The phone home is a systemd unit rather than cloud-init's phone_home
+// module: that module reads every type of host public key whatever its
+// post list says and warns for each file missing, and the seed installs
+// only the agent's ed25519 key. The unit runs once cloud-final.service is
+// done, on every boot, so one mechanism covers the first boot and later
+// ones.
+const (
+	// PhoneHomeUnit is the systemd unit that phones home.
+	PhoneHomeUnit = "eitri-phone-home.service"
+	// PhoneHomeUnitPath is where the seed writes it.
+	PhoneHomeUnitPath = "/etc/systemd/system/" + PhoneHomeUnit
+	// PhoneHomeScript is the program the unit runs; it holds the URL (so
+	// it is root's alone: the URL's token is the VM's).
+	PhoneHomeScript = "/usr/local/lib/eitri/phone-home"
+	// PhoneHomeURLPrefix starts the script's one line that names the URL:
+	// what the project's test guest, which has no Python, looks for.
+	PhoneHomeURLPrefix = "URL = "
+)
 
-// perBootScript phones home on boots after the first. On the first,
-// phone_home has not run yet when per-boot scripts do (its semaphore is
-// missing), and it phones home itself once the final stage is done.
-// python3 is there wherever cloud-init is.
-func perBootScript(phoneHomeURL string) string {
-	return `#!/bin/sh
-# eitri: tell the agent this boot is done (phone_home did the first).
-[ -e /var/lib/cloud/instance/sem/config_phone_home ] || exit 0
-for i in 1 2 3 4 5; do
-	python3 -c 'import sys, urllib.request as u; u.urlopen(u.Request(sys.argv[1], data=b"boot=later", method="POST"), timeout=10)' '` + phoneHomeURL + `' && exit 0
-	sleep 3
-done
-exit 1
+// phoneHomeUnit orders after cloud-final.service and is wanted by
+// cloud-init.target, not multi-user.target: cloud-final is itself ordered
+// after multi-user.target, so wanting the unit there would be a cycle.
+const phoneHomeUnit = `[Unit]
+Description=eitri: tell the host this guest has booted
+After=cloud-final.service network-online.target
+Wants=network-online.target
+
+[Service]
+Type=oneshot
+ExecStart=/usr/bin/python3 ` + PhoneHomeScript + `
+StandardOutput=journal+console
+
+[Install]
+WantedBy=cloud-init.target
+`
+
+// phoneHomeScript posts to the URL until the agent answers, a bounded
+// number of times: a guest whose host endpoint is gone still finishes
+// booting, and the agent falls back to probing ssh. python3 is there
+// wherever cloud-init is; curl is not.
+func phoneHomeScript(phoneHomeURL string) string {
+	return `#!/usr/bin/python3
+# eitri: tell the agent this boot is done (run after cloud-final.service).
+import sys, time, urllib.parse, urllib.request
+
+` + PhoneHomeURLPrefix + quote(phoneHomeURL) + `
+
+def instance_id():
+    try:
+        with open("/var/lib/cloud/data/instance-id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+body = urllib.parse.urlencode({"instance_id": instance_id()}).encode()
+for attempt in range(1, 31):
+    try:
+        req = urllib.request.Request(URL, data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            resp.read()
+        print("eitri: phoned home (attempt %d)" % attempt)
+        sys.exit(0)
+    except Exception as e:
+        print("eitri: phone home attempt %d: %s" % (attempt, e), file=sys.stderr)
+        time.sleep(2)
+sys.exit(1)
 `
 }
 

@@ -7,10 +7,13 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"errors"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -73,7 +76,10 @@ func TestWriteRoundTrip(t *testing.T) {
 	assert.Contains(t, ud, "manage_etc_hosts: true\n")
 	assert.Contains(t, ud, "\nssh_authorized_keys:\n  - \""+p.SSHAuthorizedKey+"\"\n")
 	assert.Contains(t, ud, "  - name: \"eitri\"\n")
-	assert.Contains(t, ud, "phone_home:\n  url: \""+p.PhoneHomeURL+"\"\n")
+	assert.NotContains(t, ud, "phone_home", "cloud-init's phone_home warns about every host key type the seed leaves out")
+	assert.Contains(t, ud, "  - path: "+seed.PhoneHomeUnitPath+"\n")
+	assert.Contains(t, ud, "\n      "+seed.PhoneHomeURLPrefix+"\""+p.PhoneHomeURL+"\"\n", "the script names the URL on the line the test guest looks for")
+	assert.Contains(t, ud, "runcmd:\n  - [\"systemctl\", \"enable\", \""+seed.PhoneHomeUnit+"\"]\n")
 	assert.Contains(t, ud, "ssh_deletekeys: true\n")
 	assert.Contains(t, ud, "  ed25519_private: |\n    -----BEGIN OPENSSH PRIVATE KEY-----\n")
 	assert.Contains(t, ud, "  ed25519_public: \""+p.HostPubKey+"\"\n")
@@ -109,6 +115,7 @@ func TestWriteWithoutOptionalKeys(t *testing.T) {
 	assert.NotContains(t, ud, "users:")
 	assert.NotContains(t, ud, "phone_home")
 	assert.NotContains(t, ud, "write_files")
+	assert.NotContains(t, ud, "runcmd")
 	assert.Contains(t, ud, "hostname: \"bare\"\n")
 	assert.Contains(t, ud, "manage_etc_hosts: true\n")
 }
@@ -222,20 +229,104 @@ func TestYAMLParsesAsIntended(t *testing.T) {
 		"name": "eitri", "gecos": "eitri login user", "sudo": "ALL=(ALL) NOPASSWD:ALL",
 		"lock_passwd": true, "ssh_authorized_keys": []any{p.SSHAuthorizedKey},
 	}}, ud["users"])
-	assert.Equal(t, map[string]any{"url": p.PhoneHomeURL, "post": []any{"instance_id"}, "tries": float64(10)}, ud["phone_home"])
+	assert.NotContains(t, ud, "phone_home")
+
 	files, ok := ud["write_files"].([]any)
 	require.True(t, ok, "write_files is a list: %#v", ud["write_files"])
-	require.Len(t, files, 1)
-	script := files[0].(map[string]any)
-	assert.Equal(t, seed.PerBootScript, script["path"])
-	assert.Equal(t, "0755", script["permissions"])
+	byPath := map[string]map[string]any{}
+	for _, f := range files {
+		entry := f.(map[string]any)
+		byPath[entry["path"].(string)] = entry
+	}
+	require.Len(t, byPath, 2, "the phone-home script and its unit")
+	script := byPath[seed.PhoneHomeScript]
+	require.NotNil(t, script, "the phone-home script")
+	assert.Equal(t, "0700", script["permissions"], "its URL carries the VM's token: root's alone")
 	content := script["content"].(string)
-	assert.True(t, strings.HasPrefix(content, "#!/bin/sh\n"))
-	assert.Contains(t, content, "'"+p.PhoneHomeURL+"'")
-	sh := exec.Command("sh", "-n")
-	sh.Stdin = strings.NewReader(content)
-	out, err := sh.CombinedOutput()
-	assert.NoError(t, err, "the per-boot script must parse: %s", out)
+	assert.True(t, strings.HasPrefix(content, "#!/usr/bin/python3\n"))
+	assert.Contains(t, content, "\n"+seed.PhoneHomeURLPrefix+"\""+p.PhoneHomeURL+"\"\n")
+	unit := byPath[seed.PhoneHomeUnitPath]
+	require.NotNil(t, unit, "the phone-home unit")
+	assert.Equal(t, "0644", unit["permissions"])
+	assert.Contains(t, unit["content"], "\nAfter=cloud-final.service ", "it phones home once cloud-init is done")
+	assert.Contains(t, unit["content"], "\nExecStart=/usr/bin/python3 "+seed.PhoneHomeScript+"\n")
+	assert.Equal(t, []any{
+		[]any{"systemctl", "enable", seed.PhoneHomeUnit},
+		[]any{"systemctl", "start", "--no-block", seed.PhoneHomeUnit},
+	}, ud["runcmd"], "enabled for later boots, started for this one without waiting on cloud-final, which runs runcmd")
+}
+
+// phoneHomeFiles returns the script and unit the seed for p writes, read
+// back with PyYAML.
+func phoneHomeFiles(t *testing.T, p seed.Params) (script, unit string) {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not installed")
+	}
+	if exec.Command(py, "-c", "import yaml").Run() != nil {
+		t.Skip("python3 has no yaml module (Debian: python3-yaml)")
+	}
+	cmd := exec.Command(py, "-c", `import sys, json, yaml
+files = {f["path"]: f["content"] for f in yaml.safe_load(sys.stdin)["write_files"]}
+json.dump([files[sys.argv[1]], files[sys.argv[2]]], sys.stdout)`, seed.PhoneHomeScript, seed.PhoneHomeUnitPath)
+	cmd.Stdin = strings.NewReader(seed.UserData(p))
+	var out, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &stderr
+	require.NoError(t, cmd.Run(), stderr.String())
+	var both []string
+	require.NoError(t, json.Unmarshal(out.Bytes(), &both))
+	return both[0], both[1]
+}
+
+// TestPhoneHomeScriptPosts runs the seed's phone-home script with the
+// host's python3 against a real endpoint: it posts to the URL, and tries
+// again when the endpoint fails.
+func TestPhoneHomeScriptPosts(t *testing.T) {
+	var mu sync.Mutex
+	var posts []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		assert.NoError(t, r.ParseForm())
+		posts = append(posts, r.Method+" "+r.URL.Path+" instance_id="+r.PostForm.Get("instance_id"))
+		if len(posts) == 1 {
+			http.Error(w, "not yet", http.StatusServiceUnavailable)
+		}
+	}))
+	defer srv.Close()
+	p := validParams(t)
+	p.PhoneHomeURL = srv.URL + "/eitri/phone-home/vm-0f3c9a/0123abcd"
+	script, _ := phoneHomeFiles(t, p)
+	path := filepath.Join(t.TempDir(), "phone-home")
+	require.NoError(t, os.WriteFile(path, []byte(script), 0o700))
+
+	out, err := exec.Command("python3", path).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	mu.Lock()
+	defer mu.Unlock()
+	// Outside a guest there is no cloud-init instance id to send.
+	want := "POST /eitri/phone-home/vm-0f3c9a/0123abcd instance_id="
+	assert.Equal(t, []string{want, want}, posts, "a failed post is tried again, a successful one is the last")
+	assert.Contains(t, string(out), "phoned home (attempt 2)")
+}
+
+// TestPhoneHomeUnitVerifies has systemd check the unit, when
+// systemd-analyze is installed.
+func TestPhoneHomeUnitVerifies(t *testing.T) {
+	sa, err := exec.LookPath("systemd-analyze")
+	if err != nil {
+		t.Skip("systemd-analyze not installed (Debian: systemd)")
+	}
+	if _, err := os.Stat("/usr/bin/python3"); err != nil {
+		t.Skip("systemd-analyze verify needs the unit's /usr/bin/python3")
+	}
+	_, unit := phoneHomeFiles(t, validParams(t))
+	path := filepath.Join(t.TempDir(), seed.PhoneHomeUnit)
+	require.NoError(t, os.WriteFile(path, []byte(unit), 0o644))
+	out, err := exec.Command(sa, "verify", path).CombinedOutput()
+	assert.NoError(t, err, "%s", out)
+	assert.Empty(t, strings.TrimSpace(string(out)), "systemd has no complaint")
 }
 
 // TestSystemToolsSeeTheLabel checks the image with the tools a Linux host and
@@ -311,7 +402,8 @@ func TestSeedTrustsTheUserCAAndPresentsTheHostCertificate(t *testing.T) {
 		m := f.(map[string]any)
 		files[m["path"].(string)] = m
 	}
-	require.Contains(t, files, seed.PerBootScript, "the phone-home script is still written")
+	require.Contains(t, files, seed.PhoneHomeScript, "the phone-home script is still written")
+	require.Contains(t, files, seed.PhoneHomeUnitPath, "and its unit")
 	require.Contains(t, files, seed.UserCAKeysPath)
 	assert.Equal(t, userCA+"\n"+previousCA+"\n", files[seed.UserCAKeysPath]["content"], "every trusted CA key, one a line")
 	require.Contains(t, files, seed.HostCertificatePath)

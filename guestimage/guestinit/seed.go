@@ -19,9 +19,9 @@ type identity struct {
 	Hostname   string
 	InstanceID string
 	Source     string // the device the seed came from, for the console log
-	// PhoneHomeURL is cloud-init's phone_home url from the user-data: the
-	// test guest posts to it once it has its address, as cloud-init does
-	// when it is done.
+	// PhoneHomeURL is the URL eitri's phone-home unit posts to (see
+	// phoneHomeURL): the test guest posts to it once it has its address,
+	// as the unit does once cloud-init is done.
 	PhoneHomeURL string
 }
 
@@ -98,20 +98,38 @@ func trySeed(dev string) (identity, bool) {
 	return id, true
 }
 
-// phoneHomeURL finds phone_home's url in a #cloud-config document: the
-// first "url:" indented under a top-level "phone_home:".
+// phoneHomeScript is where eitri's seed (agent/seed) writes the script its
+// phone-home unit runs; the script names its URL on a line starting
+// phoneHomeURLPrefix. The test guest has neither systemd nor Python, so it
+// reads the URL from there and posts itself.
+const (
+	phoneHomeScript    = "/usr/local/lib/eitri/phone-home"
+	phoneHomeURLPrefix = "URL = "
+)
+
+// phoneHomeURL finds the phone-home URL in a #cloud-config document: the
+// first line starting phoneHomeURLPrefix in the content of the write_files
+// entry for phoneHomeScript.
 func phoneHomeURL(userData string) string {
-	in := false
+	inFiles, inScript := false, false
 	for _, line := range strings.Split(userData, "\n") {
-		if line == "" || strings.HasPrefix(strings.TrimSpace(line), "#") {
+		if line == "" {
 			continue
 		}
 		if line[0] != ' ' && line[0] != '\t' {
-			in = strings.TrimSpace(line) == "phone_home:"
+			inFiles, inScript = strings.TrimSpace(line) == "write_files:", false
 			continue
 		}
-		if key, val, ok := strings.Cut(strings.TrimSpace(line), ":"); in && ok && key == "url" {
-			return yamlScalar(val)
+		trimmed := strings.TrimSpace(line)
+		if !inFiles {
+			continue
+		}
+		if rest, ok := strings.CutPrefix(trimmed, "- path:"); ok {
+			inScript = yamlScalar(rest) == phoneHomeScript
+			continue
+		}
+		if rest, ok := strings.CutPrefix(trimmed, phoneHomeURLPrefix); ok && inScript {
+			return yamlScalar(rest)
 		}
 	}
 	return ""

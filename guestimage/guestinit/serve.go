@@ -83,8 +83,8 @@ func greet(ln net.Listener) {
 	}
 }
 
-// phoneHome posts to the seed's phone_home url, as cloud-init does once it
-// has finished, retrying while the host's endpoint cannot be reached.
+// phoneHome posts to the seed's phone-home URL, as the seed's unit does once
+// cloud-init has finished, retrying while the host's endpoint cannot be reached.
 func phoneHome(ctx context.Context, id identity) {
 	client := &http.Client{Timeout: 5 * time.Second}
 	form := url.Values{"instance_id": {id.InstanceID}, "hostname": {id.Hostname}}
