@@ -37,7 +37,8 @@ const debianImageEnv = "EITRI_DEBIAN_IMAGE"
 
 // A stock Debian image with real cloud-init and OpenSSH, booted by eitri,
 // takes its seed without a warning and is usable as the seed says: ready by
-// cloud-init's phone home, the login user logs in with the injected key
+// the seed's phone home once cloud-init is done, the login user logs in
+// with the injected key
 // against the pinned host key, sudo is quiet, names resolve through the
 // bridge's forwarder, and growpart grew the root filesystem to the disk.
 func TestDebianCloudImageTakesTheSeed(t *testing.T) {
@@ -201,6 +202,21 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 		assert.True(t, known[w], "the known warning %q no longer occurs: drop it from knownSeedWarnings", w)
 	}
 
+	// The seed's unit phoned home, once cloud-final was done, and is
+	// enabled for the boots to come.
+	unit := strings.Fields(g.run("systemctl is-enabled eitri-phone-home.service; " +
+		"systemctl show -P Result eitri-phone-home.service; " +
+		"systemctl show -P ExecMainStartTimestampMonotonic eitri-phone-home.service; " +
+		"systemctl show -P ExecMainExitTimestampMonotonic cloud-final.service"))
+	require.Len(t, unit, 4, "%v", unit)
+	assert.Equal(t, []string{"enabled", "success"}, unit[:2], "the phone-home unit")
+	phoned, err := strconv.ParseUint(unit[2], 10, 64)
+	require.NoError(t, err)
+	final, err := strconv.ParseUint(unit[3], 10, 64)
+	require.NoError(t, err)
+	assert.Greater(t, final, uint64(0), "cloud-final.service ran")
+	assert.GreaterOrEqual(t, phoned, final, "the guest phoned home after cloud-init's final stage")
+
 	// sudo resolves the host's own name (manage_etc_hosts): it says nothing
 	// on stderr.
 	stdout, stderr, err := g.exec("sudo -n true")
@@ -228,16 +244,10 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 }
 
 // knownSeedWarnings are cloud-init warnings eitri's seed still causes on a
-// stock image: cloud-init 22.4's phone_home reads the public host key of
-// every type before posting, whatever its post list says, and warns for
-// each file missing; the seed installs only the agent's ed25519 key. (A fix:
-// phone home from a unit ordered after cloud-final.service instead of the
-// phone_home module.) Each must still occur, so the fix shortens this list.
-var knownSeedWarnings = []string{
-	"/etc/ssh/ssh_host_dsa_key.pub: failed to open, can not phone home that data!",
-	"/etc/ssh/ssh_host_rsa_key.pub: failed to open, can not phone home that data!",
-	"/etc/ssh/ssh_host_ecdsa_key.pub: failed to open, can not phone home that data!",
-}
+// stock image, each with why. Each must still occur, so a fix shortens this
+// list. (cloud-init's phone_home module warned for every host key type the
+// seed leaves out; the seed phones home from its own unit instead.)
+var knownSeedWarnings = []string{}
 
 // knownSeedWarning returns the entry of knownSeedWarnings line carries, or "".
 func knownSeedWarning(line string) string {
