@@ -38,9 +38,10 @@ const debianImageEnv = "EITRI_DEBIAN_IMAGE"
 // A stock Debian image with real cloud-init and OpenSSH, booted by eitri,
 // takes its seed without a warning and is usable as the seed says: ready by
 // the seed's phone home once cloud-init is done, the login user logs in
-// with the injected key
-// against the pinned host key, sudo is quiet, names resolve through the
-// bridge's forwarder, and growpart grew the root filesystem to the disk.
+// with the injected key against the pinned host key, sudo is quiet, names
+// resolve through the bridge's forwarder, growpart grew the root
+// filesystem to the disk, and the guest phones home again when it boots
+// again.
 func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	if !netnstest.Inside(t) {
 		if os.Getenv(debianImageEnv) == "" {
@@ -51,7 +52,7 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 				t.Skipf("%s not installed (make deps installs it)", bin)
 			}
 		}
-		netnstest.Run(t, 15*time.Minute, "the agent makes a bridge, taps and NAT (inside a test network namespace)", func(*testing.T) {})
+		netnstest.Run(t, 20*time.Minute, "the agent makes a bridge, taps and NAT (inside a test network namespace)", func(*testing.T) {})
 		return
 	}
 	dir := t.TempDir()
@@ -241,6 +242,29 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	assert.Equal(t, int64(diskGB)<<30, disk, "the VM's disk is the size asked for")
 	require.Less(t, img.Size(), disk*3/4, "the image must be smaller than the disk for this to test growpart")
 	assert.Greater(t, rootFS, disk*9/10, "the root filesystem fills the disk (image %d bytes)", img.Size())
+
+	// Later boots phone home too: the seed's unit is enabled, where
+	// cloud-init's phone_home ran once per instance.
+	_, err = vms.StopVM(ctx, connect.NewRequest(&eitriv1.StopVMRequest{Id: id}))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		r, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+		return err == nil && r.Msg.Vm.ActualPower == "stopped" && r.Msg.Vm.Lifecycle == "stopped"
+	}, 5*time.Minute, time.Second, "stop powers the guest off")
+	restart := time.Now()
+	_, err = vms.StartVM(ctx, connect.NewRequest(&eitriv1.StartVMRequest{Id: id}))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		r, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
+		if err != nil {
+			return false
+		}
+		vm = r.Msg.Vm
+		require.NotEqual(t, "failed", vm.Lifecycle, "the VM failed: %s", vm.LastError)
+		return vm.Lifecycle == "ready" && vm.ActualPower == "running"
+	}, 10*time.Minute, time.Second, "the Debian guest is ready again")
+	t.Logf("start to ready: %s", time.Since(restart).Round(time.Second))
+	assert.Equal(t, "cloud-init", vm.ReadySignal, "the second boot phoned home too, not a fallback")
 }
 
 // knownSeedWarnings are cloud-init warnings eitri's seed still causes on a
