@@ -18,6 +18,7 @@ import (
 
 	"github.com/a73x/eitri/agent/hosttest"
 	"github.com/a73x/eitri/agent/permanent"
+	"github.com/a73x/eitri/agent/seed"
 	"github.com/a73x/eitri/agent/seed/seedtest"
 
 	"github.com/stretchr/testify/assert"
@@ -129,7 +130,7 @@ func TestWriteSeed(t *testing.T) {
 	assert.Contains(t, files["meta-data"], "web-1", "the hostname reaches the seed")
 	assert.Contains(t, files["meta-data"], "vm-1", "the instance id reaches the seed")
 	assert.Contains(t, files["user-data"], "- name: \"eitri\"", "the login user reaches the seed")
-	assert.NotContains(t, files["user-data"], "phone_home")
+	assert.NotContains(t, files["user-data"], seed.PhoneHomeUnit, "no phone home without an endpoint")
 	assert.Contains(t, files["user-data"], caLine, "the trusted user CA reaches the seed")
 	assert.Contains(t, files["user-data"], "TrustedUserCAKeys ")
 

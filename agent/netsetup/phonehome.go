@@ -18,7 +18,7 @@ import (
 )
 
 // A guest says it has finished booting by an HTTP POST to its own URL on
-// the bridge address (cloud-init's phone_home, or anything that can POST).
+// the bridge address (the seed's phone-home unit, or anything that can POST).
 // The URL carries a token only that VM's seed holds: an HMAC of its id
 // under a key this host keeps, so no table of tokens is needed and one
 // guest cannot speak for another. The request must also come from the
