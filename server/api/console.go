@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 
 	"connectrpc.com/connect"
@@ -67,16 +68,9 @@ func (s agentService) Calls(ctx context.Context, r *connect.Request[eitriv1.Call
 // Console carries the agent's answer to one call to whoever made it, and
 // ends when they leave.
 func (s agentService) Console(ctx context.Context, st *connect.BidiStream[eitriv1.ConsoleRequest, eitriv1.ConsoleResponse]) error {
-	hostID, err := s.hostOf(ctx, st.RequestHeader())
+	hostID, first, err := answerOpening(ctx, s, st.RequestHeader(), st.Receive, "Console")
 	if err != nil {
 		return err
-	}
-	first, err := st.Receive()
-	if err != nil {
-		return err
-	}
-	if first.GetCallId() == "" {
-		return connect.NewError(connect.CodeInvalidArgument, errors.New("call_id: the first message on a Console stream names its call"))
 	}
 	a, err := s.f.AnswerConsole(hostID, first.GetCallId())
 	if err != nil {
@@ -118,16 +112,9 @@ func (s vmService) OpenTunnel(ctx context.Context, st *connect.BidiStream[eitriv
 // Tunnel carries the agent's side of one tunnel call, and ends when the
 // tunnel does.
 func (s agentService) Tunnel(ctx context.Context, st *connect.BidiStream[eitriv1.TunnelRequest, eitriv1.TunnelResponse]) error {
-	hostID, err := s.hostOf(ctx, st.RequestHeader())
+	hostID, first, err := answerOpening(ctx, s, st.RequestHeader(), st.Receive, "Tunnel")
 	if err != nil {
 		return err
-	}
-	first, err := st.Receive()
-	if err != nil {
-		return err
-	}
-	if first.GetCallId() == "" {
-		return connect.NewError(connect.CodeInvalidArgument, errors.New("call_id: the first message on a Tunnel stream names its call"))
 	}
 	a, err := s.f.AnswerTunnel(hostID, first.GetCallId())
 	if err != nil {
@@ -137,4 +124,22 @@ func (s agentService) Tunnel(ctx context.Context, st *connect.BidiStream[eitriv1
 		return s.toConnect(err)
 	}
 	return shutdownErr(ctx)
+}
+
+// answerOpening reads what opens every stream an agent answers a call on:
+// the host it comes from and a first message naming the call.
+func answerOpening[M interface{ GetCallId() string }](ctx context.Context, s agentService, h http.Header, receive func() (M, error), stream string) (string, M, error) {
+	var none M
+	hostID, err := s.hostOf(ctx, h)
+	if err != nil {
+		return "", none, err
+	}
+	first, err := receive()
+	if err != nil {
+		return "", none, err
+	}
+	if first.GetCallId() == "" {
+		return "", none, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("call_id: the first message on a %s stream names its call", stream))
+	}
+	return hostID, first, nil
 }
