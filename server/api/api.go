@@ -111,10 +111,11 @@ func shutdownErr(ctx context.Context) error {
 // batch.
 func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], first *R, out serverStream[R], wrap func(watch.Event[T]) *R) error {
 	defer w.Close()
-	if err := batch(ctx, func() error { return out.Send(first) }); err != nil {
+	gate := gateOf(ctx)
+	if err := gate.batch(func() error { return out.Send(first) }); err != nil {
 		return err
 	}
-	raw := rawFraming(ctx, out.Conn())
+	raw := rawFraming(gate, out.Conn())
 	var last time.Time // when the last batch started
 	pause := time.NewTimer(0)
 	defer pause.Stop()
@@ -140,19 +141,20 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 		last = time.Now()
 		// Whatever piled up while the last batch was written goes out
 		// with one flush.
-		err = batch(ctx, func() error {
+		err = gate.batch(func() error {
 			frames = frames[:0]
 			for _, ev := range evs {
 				// Every watcher of this change sends the same message, built
 				// and (see sharedWire) encoded once.
-				msg := ev.Memo.Do(func() any {
+				o := ev.Memo.Do(func() any {
 					m := wrap(ev)
 					share(m)
-					return m
-				}).(*R)
+					return &outgoing{msg: m}
+				}).(*outgoing)
+				msg := o.msg.(*R)
 				if raw != nil {
 					var ok bool
-					if frames, ok = raw.append(frames, msg); ok {
+					if frames, ok = raw.append(frames, o); ok {
 						continue
 					}
 					if err := raw.write(frames); err != nil {
