@@ -22,8 +22,14 @@
 //   - how long each process's threads were runnable but waiting for a CPU
 //     (schedstat): on a shared machine, queueing that no profile shows,
 //
+//   - then (-floor) the same block for a floor peer: this binary again as
+//     a bare net/http HTTP/2 + TLS server with eitri's pacing, fed the same
+//     narration and watched by the same watchers — what any server on this
+//     stack pays (floor.go),
+//
 //   - and, in the same run, a plain in-process channel fan-out of the same
-//     change rate to the same number of receivers: the floor.
+//     change rate to the same number of receivers: the floor without a
+//     network.
 //
 //     make build && go run ./bench/scale -hosts 200 -vms 20 -watchers 1000
 //     make bench-scale
