@@ -22,8 +22,14 @@
 //   - how long each process's threads were runnable but waiting for a CPU
 //     (schedstat): on a shared machine, queueing that no profile shows,
 //
+//   - then (-floor) the same block for a floor peer: this binary again as
+//     a bare net/http HTTP/2 + TLS server with eitri's pacing, fed the same
+//     narration and watched by the same watchers — what any server on this
+//     stack pays (floor.go),
+//
 //   - and, in the same run, a plain in-process channel fan-out of the same
-//     change rate to the same number of receivers: the floor.
+//     change rate to the same number of receivers: the floor without a
+//     network.
 //
 //     make build && go run ./bench/scale -hosts 200 -vms 20 -watchers 1000
 //     make bench-scale
@@ -41,6 +47,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -59,7 +66,7 @@ type config struct {
 	bin                  string
 	hosts, vms, watchers int
 	every, dur, drain    time.Duration
-	verbose              bool
+	verbose, floor       bool
 }
 
 func main() {
@@ -72,7 +79,16 @@ func main() {
 	flag.DurationVar(&c.dur, "for", 20*time.Second, "how long to measure")
 	flag.DurationVar(&c.drain, "drain", 10*time.Second, "how long after the last change to wait for the latest state to arrive")
 	flag.BoolVar(&c.verbose, "v", false, "show the server's output")
+	flag.BoolVar(&c.floor, "floor", true, "then measure the floor server (bare net/http HTTP/2 + TLS, same pacing) with the same load and watchers")
+	serve := flag.Bool("serve-floor", false, "(internal) be the floor server: the child process -floor starts")
 	flag.Parse()
+	if *serve {
+		if err := serveFloor(); err != nil {
+			slog.Error("floor server", "err", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if err := run(context.Background(), c); err != nil {
 		slog.Error("scale bench", "err", err)
 		os.Exit(1)
@@ -218,8 +234,50 @@ func run(ctx context.Context, c config) error {
 	}
 	fmt.Fprintf(os.Stderr, "created %d VMs and %d exposures in %s\n", c.hosts*c.vms, c.hosts, time.Since(t0).Round(time.Millisecond))
 
+	steps := make([]func(), len(hosts))
+	for i, h := range hosts {
+		steps[i] = h.step
+	}
+	rate, err := measure(ctx, c, target{title: "control plane", who: "control-plane", srv: srv, url: srv.url, token: srv.token,
+		tr: tr, steps: steps, reports: &reports})
+	if err != nil {
+		return err
+	}
+
+	// The floor and the baseline get the machine to themselves.
+	srv.stop()
+	cancel() // the agents
+	if c.floor {
+		if err := floor(context.Background(), c, echo); err != nil {
+			return fmt.Errorf("floor: %w", err)
+		}
+	}
+	b := baseline(c.watchers, rate, min(c.dur, 5*time.Second))
+	fmt.Printf("baseline (in-process channel fan-out, same rate, same receivers): p50=%s p99=%s max=%s, %.2f µs CPU and %.2f allocs per delivery\n",
+		b.p50, b.p99, b.max, b.cpuPerDelivery, b.allocsPerDelivery)
+	return nil
+}
+
+// target is a server under measurement and what feeds it: one step per
+// simulated host (its next narration beat), the tracks those changes are
+// stamped in, and a count of the changed reports that left.
+type target struct {
+	title      string // the block's heading
+	who        string // the server in the block's lines ("control-plane")
+	srv        *server
+	url, token string
+	tr         *tracks
+	steps      []func()
+	reports    *atomic.Int64
+}
+
+// measure opens the watchers on t, narrates for c.dur, waits for the
+// latest state to arrive and prints the block. It returns the changed
+// reports per second it absorbed.
+func measure(ctx context.Context, c config, t target) (float64, error) {
+	srv, tr, reports := t.srv, t.tr, t.reports
 	// The watchers.
-	t0 = time.Now()
+	t0 := time.Now()
 	ws := make([]*watcher, c.watchers)
 	wctx, wcancel := context.WithCancel(ctx)
 	defer wcancel()
@@ -230,7 +288,7 @@ func run(ctx context.Context, c config) error {
 			w.kind = "exposures"
 		}
 		ws[i] = w
-		wwg.Go(func() { w.run(wctx, srv.url, srv.token, tr) })
+		wwg.Go(func() { w.run(wctx, t.url, t.token, tr) })
 		if i%50 == 49 {
 			<-w.connected // don't open a thousand TLS handshakes at once
 		}
@@ -238,7 +296,7 @@ func run(ctx context.Context, c config) error {
 	for _, w := range ws {
 		<-w.connected
 		if w.err != nil {
-			return fmt.Errorf("watcher (%s, grpc=%v): %w", w.kind, w.grpc, w.err)
+			return 0, fmt.Errorf("watcher (%s, grpc=%v): %w", w.kind, w.grpc, w.err)
 		}
 	}
 	fmt.Fprintf(os.Stderr, "opened %d watchers in %s\n", c.watchers, time.Since(t0).Round(time.Millisecond))
@@ -246,7 +304,7 @@ func run(ctx context.Context, c config) error {
 	// Narrate: each host steps every c.every, phases spread evenly.
 	nctx, ncancel := context.WithCancel(ctx)
 	var nwg sync.WaitGroup
-	for _, h := range hosts {
+	for _, step := range t.steps {
 		nwg.Go(func() {
 			select {
 			case <-nctx.Done():
@@ -256,7 +314,7 @@ func run(ctx context.Context, c config) error {
 			tick := time.NewTicker(c.every)
 			defer tick.Stop()
 			for {
-				h.step()
+				step()
 				select {
 				case <-nctx.Done():
 					return
@@ -265,6 +323,7 @@ func run(ctx context.Context, c config) error {
 			}
 		})
 	}
+
 	cpu0, _, _ := srv.usage()
 	self0 := selfCPU()
 	wait0, selfWait0 := runWait(srv.cmd.Process.Pid), runWait(os.Getpid())
@@ -337,28 +396,23 @@ func run(ctx context.Context, c config) error {
 	}
 	tr.mu.Unlock()
 
-	fmt.Printf("control plane: hosts=%d vms/host=%d watchers=%d (vms/exposures × connect/grpc) window=%s load1=%s\n",
-		c.hosts, c.vms, c.watchers, window.Round(time.Millisecond), loadavg())
+	fmt.Printf("%s: hosts=%d vms/host=%d watchers=%d (vms/exposures × connect/grpc) window=%s load1=%s\n",
+		t.title, c.hosts, c.vms, c.watchers, window.Round(time.Millisecond), loadavg())
 	fmt.Printf("  reports/s absorbed      %.1f (changed reports; %d changes to %d objects)\n", float64(r1-r0)/window.Seconds(), changes, pairsObjs(want))
 	fmt.Printf("  report→watcher          p50=%s p99=%s max=%s (%d deliveries of a new value)\n", pct(lat, 50), pct(lat, 99), pct(lat, 100), len(lat))
 	fmt.Printf("  latest state delivered  %.2f%% (%d of %d watcher×object pairs, %s after the last change)\n", 100*float64(got)/float64(max(pairs, 1)), got, pairs, c.drain)
-	fmt.Printf("  control-plane CPU       %.2f cores, RSS %d MiB\n", (cpu1-cpu0).Seconds()/window.Seconds(), rss>>20)
-	fmt.Printf("  control-plane alloc     %.1f KiB per delivered message (%d MiB over %d GCs; %d messages received by watchers)\n",
-		float64(allocMB<<10)/float64(max(deliveries, 1)), allocMB, gcs, deliveries)
-	fmt.Printf("  CPU per delivery        %.1f µs (control-plane CPU / messages received by watchers)\n",
-		float64((cpu1-cpu0).Microseconds())/float64(max(deliveries, 1)))
+	fmt.Printf("  %-24s%.2f cores, RSS %d MiB\n", t.who+" CPU", (cpu1-cpu0).Seconds()/window.Seconds(), rss>>20)
+	fmt.Printf("  %-24s%.1f KiB per delivered message (%d MiB over %d GCs; %d messages received by watchers)\n",
+		t.who+" alloc", float64(allocMB<<10)/float64(max(deliveries, 1)), allocMB, gcs, deliveries)
+	fmt.Printf("  CPU per delivery        %.1f µs (%s CPU / messages received by watchers)\n",
+		float64((cpu1-cpu0).Microseconds())/float64(max(deliveries, 1)), t.who)
 	fmt.Printf("  simulator CPU           %.2f cores (its agents and watchers, on the same machine)\n", (self1-self0).Seconds()/window.Seconds())
-	fmt.Printf("  waiting for a CPU       control plane %.2f, simulator %.2f (thread-seconds runnable but not running, per second)\n",
-		(wait1-wait0).Seconds()/window.Seconds(), (selfWait1-selfWait0).Seconds()/window.Seconds())
+	fmt.Printf("  waiting for a CPU       %s %.2f, simulator %.2f (thread-seconds runnable but not running, per second)\n",
+		strings.ReplaceAll(t.who, "-", " "), (wait1-wait0).Seconds()/window.Seconds(), (selfWait1-selfWait0).Seconds()/window.Seconds())
 	if len(errs) > 0 {
 		fmt.Printf("  watcher errors          %d (first: %v)\n", len(errs), errs[0])
 	}
-
-	cancel() // the agents too: the baseline gets the process to itself
-	b := baseline(c.watchers, float64(r1-r0)/window.Seconds(), min(c.dur, 5*time.Second))
-	fmt.Printf("baseline (in-process channel fan-out, same rate, same receivers): p50=%s p99=%s max=%s, %.2f µs CPU and %.2f allocs per delivery\n",
-		b.p50, b.p99, b.max, b.cpuPerDelivery, b.allocsPerDelivery)
-	return nil
+	return float64(r1-r0) / window.Seconds(), nil
 }
 
 func pairsObjs(m map[string]map[string]uint64) int {

@@ -33,7 +33,6 @@ type server struct {
 }
 
 var (
-	listening = regexp.MustCompile(`msg="control plane listening" addr=(\S+)`)
 	// gc 12 @3.402s 1%: 0.030+1.2+0.021 ms clock, ..., 4->5->2 MB, 5 MB goal, ...
 	gctrace = regexp.MustCompile(`^gc \d+ @\S+ \S+ .* (\d+)->(\d+)->(\d+) MB`)
 )
@@ -56,35 +55,11 @@ func start(ctx context.Context, bin, dir string, echo io.Writer) (*server, error
 	ln.Close()
 	cmd := exec.CommandContext(ctx, bin, "server", "--listen", addr, "--public-url", "https://"+addr,
 		"--data-dir", dir, "--log-level", "warn", "--port-range", "20000-60000")
-	cmd.Env = append(os.Environ(), "GODEBUG=gctrace=1")
-	s := &server{cmd: cmd, url: "https://" + addr, done: make(chan struct{})}
-	pr, pw := io.Pipe()
-	cmd.Stdout, cmd.Stderr = pw, pw
-	if err := cmd.Start(); err != nil {
+	s, _, err := launch(cmd, echo, nil)
+	if err != nil {
 		return nil, err
 	}
-	go func() { _ = cmd.Wait(); pw.Close(); close(s.done) }()
-	go func() {
-		sc := bufio.NewScanner(pr)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			line := sc.Text()
-			if m := gctrace.FindStringSubmatch(line); m != nil {
-				st, _ := strconv.ParseInt(m[1], 10, 64)
-				live, _ := strconv.ParseInt(m[3], 10, 64)
-				s.mu.Lock()
-				s.gcs = append(s.gcs, gcLine{time.Now(), st, live})
-				s.mu.Unlock()
-				continue
-			}
-			s.mu.Lock()
-			if s.out.Len() < 1<<20 {
-				s.out.WriteString(line + "\n")
-			}
-			s.mu.Unlock()
-			fmt.Fprintln(echo, line)
-		}
-	}()
+	s.url = "https://" + addr
 	c := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}, Timeout: 5 * time.Second}
 	defer c.CloseIdleConnections()
 	for deadline := time.Now().Add(30 * time.Second); ; {
@@ -115,6 +90,50 @@ func start(ctx context.Context, bin, dir string, echo io.Writer) (*server, error
 	return s, nil
 }
 
+// launch starts cmd with GODEBUG=gctrace=1 and reads its output: the
+// collections are kept for allocated, the first line matching ready (if
+// any) is handed over on the channel, the rest is kept for error messages
+// and echoed.
+func launch(cmd *exec.Cmd, echo io.Writer, ready *regexp.Regexp) (*server, <-chan []string, error) {
+	cmd.Env = append(os.Environ(), "GODEBUG=gctrace=1")
+	s := &server{cmd: cmd, done: make(chan struct{})}
+	found := make(chan []string, 1)
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	if err := cmd.Start(); err != nil {
+		return nil, nil, err
+	}
+	go func() { _ = cmd.Wait(); pw.Close(); close(s.done) }()
+	go func() {
+		sc := bufio.NewScanner(pr)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			line := sc.Text()
+			if m := gctrace.FindStringSubmatch(line); m != nil {
+				st, _ := strconv.ParseInt(m[1], 10, 64)
+				live, _ := strconv.ParseInt(m[3], 10, 64)
+				s.mu.Lock()
+				s.gcs = append(s.gcs, gcLine{time.Now(), st, live})
+				s.mu.Unlock()
+				continue
+			}
+			if ready != nil {
+				if m := ready.FindStringSubmatch(line); m != nil {
+					ready = nil
+					found <- m
+				}
+			}
+			s.mu.Lock()
+			if s.out.Len() < 1<<20 {
+				s.out.WriteString(line + "\n")
+			}
+			s.mu.Unlock()
+			fmt.Fprintln(echo, line)
+		}
+	}()
+	return s, found, nil
+}
+
 func (s *server) output() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -133,7 +152,10 @@ func (s *server) stop() {
 
 // usage is the process's CPU time so far (user+system) and resident memory.
 func (s *server) usage() (cpu time.Duration, rss int64, err error) {
-	pid := s.cmd.Process.Pid
+	return usage(s.cmd.Process.Pid)
+}
+
+func usage(pid int) (cpu time.Duration, rss int64, err error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, 0, err
