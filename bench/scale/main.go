@@ -327,6 +327,7 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 	cpu0, _, _ := srv.usage()
 	self0 := selfCPU()
 	wait0, selfWait0 := runWait(srv.cmd.Process.Pid), runWait(os.Getpid())
+	writes0 := writeCalls(srv.cmd.Process.Pid)
 	r0 := reports.Load()
 	from := time.Now()
 	time.Sleep(c.dur)
@@ -336,6 +337,7 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 	cpu1, rss, _ := srv.usage()
 	self1 := selfCPU()
 	wait1, selfWait1 := runWait(srv.cmd.Process.Pid), runWait(os.Getpid())
+	writes1 := writeCalls(srv.cmd.Process.Pid)
 	r1 := reports.Load()
 	window := to.Sub(from)
 
@@ -406,6 +408,10 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 		t.who+" alloc", float64(allocMB<<10)/float64(max(deliveries, 1)), allocMB, gcs, deliveries)
 	fmt.Printf("  CPU per delivery        %.1f µs (%s CPU / messages received by watchers)\n",
 		float64((cpu1-cpu0).Microseconds())/float64(max(deliveries, 1)), t.who)
+	if writes1 > writes0 {
+		fmt.Printf("  writes                  %.0f/s, %.1f µs of %s CPU per write (write system calls, /proc/pid/io)\n",
+			float64(writes1-writes0)/window.Seconds(), float64((cpu1-cpu0).Microseconds())/float64(writes1-writes0), t.who)
+	}
 	fmt.Printf("  simulator CPU           %.2f cores (its agents and watchers, on the same machine)\n", (self1-self0).Seconds()/window.Seconds())
 	fmt.Printf("  waiting for a CPU       %s %.2f, simulator %.2f (thread-seconds runnable but not running, per second)\n",
 		strings.ReplaceAll(t.who, "-", " "), (wait1-wait0).Seconds()/window.Seconds(), (selfWait1-selfWait0).Seconds()/window.Seconds())

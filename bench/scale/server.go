@@ -197,6 +197,24 @@ func (s *server) allocated(from, to time.Time) (mb int64, gcs int) {
 	return mb, gcs
 }
 
+// writeCalls is how many write system calls process pid has made (syscw
+// in /proc/pid/io), 0 when unreadable. A watch stream's cost is per write
+// (wakeups, an HTTP/2 frame, a TLS record, the call itself), so writes per
+// second beside the CPU says what each cost.
+func writeCalls(pid int) int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", pid))
+	if err != nil {
+		return 0
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "syscw:"); ok {
+			n, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			return n
+		}
+	}
+	return 0
+}
+
 // runWait is how long the threads of process pid have spent runnable but
 // waiting for a CPU (the second field of each /proc/pid/task/*/schedstat):
 // on a machine shared with other work, latency that no profile of the

@@ -101,7 +101,11 @@ func (f *Fleet) restorableUntil(v store.VM) *time.Time {
 }
 
 // sweepDestroys sends a fresh snapshot when one of the host's deleted VMs
-// has come due since the last one, for as long as the session lasts.
+// has come due since the last one, for as long as the session lasts. The
+// last snapshot knows when the next one comes due (every change to a VM's
+// desired state sends a new snapshot), so the sweep reads the clock and
+// no store: a query per host per sweep was 7% of the control plane at
+// 1,000 hosts.
 func (s *Session) sweepDestroys() {
 	f := s.f
 	t := time.NewTicker(f.cfg.DestroySweep)
@@ -112,19 +116,12 @@ func (s *Session) sweepDestroys() {
 			return
 		case <-t.C:
 		}
-		vms, err := f.st.ListVMsByHost(s.ctx, s.hostID)
-		if err != nil {
-			continue
-		}
 		now := f.now()
 		f.mu.Lock()
-		sent := s.destroying
+		due := !s.nextDestroy.IsZero() && !now.Before(s.nextDestroy)
 		f.mu.Unlock()
-		for _, v := range vms {
-			if destroyDue(v, now) && !sent[v.ID] {
-				f.kick(s.hostID)
-				break
-			}
+		if due {
+			f.kick(s.hostID)
 		}
 	}
 }

@@ -29,6 +29,9 @@ type Session struct {
 	kicks    chan struct{}
 	// destroying: the VMs the last snapshot told to destroy (f.mu).
 	destroying map[string]bool
+	// nextDestroy: the earliest destroy_at the last snapshot did not yet
+	// order, zero when none (f.mu). The sweep compares the clock with it.
+	nextDestroy time.Time
 }
 
 // OpenSession registers a host's new stream and queues the snapshot every
@@ -127,6 +130,7 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 	snap := &eitriv1.DesiredStateSnapshot{}
 	deleted := map[string]bool{}
 	destroying := map[string]bool{}
+	var next time.Time
 	now := f.now()
 	userCAs := f.trustedUserCAKeys()
 	for _, v := range vms {
@@ -143,6 +147,9 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 				d.DestroyAtUnix = v.DestroyAt.Unix()
 				d.Destroy = destroyDue(v, now)
 				destroying[v.ID] = d.Destroy
+				if !d.Destroy && (next.IsZero() || v.DestroyAt.Before(next)) {
+					next = *v.DestroyAt
+				}
 			}
 		}
 		snap.Vms = append(snap.Vms, d)
@@ -164,6 +171,7 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 	f.mu.Lock()
 	f.noteLineage(l)
 	s.destroying = destroying
+	s.nextDestroy = next
 	f.mu.Unlock()
 	snap.ControlPlaneId, snap.Epoch, snap.Generation = l.ID, l.Epoch, l.Generation
 	return snap, nil
