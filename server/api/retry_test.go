@@ -203,7 +203,10 @@ func TestStartStopAndRestoreShowAtOnceAndTheReportConfirms(t *testing.T) {
 	_, err = e.vms(e.admin).DeleteVM(ctx, connect.NewRequest(&eitriv1.DeleteVMRequest{Id: vm.Id}))
 	require.NoError(t, err)
 	report(&eitriv1.ActualVM{Power: "stopped", Phase: "deleting"})
-	e.vmIs(vm.Id, "deleting")
+	// "deleting" shows from the request on; wait for the host's report too,
+	// or the restore below could race it and see the host still "ready".
+	e.vmWhere(vm.Id, func(v *eitriv1.VM) bool { return v.GetLifecycle() == "deleting" && v.GetPhase() == "deleting" },
+		"the host's deleting report")
 	restore, err := e.vms(e.admin).RestoreVM(ctx, connect.NewRequest(&eitriv1.RestoreVMRequest{Id: vm.Id}))
 	require.NoError(t, err)
 	assert.Equal(t, "restoring", restore.Msg.Vm.Lifecycle, "not 'deleting' until the next report")
