@@ -28,6 +28,9 @@ type worker struct {
 	pending bool
 	// busy: a pass is in flight (with mu released).
 	busy bool
+	// retiring: the last pass found the VM gone and the engine has not yet
+	// decided whether to retire the worker (it is not idle until then).
+	retiring bool
 	// gen names the pass in flight; a mid-pass publish must carry it.
 	gen uint64
 	// passWants is the desired state the pass in flight runs against, and
@@ -128,14 +131,20 @@ func (w *worker) run() {
 		// Clearing busy in the same critical section that lands the result
 		// closes this pass to late publishes.
 		w.busy = false
+		w.retiring = out.gone
 		w.passWants, w.cancelPass = nil, nil
 		w.mu.Unlock()
 		if changed {
 			w.eng.notify()
 		}
 
-		if out.gone && w.eng.retire(w, seq, out.destroyed) {
-			return
+		if out.gone {
+			if w.eng.retire(w, seq, out.destroyed) {
+				return
+			}
+			w.mu.Lock()
+			w.retiring = false
+			w.mu.Unlock()
 		}
 	}
 }
@@ -201,11 +210,12 @@ func abandoned(ctx context.Context) error {
 	return nil
 }
 
-// idle reports that no pass is running or queued (tests poll it).
+// idle reports that no pass is running or queued and no retirement is
+// being decided (tests poll it).
 func (w *worker) idle() bool {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return !w.busy && !w.pending
+	return !w.busy && !w.pending && !w.retiring
 }
 
 // passContext bounds one pass by VMTimeout.
