@@ -89,16 +89,7 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 		}
 	}()
 
-	var vm *eitriv1.VM
-	require.Eventually(t, func() bool {
-		r, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
-		if err != nil {
-			return false
-		}
-		vm = r.Msg.Vm
-		require.NotEqual(t, "failed", vm.Lifecycle, "the VM failed: %s", vm.LastError)
-		return vm.Lifecycle == "ready"
-	}, 12*time.Minute, time.Second, "the Debian guest becomes ready")
+	vm := waitVM(t, vms, id, 12*time.Minute, "the Debian guest becomes ready", func(v *eitriv1.VM) bool { return v.Lifecycle == "ready" })
 	t.Logf("create to ready: %s", time.Since(begin).Round(time.Second))
 	assert.Equal(t, "cloud-init", vm.ReadySignal, "ready because cloud-init finished and phoned home, not a fallback")
 	require.Equal(t, "eitri", vm.LoginUser)
@@ -254,15 +245,9 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	restart := time.Now()
 	_, err = vms.StartVM(ctx, connect.NewRequest(&eitriv1.StartVMRequest{Id: id}))
 	require.NoError(t, err)
-	require.Eventually(t, func() bool {
-		r, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
-		if err != nil {
-			return false
-		}
-		vm = r.Msg.Vm
-		require.NotEqual(t, "failed", vm.Lifecycle, "the VM failed: %s", vm.LastError)
-		return vm.Lifecycle == "ready" && vm.ActualPower == "running"
-	}, 10*time.Minute, time.Second, "the Debian guest is ready again")
+	vm = waitVM(t, vms, id, 10*time.Minute, "the Debian guest is ready again", func(v *eitriv1.VM) bool {
+		return v.Lifecycle == "ready" && v.ActualPower == "running"
+	})
 	t.Logf("start to ready: %s", time.Since(restart).Round(time.Second))
 	assert.Equal(t, "cloud-init", vm.ReadySignal, "the second boot phoned home too, not a fallback")
 }

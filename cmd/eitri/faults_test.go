@@ -251,8 +251,7 @@ func createFaultVM(t *testing.T, vms eitriv1connect.VMServiceClient, name, url, 
 	return r.Msg.Vm.Id
 }
 
-// waitVM polls the VM until ok says so; a failed VM fails the test at once
-// unless allowFailed.
+// waitVM polls the VM until ok says so; a failed VM fails the test at once.
 func waitVM(t *testing.T, vms eitriv1connect.VMServiceClient, id string, within time.Duration, what string, ok func(*eitriv1.VM) bool) *eitriv1.VM {
 	t.Helper()
 	var last *eitriv1.VM
