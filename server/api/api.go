@@ -145,12 +145,8 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 			frames = frames[:0]
 			for _, ev := range evs {
 				// Every watcher of this change sends the same message, built
-				// and (see sharedWire) encoded once.
-				o := ev.Memo.Do(func() any {
-					m := wrap(ev)
-					share(m)
-					return &outgoing{msg: m}
-				}).(*outgoing)
+				// and encoded once (outgoing; sharedWire for Connect's send).
+				o := ev.Memo.Do(func() any { return &outgoing{msg: wrap(ev)} }).(*outgoing)
 				msg := o.msg.(*R)
 				if raw != nil {
 					var ok bool
@@ -162,6 +158,7 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 					}
 					frames = frames[:0]
 				}
+				share(msg) // once per message; only streams Connect frames need it
 				if err := out.Send(msg); err != nil {
 					return err
 				}

@@ -25,6 +25,9 @@ type encodings struct {
 // share marks msg as sent, unchanged, to many streams.
 func share[R any](msg *R) {
 	key := weak.Make(msg)
+	if _, ok := sharedWire.Load(key); ok {
+		return // every stream after the first
+	}
 	if _, loaded := sharedWire.LoadOrStore(key, &encodings{by: map[string][]byte{}}); !loaded {
 		runtime.AddCleanup(msg, func(k weak.Pointer[R]) { sharedWire.Delete(k) }, key)
 	}
