@@ -442,8 +442,14 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 		}
 		out.LoginUser = row.GetLoginUser()
 		out.ReadySignal = row.GetReadySignal()
+		// The report reaches the registry before its durable fields reach
+		// the store: a view built in between must not show "ready" without
+		// the address and host key that came with it.
 		if row.GetIp() != "" {
 			out.AssignedIp = row.GetIp()
+		}
+		if k := row.GetSshHostPubkey(); k != "" {
+			out.SshHostPubkey = k
 		}
 		if row.GetLastError() != "" {
 			out.LastError = row.GetLastError()

@@ -1,0 +1,40 @@
+package fleet
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/registry"
+	"github.com/a73x/eitri/server/store"
+)
+
+// A report lands in the registry a moment before its durable fields land
+// in the store; a view built in that moment shows the report whole.
+func TestAViewShowsTheLiveReportsAddressAndHostKeyBeforeTheStoreHasThem(t *testing.T) {
+	f := &Fleet{reg: registry.New()}
+	now := time.Now()
+	conn, _ := f.reg.Connect("h1", &eitriv1.Hello{}, now)
+	vm := store.VM{ID: "vm-1", HostID: "h1", Status: "creating", PowerState: "running"}
+
+	before := f.vmView(vm)
+	assert.Empty(t, before.GetSshHostPubkey())
+
+	_, ok := f.reg.Apply("h1", conn, &eitriv1.ActualStateReport{Vms: []*eitriv1.ActualVM{{
+		VmId: "vm-1", Phase: "ready", Power: "running", Ip: "10.0.0.5", SshHostPubkey: "ssh-ed25519 AAAA",
+	}}}, now)
+	assert.True(t, ok)
+	live := f.vmView(vm)
+	assert.Equal(t, "ready", live.GetLifecycle())
+	assert.Equal(t, "10.0.0.5", live.GetAssignedIp())
+	assert.Equal(t, "ssh-ed25519 AAAA", live.GetSshHostPubkey(), "ready comes with its host key")
+
+	// The host gone, the durable copy speaks.
+	f.reg.Disconnect("h1", conn)
+	vm.SSHHostPubkey, vm.AssignedIP = "ssh-ed25519 BBBB", "10.0.0.6"
+	gone := f.vmView(vm)
+	assert.Equal(t, "ssh-ed25519 BBBB", gone.GetSshHostPubkey())
+	assert.Equal(t, "10.0.0.6", gone.GetAssignedIp())
+}
