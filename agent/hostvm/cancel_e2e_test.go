@@ -13,13 +13,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/vishvananda/netlink"
+
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/reconcile"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
-	"github.com/vishvananda/netlink"
 )
 
 // cancelWithin bounds how long a deleted VM's create may take to let go: a

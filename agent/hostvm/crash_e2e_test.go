@@ -8,11 +8,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/reconcile"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
 )
 
 // TestAGuestWhoseQEMUIsKilledIsRestartedAndSaysSo: the defect was a QEMU

@@ -19,6 +19,10 @@ import (
 
 	"github.com/a73x/eitri/agent/hosttest"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/vishvananda/netlink"
+
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
@@ -26,9 +30,6 @@ import (
 	"github.com/a73x/eitri/agent/reconcile"
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
-	"github.com/vishvananda/netlink"
 )
 
 const (

@@ -12,11 +12,12 @@ import (
 
 	"github.com/a73x/eitri/agent/hosttest"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/a73x/eitri/agent/exposeproxy"
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
-	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
 )
 
 // TestGuestsOfOtherOwnersCannotTakeOrReachEachOther replays the attack of

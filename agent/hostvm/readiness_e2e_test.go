@@ -10,14 +10,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/a73x/eitri/agent/hosttest"
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/seed"
 	"github.com/a73x/eitri/agent/state"
-	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
 )
 
 // TestAGuestWithoutCloudInitResolvesAndIsReadyBySSH boots the test guest

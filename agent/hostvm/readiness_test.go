@@ -7,9 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/netsetup"
 )
 
 // listen serves loopback TCP, answering each connection with greeting

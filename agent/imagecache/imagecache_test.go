@@ -21,10 +21,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/agent/permanent"
 	"github.com/klauspost/compress/gzip"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 func digest(b []byte) string {

@@ -7,8 +7,9 @@ import (
 	"io"
 	"os"
 
-	"github.com/a73x/eitri/agent/permanent"
 	"github.com/klauspost/compress/gzip"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 const (

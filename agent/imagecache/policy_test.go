@@ -17,9 +17,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/agent/permanent"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 var loopbackPrefixes = []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("::1/128")}

@@ -10,10 +10,11 @@ import (
 	"os"
 	"runtime"
 
-	"github.com/a73x/eitri/agent/permanent"
 	"github.com/klauspost/compress/flate"
 	"github.com/klauspost/compress/zstd"
 	"golang.org/x/sync/errgroup"
+
+	"github.com/a73x/eitri/agent/permanent"
 )
 
 // qcow2 on-disk constants (docs/interop/qcow2.txt in QEMU).

@@ -14,13 +14,14 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/agent/hosttest"
-	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/miekg/dns"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+
+	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/netnstest"
 )
 
 func TestParseUpstream(t *testing.T) {

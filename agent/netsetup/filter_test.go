@@ -10,13 +10,14 @@ import (
 
 	"github.com/a73x/eitri/agent/hosttest"
 
-	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/google/nftables"
 	"github.com/insomniacslk/dhcp/dhcpv4"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/a73x/eitri/agent/netnstest"
 )
 
 func TestPeerGroupsPairOnlyGuestsOfOneNonEmptyOwner(t *testing.T) {

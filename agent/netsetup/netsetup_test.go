@@ -12,7 +12,6 @@ import (
 
 	"github.com/a73x/eitri/agent/hosttest"
 
-	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 	"github.com/insomniacslk/dhcp/dhcpv4"
@@ -20,6 +19,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
+
+	"github.com/a73x/eitri/agent/netnstest"
 )
 
 func linkUp(t *testing.T, name string) {

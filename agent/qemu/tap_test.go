@@ -11,9 +11,10 @@ import (
 
 	"github.com/a73x/eitri/agent/hosttest"
 
-	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/netnstest"
 )
 
 func TestStartWithTap(t *testing.T) {

@@ -5,10 +5,11 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/a73x/eitri/agent/permanent"
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/permanent"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 func TestAdmissionRule(t *testing.T) {

@@ -15,10 +15,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/agent/imagecache"
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/imagecache"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // cancelBound is how long a cut-short create may take to let go: a

@@ -12,9 +12,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/imagecache"
 )
 
 // The defect: a download longer than the pass timeout never finished, as

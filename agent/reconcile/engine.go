@@ -26,10 +26,11 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/wire/vmstate"
-	"google.golang.org/protobuf/proto"
 )
 
 // Hypervisor runs guests. The engine owns this interface; the QEMU backend

@@ -12,10 +12,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/agent/state"
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/state"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 func TestNewRequiresItsBuildingBlocks(t *testing.T) {

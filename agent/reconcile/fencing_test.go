@@ -4,9 +4,10 @@ import (
 	"testing"
 	"time"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // from stamps a snapshot with the control plane lineage it comes from.

@@ -11,9 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-	"github.com/stretchr/testify/require"
 )
 
 // fakeHyper stands in for QEMU: it keeps guests as flags and addresses in

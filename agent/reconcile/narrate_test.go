@@ -6,10 +6,11 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/a73x/eitri/agent/state"
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/state"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // narrate runs one create directly with a collecting publisher and returns

@@ -5,9 +5,10 @@ import (
 	"testing"
 	"time"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 func owned(d *eitriv1.VMDesired, owner string) *eitriv1.VMDesired {

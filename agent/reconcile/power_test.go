@@ -6,9 +6,10 @@ import (
 	"testing"
 	"time"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // gate lets a test hold a fake boot or shutdown at a point and release it.

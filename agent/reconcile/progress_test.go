@@ -10,12 +10,13 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/a73x/eitri/agent/imagecache"
-	"github.com/a73x/eitri/agent/state"
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/a73x/eitri/agent/imagecache"
+	"github.com/a73x/eitri/agent/state"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // rowLog collects published rows; a real download publishes from the

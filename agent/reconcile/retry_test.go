@@ -8,9 +8,10 @@ import (
 	"testing"
 	"time"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // planned takes jitter out, so a test can say exactly how long a backoff is.

@@ -6,8 +6,9 @@ import (
 	"sync"
 	"time"
 
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"google.golang.org/protobuf/proto"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
 // worker owns one VM: it alone runs passes for it, one at a time, always

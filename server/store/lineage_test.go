@@ -7,9 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/wire/vmstate"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // Generations come from a stored counter, so a control plane whose clock

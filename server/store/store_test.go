@@ -10,9 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/a73x/eitri/wire/vmstate"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // t0 is a fixed UTC instant with nanoseconds, to prove exact round trips.
