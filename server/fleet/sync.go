@@ -228,6 +228,31 @@ func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
 	}
 }
 
+// absorb folds a host's report row into the durable fields it speaks for:
+// the last settled status, its error, the address and the host key. The
+// store and the view both use it, so a VM read between the report and its
+// store write shows what the write will hold.
+func absorb(v *store.VM, row *eitriv1.ActualVM) {
+	switch ph := row.GetPhase(); ph {
+	case vmstate.PhaseCreating, vmstate.PhaseReady, vmstate.PhaseStopped, vmstate.PhaseFailed:
+		if ph == vmstate.PhaseFailed && row.GetRetry() < v.Retry {
+			break // sent before the host saw the retry; the next report answers it
+		}
+		v.Status = ph
+		if ph == vmstate.PhaseFailed {
+			v.LastError = row.GetLastError()
+		} else if ph == vmstate.PhaseReady {
+			v.LastError = ""
+		}
+	}
+	if ip := row.GetIp(); ip != "" {
+		v.AssignedIP = ip
+	}
+	if k := row.GetSshHostPubkey(); k != "" {
+		v.SSHHostPubkey = k
+	}
+}
+
 func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.ActualVM) {
 	var from, to string
 	var exits uint64 // unexpected exits not yet recorded as events
@@ -236,24 +261,7 @@ func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.Actu
 			return errNotMine
 		}
 		from = v.Status
-		switch ph := row.GetPhase(); ph {
-		case vmstate.PhaseCreating, vmstate.PhaseReady, vmstate.PhaseStopped, vmstate.PhaseFailed:
-			if ph == vmstate.PhaseFailed && row.GetRetry() < v.Retry {
-				break // sent before the host saw the retry; the next report answers it
-			}
-			v.Status = ph
-			if ph == vmstate.PhaseFailed {
-				v.LastError = row.GetLastError()
-			} else if ph == vmstate.PhaseReady {
-				v.LastError = ""
-			}
-		}
-		if ip := row.GetIp(); ip != "" {
-			v.AssignedIP = ip
-		}
-		if k := row.GetSshHostPubkey(); k != "" {
-			v.SSHHostPubkey = k
-		}
+		absorb(v, row)
 		// The host's count only rises; a resent report finds it recorded.
 		if n := uint64(row.GetUnexpectedExits()); n != v.ExitsSeen {
 			if n > v.ExitsSeen && row.GetLastExit() != nil {

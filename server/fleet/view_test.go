@@ -13,11 +13,11 @@ import (
 
 // A report lands in the registry a moment before its durable fields land
 // in the store; a view built in that moment shows the report whole.
-func TestAViewShowsTheLiveReportsAddressAndHostKeyBeforeTheStoreHasThem(t *testing.T) {
+func TestAViewShowsTheDurableFieldsOfTheLiveReportBeforeTheStoreHasThem(t *testing.T) {
 	f := &Fleet{reg: registry.New()}
 	now := time.Now()
 	conn, _ := f.reg.Connect("h1", &eitriv1.Hello{}, now)
-	vm := store.VM{ID: "vm-1", HostID: "h1", Status: "creating", PowerState: "running"}
+	vm := store.VM{ID: "vm-1", HostID: "h1", Status: "failed", LastError: "disk full", PowerState: "running", Retry: 1}
 
 	before := f.vmView(vm)
 	assert.Empty(t, before.GetSshHostPubkey())
@@ -30,6 +30,17 @@ func TestAViewShowsTheLiveReportsAddressAndHostKeyBeforeTheStoreHasThem(t *testi
 	assert.Equal(t, "ready", live.GetLifecycle())
 	assert.Equal(t, "10.0.0.5", live.GetAssignedIp())
 	assert.Equal(t, "ssh-ed25519 AAAA", live.GetSshHostPubkey(), "ready comes with its host key")
+	assert.Equal(t, "ready", live.GetStatus(), "the status the store is about to hold")
+	assert.Empty(t, live.GetLastError(), "a ready VM has no error left")
+
+	// A failure sent before the host saw the retry is not the VM's status.
+	_, ok = f.reg.Apply("h1", conn, &eitriv1.ActualStateReport{Vms: []*eitriv1.ActualVM{{
+		VmId: "vm-1", Phase: "failed", Power: "stopped", LastError: "old failure", Retry: 0,
+	}}}, now)
+	assert.True(t, ok)
+	stale := f.vmView(vm)
+	assert.Equal(t, "retrying", stale.GetLifecycle())
+	assert.Equal(t, "failed", stale.GetStatus())
 
 	// The host gone, the durable copy speaks.
 	f.reg.Disconnect("h1", conn)

@@ -417,6 +417,14 @@ func (f *Fleet) event(ctx context.Context, vmID, kind, msg string) {
 
 // vmView merges the durable row with its host's live report.
 func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
+	row, reporting := f.reg.VM(v.HostID, v.ID)
+	lifecycle := Lifecycle(v, row, reporting)
+	if row != nil {
+		// The report reached the registry before its durable fields reach
+		// the store: show them as the store will hold them, or a VM read in
+		// between is "ready" without its address or host key.
+		absorb(&v, row)
+	}
 	out := &eitriv1.VM{
 		Id: v.ID, Name: v.Name, HostId: v.HostID, OwnerId: v.OwnerID,
 		ImageUrl: v.ImageURL, ImageSha256: v.ImageSHA256,
@@ -424,7 +432,7 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 		PowerState: v.PowerState, Status: v.Status, LastError: v.LastError,
 		AssignedIp: v.AssignedIP, CreatedAt: timestamppb.New(v.CreatedAt),
 		Deleted: v.DeletedAt != nil, SshAuthorizedKey: v.SSHAuthorizedKey,
-		SshHostPubkey: v.SSHHostPubkey,
+		SshHostPubkey: v.SSHHostPubkey, Lifecycle: lifecycle,
 	}
 	if v.DestroyAt != nil {
 		out.DestroyAt = timestamppb.New(*v.DestroyAt)
@@ -432,7 +440,6 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 	if t := f.restorableUntil(v); t != nil {
 		out.RestorableUntil = timestamppb.New(*t)
 	}
-	row, reporting := f.reg.VM(v.HostID, v.ID)
 	if row != nil {
 		out.ActualPower = row.GetPower()
 		out.Phase = row.GetPhase()
@@ -442,20 +449,10 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 		}
 		out.LoginUser = row.GetLoginUser()
 		out.ReadySignal = row.GetReadySignal()
-		// The report reaches the registry before its durable fields reach
-		// the store: a view built in between must not show "ready" without
-		// the address and host key that came with it.
-		if row.GetIp() != "" {
-			out.AssignedIp = row.GetIp()
-		}
-		if k := row.GetSshHostPubkey(); k != "" {
-			out.SshHostPubkey = k
-		}
 		if row.GetLastError() != "" {
 			out.LastError = row.GetLastError()
 		}
 	}
-	out.Lifecycle = Lifecycle(v, row, reporting)
 	return out
 }
 
