@@ -215,10 +215,15 @@ func TestStartStopAndRestoreShowAtOnceAndTheReportConfirms(t *testing.T) {
 	report(&eitriv1.ActualVM{Power: "running", Phase: "ready", Ip: "10.77.0.5"})
 	e.vmIs(vm.Id, "ready")
 
+	// The last event is written just after the view shows "ready".
+	want := []string{"pending → ready at 10.77.0.5", "ready → stopped", "stopped → ready at 10.77.0.5"}
 	var statuses []string
-	for _, ev := range eventsOfKind(e.events(vm.Id), "status") {
-		statuses = append(statuses, ev.Message)
-	}
-	assert.Equal(t, []string{"pending → ready at 10.77.0.5", "ready → stopped", "stopped → ready at 10.77.0.5"}, statuses,
-		"passing words (starting, stopping) are not statuses")
+	require.Eventually(t, func() bool {
+		statuses = statuses[:0]
+		for _, ev := range eventsOfKind(e.events(vm.Id), "status") {
+			statuses = append(statuses, ev.Message)
+		}
+		return len(statuses) >= len(want)
+	}, 5*time.Second, 5*time.Millisecond)
+	assert.Equal(t, want, statuses, "passing words (starting, stopping) are not statuses")
 }
