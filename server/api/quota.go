@@ -20,7 +20,7 @@ func (s quotaService) SetQuota(ctx context.Context, r *connect.Request[eitriv1.S
 	return reply(s.handlers, resp, err)
 }
 
-// streamQuota counts every user's open streaming calls (the Watch* streams)
+// streamQuota counts every user's open streaming calls (watches, consoles, tunnels)
 // against its quota, so one token cannot hold thousands of them. It runs
 // inside the auth interceptor, which has put the principal in the context;
 // calls without one (an agent's Sync) are not counted.

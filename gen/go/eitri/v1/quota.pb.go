@@ -36,7 +36,7 @@ type QuotaLimits struct {
 	DiskGb *int64 `protobuf:"varint,4,opt,name=disk_gb,json=diskGb,proto3,oneof" json:"disk_gb,omitempty"`
 	// Published ports.
 	Exposures *int64 `protobuf:"varint,5,opt,name=exposures,proto3,oneof" json:"exposures,omitempty"`
-	// Open Watch* streams.
+	// Open streaming calls: Watch* streams, serial consoles and tunnels.
 	Streams       *int64 `protobuf:"varint,6,opt,name=streams,proto3,oneof" json:"streams,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

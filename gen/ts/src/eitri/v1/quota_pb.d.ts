@@ -54,7 +54,7 @@ export declare type QuotaLimits = Message<"eitri.v1.QuotaLimits"> & {
   exposures?: bigint | undefined;
 
   /**
-   * Open Watch* streams.
+   * Open streaming calls: Watch* streams, serial consoles and tunnels.
    *
    * @generated from field: optional int64 streams = 6;
    */
