@@ -270,6 +270,14 @@ func TestTunnelsAreRelayedByTheVMsHostWithHalfClosesBoundsAndEvents(t *testing.T
 		_, err := openTunnel(ctx, e.vms, &eitriv1.OpenTunnelRequest{VmId: e.vmID, Port: hold})
 		assert.Equal(t, connect.CodeResourceExhausted, code(err), "%v", err)
 		assert.ErrorContains(t, err, "tunnels")
+		// They are streams too, in the caller's quota.
+		quotas := eitriv1connect.NewQuotaServiceClient(connclient.HTTPClient(""), e.url, connect.WithInterceptors(connclient.Bearer(e.srv.AdminToken)))
+		// (Eventually: an earlier stream's slot is given back just after
+		// its caller has seen it end.)
+		require.Eventually(t, func() bool {
+			q, err := quotas.GetQuota(ctx, connect.NewRequest(&eitriv1.GetQuotaRequest{}))
+			return err == nil && q.Msg.GetQuota().GetUsage().GetStreams() == 2
+		}, 5*time.Second, 10*time.Millisecond, "the open tunnels count as streams")
 
 		require.NoError(t, open[0].CloseRequest())
 		_, _, _ = readTunnel(open[0])
