@@ -427,6 +427,7 @@ func (e *Engine) retire(w *worker, seenSeq uint64, destroyed bool) bool {
 	defer e.mu.Unlock()
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	w.retiring = false // decided, whichever way
 	if w.seq != seenSeq && !destroyed {
 		return false
 	}

@@ -139,13 +139,8 @@ func (w *worker) run() {
 			w.eng.notify()
 		}
 
-		if out.gone {
-			if w.eng.retire(w, seq, out.destroyed) {
-				return
-			}
-			w.mu.Lock()
-			w.retiring = false
-			w.mu.Unlock()
+		if out.gone && w.eng.retire(w, seq, out.destroyed) {
+			return
 		}
 	}
 }
