@@ -27,8 +27,6 @@ type Session struct {
 	ctx      context.Context
 	cancel   context.CancelCauseFunc
 	kicks    chan struct{}
-	// destroying: the VMs the last snapshot told to destroy (f.mu).
-	destroying map[string]bool
 	// nextDestroy: the earliest destroy_at the last snapshot did not yet
 	// order, zero when none (f.mu). The sweep compares the clock with it.
 	nextDestroy time.Time
@@ -129,7 +127,6 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 	}
 	snap := &eitriv1.DesiredStateSnapshot{}
 	deleted := map[string]bool{}
-	destroying := map[string]bool{}
 	var next time.Time
 	now := f.now()
 	userCAs := f.trustedUserCAKeys()
@@ -146,7 +143,6 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 			if v.DestroyAt != nil {
 				d.DestroyAtUnix = v.DestroyAt.Unix()
 				d.Destroy = destroyDue(v, now)
-				destroying[v.ID] = d.Destroy
 				if !d.Destroy && (next.IsZero() || v.DestroyAt.Before(next)) {
 					next = *v.DestroyAt
 				}
@@ -170,7 +166,6 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 	}
 	f.mu.Lock()
 	f.noteLineage(l)
-	s.destroying = destroying
 	s.nextDestroy = next
 	f.mu.Unlock()
 	snap.ControlPlaneId, snap.Epoch, snap.Generation = l.ID, l.Epoch, l.Generation
