@@ -145,8 +145,8 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 			frames = frames[:0]
 			for _, ev := range evs {
 				// Every watcher of this change sends the same message, built
-				// and encoded once (outgoing; sharedWire for Connect's send).
-				o := ev.Memo.Do(func() any { return &outgoing{msg: wrap(ev)} }).(*outgoing)
+				// and encoded once per codec (outgoing).
+				o := ev.Memo.Do(func() any { return &outgoing{msg: wrap(ev), enc: &encodings{}} }).(*outgoing)
 				msg := o.msg.(*R)
 				if raw != nil {
 					var ok bool
@@ -158,7 +158,7 @@ func stream[T any, R any](ctx context.Context, h handlers, w *watch.Watcher[T], 
 					}
 					frames = frames[:0]
 				}
-				share(msg) // once per message; only streams Connect frames need it
+				share(msg, o.enc) // only a stream Connect frames needs the lookup
 				if err := out.Send(msg); err != nil {
 					return err
 				}

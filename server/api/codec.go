@@ -35,7 +35,7 @@ func (c jsonCodec) MarshalAppend(dst []byte, v any) ([]byte, error) {
 	if !ok {
 		return dst, errNotProto(v)
 	}
-	return appendShared(dst, c.name, v, func(b []byte) ([]byte, error) { return marshalJSON.MarshalAppend(b, m) })
+	return appendShared(dst, c.name, m, func(b []byte) ([]byte, error) { return marshalJSON.MarshalAppend(b, m) })
 }
 
 func (jsonCodec) Unmarshal(b []byte, v any) error {

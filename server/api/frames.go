@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"mime"
 	"net/http"
-	"sync"
 
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/proto"
@@ -41,38 +40,25 @@ func rawFraming(g *flushGate, conn connect.StreamingHandlerConn) *rawFramer {
 	return nil
 }
 
-// outgoing is one change as every watcher of it sends it: the message and,
-// made on first use, its encoding per codec. A stream copies the bytes out
-// with no lookup or lock (the first round of profiling found the shared
-// encoding cache's weak-pointer map and mutex at ~5% of the control
-// plane, paid on every delivery).
+// outgoing is one change as every watcher of it sends it: the message and
+// its encodings. A raw-framing stream reaches the bytes through the change
+// itself, with no lookup or lock (the first round of profiling found a
+// weak-pointer map lookup and a mutex per delivery at ~5% of the control
+// plane); a stream that sends through Connect reaches the same bytes
+// through sharedWire.
 type outgoing struct {
-	msg       any
-	protoOnce sync.Once
-	proto     []byte
-	protoErr  error
-	jsonOnce  sync.Once
-	json      []byte
-	jsonErr   error
-}
-
-func (o *outgoing) encoded(codec string) ([]byte, error) {
-	m, ok := o.msg.(proto.Message)
-	if !ok {
-		return nil, errNotProto(o.msg)
-	}
-	if codec == "json" {
-		o.jsonOnce.Do(func() { o.json, o.jsonErr = marshalJSON.Marshal(m) })
-		return o.json, o.jsonErr
-	}
-	o.protoOnce.Do(func() { o.proto, o.protoErr = proto.MarshalOptions{}.Marshal(m) })
-	return o.proto, o.protoErr
+	msg any
+	enc *encodings // its own allocation: sharedWire holds it, and must not hold msg
 }
 
 // append adds o's envelope to frames. ok is false, and frames unchanged,
 // for a message large enough that Connect should compress it.
 func (r *rawFramer) append(frames []byte, o *outgoing) (_ []byte, ok bool) {
-	b, err := o.encoded(r.codec)
+	m, isProto := o.msg.(proto.Message)
+	if !isProto {
+		return frames, false
+	}
+	b, err := o.enc.of(m, r.codec)
 	if err != nil || len(b) >= watchCompressMin {
 		return frames, false
 	}

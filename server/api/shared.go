@@ -10,25 +10,44 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
-// sharedWire remembers the encodings of watch events every watcher sends,
+// sharedWire finds a watch change's encodings from its message, for the
+// streams that send it through Connect (whose codec sees only the message),
 // so a change is serialized once per codec rather than once per watcher.
 // Keys are weak pointers: an entry never keeps its message alive, and a
 // cleanup drops it once the message is gone (a new message at the same
 // address gets a different weak pointer, so it can never read stale bytes).
 var sharedWire sync.Map // weak.Pointer[R] → *encodings
 
+// encodings are one message's bytes per codec, each made on first use and
+// never changed after: they are only ever copied out (Connect recycles the
+// buffers a codec hands it).
 type encodings struct {
-	mu sync.Mutex
-	by map[string][]byte // codec name → bytes
+	protoOnce sync.Once
+	proto     []byte
+	protoErr  error
+	jsonOnce  sync.Once
+	json      []byte
+	jsonErr   error
 }
 
-// share marks msg as sent, unchanged, to many streams.
-func share[R any](msg *R) {
+// of returns m's encoding for codec ("proto", or a JSON codec's name).
+func (e *encodings) of(m proto.Message, codec string) ([]byte, error) {
+	if codec == "proto" {
+		e.protoOnce.Do(func() { e.proto, e.protoErr = proto.MarshalOptions{}.Marshal(m) })
+		return e.proto, e.protoErr
+	}
+	e.jsonOnce.Do(func() { e.json, e.jsonErr = marshalJSON.Marshal(m) })
+	return e.json, e.jsonErr
+}
+
+// share lets Connect's codecs find msg's encodings: msg is sent, unchanged,
+// to many streams.
+func share[R any](msg *R, enc *encodings) {
 	key := weak.Make(msg)
 	if _, ok := sharedWire.Load(key); ok {
 		return // every stream after the first
 	}
-	if _, loaded := sharedWire.LoadOrStore(key, &encodings{by: map[string][]byte{}}); !loaded {
+	if _, loaded := sharedWire.LoadOrStore(key, enc); !loaded {
 		runtime.AddCleanup(msg, func(k weak.Pointer[R]) { sharedWire.Delete(k) }, key)
 	}
 }
@@ -47,11 +66,10 @@ func sharedKey(v any) (any, bool) {
 	return nil, false
 }
 
-// appendShared appends v's encoding for codec name to dst, encoding a
-// shared message at most once per codec. The cached bytes are only ever
-// copied out: Connect recycles the buffers a codec hands it.
-func appendShared(dst []byte, name string, v any, encode func([]byte) ([]byte, error)) ([]byte, error) {
-	key, ok := sharedKey(v)
+// appendShared appends m's encoding for codec to dst: a shared message's
+// bytes, made at most once per codec, or encode's for any other.
+func appendShared(dst []byte, codec string, m proto.Message, encode func([]byte) ([]byte, error)) ([]byte, error) {
+	key, ok := sharedKey(m)
 	if !ok {
 		return encode(dst)
 	}
@@ -59,16 +77,9 @@ func appendShared(dst []byte, name string, v any, encode func([]byte) ([]byte, e
 	if !ok {
 		return encode(dst)
 	}
-	enc := e.(*encodings)
-	enc.mu.Lock()
-	defer enc.mu.Unlock()
-	b, ok := enc.by[name]
-	if !ok {
-		var err error
-		if b, err = encode(nil); err != nil {
-			return dst, err
-		}
-		enc.by[name] = b
+	b, err := e.(*encodings).of(m, codec)
+	if err != nil {
+		return dst, err
 	}
 	return append(dst, b...), nil
 }
@@ -86,7 +97,7 @@ func (protoCodec) MarshalAppend(dst []byte, v any) ([]byte, error) {
 	if !ok {
 		return dst, errNotProto(v)
 	}
-	return appendShared(dst, "proto", v, func(b []byte) ([]byte, error) { return proto.MarshalOptions{}.MarshalAppend(b, m) })
+	return appendShared(dst, "proto", m, func(b []byte) ([]byte, error) { return proto.MarshalOptions{}.MarshalAppend(b, m) })
 }
 
 func (protoCodec) Unmarshal(b []byte, v any) error {

@@ -1,7 +1,10 @@
 package api
 
 import (
+	"runtime"
 	"testing"
+	"time"
+	"weak"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -12,7 +15,7 @@ import (
 
 func TestASharedWatchEventIsEncodedOncePerCodec(t *testing.T) {
 	msg := &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_Changed{Changed: &eitriv1.VM{Id: "vm-1", StatusDetail: "booting"}}}
-	share(msg)
+	share(msg, &encodings{})
 
 	first, err := protoCodec{}.MarshalAppend(nil, msg)
 	require.NoError(t, err)
@@ -34,10 +37,27 @@ func TestASharedWatchEventIsEncodedOncePerCodec(t *testing.T) {
 	third, _ := protoCodec{}.Marshal(msg)
 	assert.Equal(t, want, third)
 
-	// JSON is cached separately, per codec name.
+	// JSON is encoded on its own first use.
 	j, err := jsonCodec{name: "json"}.Marshal(msg)
 	require.NoError(t, err)
 	assert.Contains(t, string(j), `"status_detail":"ready"`, "first JSON encoding happens now, after the change")
+}
+
+// The table never keeps a message alive: its entry goes with the message.
+func TestASharedMessagesEntryGoesWithTheMessage(t *testing.T) {
+	msg := &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_RemovedId{RemovedId: "gone"}}
+	enc := &encodings{}
+	share(msg, enc)
+	key := weak.Make(msg)
+	_, ok := sharedWire.Load(key)
+	require.True(t, ok)
+	msg = nil
+	assert.Eventually(t, func() bool {
+		runtime.GC()
+		_, ok := sharedWire.Load(key)
+		return !ok
+	}, 5*time.Second, 10*time.Millisecond, "the entry is dropped once its message is collected")
+	runtime.KeepAlive(enc)
 }
 
 func TestAnUnsharedMessageIsEncodedEveryTime(t *testing.T) {
@@ -63,7 +83,7 @@ func BenchmarkFanOut100Watchers(b *testing.B) {
 			for range b.N {
 				msg := &eitriv1.WatchVMsResponse{Event: &eitriv1.WatchVMsResponse_Changed{Changed: vm}}
 				if tc.share {
-					share(msg)
+					share(msg, &encodings{})
 				}
 				for range 100 {
 					var err error
