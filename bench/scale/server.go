@@ -152,10 +152,7 @@ func (s *server) stop() {
 
 // usage is the process's CPU time so far (user+system) and resident memory.
 func (s *server) usage() (cpu time.Duration, rss int64, err error) {
-	return usage(s.cmd.Process.Pid)
-}
-
-func usage(pid int) (cpu time.Duration, rss int64, err error) {
+	pid := s.cmd.Process.Pid
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, 0, err
