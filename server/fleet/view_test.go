@@ -33,14 +33,16 @@ func TestAViewShowsTheDurableFieldsOfTheLiveReportBeforeTheStoreHasThem(t *testi
 	assert.Equal(t, "ready", live.GetStatus(), "the status the store is about to hold")
 	assert.Empty(t, live.GetLastError(), "a ready VM has no error left")
 
-	// A failure sent before the host saw the retry is not the VM's status.
+	// A failure sent before the host saw the retry is not the VM's status:
+	// the retried VM stays pending until the host answers.
+	vm.Status = "pending"
 	_, ok = f.reg.Apply("h1", conn, &eitriv1.ActualStateReport{Vms: []*eitriv1.ActualVM{{
 		VmId: "vm-1", Phase: "failed", Power: "stopped", LastError: "old failure", Retry: 0,
 	}}}, now)
 	assert.True(t, ok)
 	stale := f.vmView(vm)
 	assert.Equal(t, "retrying", stale.GetLifecycle())
-	assert.Equal(t, "failed", stale.GetStatus())
+	assert.Equal(t, "pending", stale.GetStatus())
 
 	// The host gone, the durable copy speaks.
 	f.reg.Disconnect("h1", conn)
