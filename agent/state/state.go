@@ -39,6 +39,9 @@ type Identity struct {
 	HostID     string
 	Credential string
 	ServerURL  string
+	// ServerURLs is every URL of a control plane with several replicas,
+	// ServerURL first; absent for one URL (and in records from before).
+	ServerURLs []string `json:",omitempty"`
 	// CertFingerprint is the hex sha256 of the server certificate's DER.
 	CertFingerprint string
 }

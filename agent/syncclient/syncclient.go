@@ -13,6 +13,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -27,6 +28,30 @@ import (
 // Identity is what enrolling buys; the agent keeps it durably.
 type Identity struct {
 	ServerURL, Fingerprint, HostID, Credential string
+	// ServerURLs is every URL the control plane answers at (its replicas),
+	// ServerURL first; empty for one that named only ServerURL.
+	ServerURLs []string
+}
+
+// URLs is every control-plane URL to try, the first the one requests name.
+func (id Identity) URLs() []string {
+	if len(id.ServerURLs) > 0 {
+		return id.ServerURLs
+	}
+	return []string{id.ServerURL}
+}
+
+// HTTPClient is the HTTP/2 client every one of the agent's calls shares:
+// pinned to the control plane's certificate, and failing over between its
+// replicas when one does not answer.
+func (id Identity) HTTPClient() *http.Client {
+	hc, _, err := connclient.Replicas(id.Fingerprint, id.URLs())
+	if err != nil {
+		// A saved identity's URLs were checked when it was made; this is
+		// a hand-edited file. The first URL alone still works.
+		return connclient.HTTPClient(id.Fingerprint)
+	}
+	return hc
 }
 
 // Enroll spends a join token and returns this host's identity.
@@ -38,12 +63,21 @@ func Enroll(ctx context.Context, token, hostname, version string) (Identity, err
 	if err := jointoken.Dialable(jt); err != nil {
 		return Identity{}, err
 	}
-	c := eitriv1connect.NewAgentServiceClient(connclient.HTTPClient(jt.GetCertFingerprint()), jt.GetUrl())
+	urls := jointoken.URLs(jt)
+	hc, base, err := connclient.Replicas(jt.GetCertFingerprint(), urls)
+	if err != nil {
+		return Identity{}, fmt.Errorf("join token: %w", err)
+	}
+	c := eitriv1connect.NewAgentServiceClient(hc, base)
 	resp, err := c.Enroll(ctx, connect.NewRequest(&eitriv1.EnrollRequest{JoinToken: token, Hostname: hostname, AgentVersion: version}))
 	if err != nil {
-		return Identity{}, fmt.Errorf("enroll with %s: %w", jt.GetUrl(), err)
+		return Identity{}, fmt.Errorf("enroll with %s: %w", strings.Join(urls, ", "), err)
 	}
-	return Identity{ServerURL: jt.GetUrl(), Fingerprint: jt.GetCertFingerprint(), HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential}, nil
+	id := Identity{ServerURL: base, Fingerprint: jt.GetCertFingerprint(), HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential}
+	if len(urls) > 1 {
+		id.ServerURLs = urls
+	}
+	return id, nil
 }
 
 // Source is what the stream reports on and applies snapshots to.
@@ -96,7 +130,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	hc := cfg.Client
 	if hc == nil {
-		hc = connclient.HTTPClient(cfg.Identity.Fingerprint)
+		hc = cfg.Identity.HTTPClient()
 	}
 	client := eitriv1connect.NewAgentServiceClient(hc, cfg.Identity.ServerURL,
 		connect.WithInterceptors(connclient.Bearer(cfg.Identity.Credential)))
@@ -218,7 +252,7 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 			return healthy, err
 		case <-gotSnapshot:
 			if !healthy {
-				cfg.Log.Info("connected to the control plane", "url", cfg.Identity.ServerURL, "host", cfg.Identity.HostID)
+				cfg.Log.Info("connected to the control plane", "urls", cfg.Identity.URLs(), "host", cfg.Identity.HostID)
 			}
 			healthy = true
 			// Applying a snapshot usually changes the aggregate; say so now

@@ -212,7 +212,7 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	// One connection carries the Sync stream, the calls (consoles, tunnels,
 	// which reach a guest at the address its published ports do) and the
 	// host-key signing.
-	hc := connclient.HTTPClient(id.Fingerprint)
+	hc := id.HTTPClient()
 	eng, err := reconcile.New(reconcile.Config{
 		Hyper: hv, Images: images.Resolve, Seed: hv.WriteSeed, St: st,
 		VMTimeout: a.vmTimeout, MaxConcurrentCreates: a.maxCreates, Log: log,
@@ -323,7 +323,7 @@ func identity(ctx context.Context, st *state.Store, a agentFlags) (syncclient.Id
 		if a.join != "" {
 			slog.Warn("already enrolled; ignoring --join", "host", saved.HostID)
 		}
-		return syncclient.Identity{ServerURL: saved.ServerURL, Fingerprint: saved.CertFingerprint, HostID: saved.HostID, Credential: saved.Credential}, nil
+		return syncclient.Identity{ServerURL: saved.ServerURL, ServerURLs: saved.ServerURLs, Fingerprint: saved.CertFingerprint, HostID: saved.HostID, Credential: saved.Credential}, nil
 	}
 	tok := a.join
 	if tok == "" && a.joinToken != nil {
@@ -338,7 +338,7 @@ func identity(ctx context.Context, st *state.Store, a agentFlags) (syncclient.Id
 	if err != nil {
 		return syncclient.Identity{}, err
 	}
-	if err := st.SaveIdentity(state.Identity{HostID: id.HostID, Credential: id.Credential, ServerURL: id.ServerURL, CertFingerprint: id.Fingerprint}); err != nil {
+	if err := st.SaveIdentity(state.Identity{HostID: id.HostID, Credential: id.Credential, ServerURL: id.ServerURL, ServerURLs: id.ServerURLs, CertFingerprint: id.Fingerprint}); err != nil {
 		return syncclient.Identity{}, err
 	}
 	return id, nil

@@ -113,6 +113,12 @@ func (a *app) clientFor(ep endpoint) *client {
 // mode on loopback), TLS pinned to the saved fingerprint, or TLS checked
 // against the system's CAs when nothing is pinned.
 func httpClient(ep endpoint) *http.Client {
+	if len(ep.urls()) > 1 {
+		// Several replicas: each new connection goes to one that answers.
+		if hc, _, err := connclient.Replicas(ep.Fingerprint, ep.urls()); err == nil {
+			return hc
+		}
+	}
 	switch {
 	case strings.HasPrefix(ep.URL, "http://"):
 		return connclient.HTTPClient("")

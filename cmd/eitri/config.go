@@ -8,7 +8,10 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // defaultURL is eitri dev's address: with no login and no EITRI_URL, the
@@ -22,6 +25,41 @@ type endpoint struct {
 	// Fingerprint pins the control plane's certificate (SHA-256 of its DER,
 	// hex) for https; empty trusts the system's CAs instead.
 	Fingerprint string `json:"fingerprint,omitempty"`
+	// Replicas is every URL of a control plane with several replicas, URL
+	// first; requests fail over between them. Absent for one URL.
+	Replicas []string `json:"replicas,omitempty"`
+}
+
+// urls is every URL ep answers at, the first the one requests name.
+func (ep endpoint) urls() []string {
+	if len(ep.Replicas) > 0 {
+		return ep.Replicas
+	}
+	return []string{ep.URL}
+}
+
+// parseURLs reads one URL or a comma-separated list of a control plane's
+// replicas, checked and normalized, into ep's URL and Replicas.
+func parseURLs(raw string) (endpoint, error) {
+	var ep endpoint
+	for _, r := range connclient.SplitURLs(raw) {
+		u, err := normalizeURL(r)
+		if err != nil {
+			return endpoint{}, err
+		}
+		ep.Replicas = append(ep.Replicas, u)
+	}
+	if len(ep.Replicas) == 0 {
+		return endpoint{}, fmt.Errorf("%q: want an http:// or https:// URL", raw)
+	}
+	if err := connclient.ParseReplicas(ep.Replicas); err != nil {
+		return endpoint{}, err
+	}
+	ep.URL = ep.Replicas[0]
+	if len(ep.Replicas) == 1 {
+		ep.Replicas = nil
+	}
+	return ep, nil
 }
 
 // configPath is where eitri login saves the endpoint: the user's config
@@ -117,12 +155,12 @@ func resolveEndpoint() (endpoint, error) {
 		}
 	}
 	if env.URL != "" {
-		u, err := normalizeURL(env.URL)
+		given, err := parseURLs(env.URL)
 		if err != nil {
 			return endpoint{}, fmt.Errorf("EITRI_URL: %w", err)
 		}
-		if u != ep.URL {
-			ep = endpoint{URL: u}
+		if !slices.Equal(given.urls(), ep.urls()) {
+			ep = given
 		}
 	}
 	if env.Token != "" {
@@ -132,7 +170,8 @@ func resolveEndpoint() (endpoint, error) {
 		ep.Fingerprint = strings.ToLower(env.Fingerprint)
 	}
 	if ep.Token == "" {
-		return endpoint{}, fmt.Errorf("no token for %s: run 'eitri login %s', or set EITRI_TOKEN (the first admin's token is in <data-dir>/admin.token)", ep.URL, ep.URL)
+		u := strings.Join(ep.urls(), ",")
+		return endpoint{}, fmt.Errorf("no token for %s: run 'eitri login %s', or set EITRI_TOKEN (the first admin's token is in <data-dir>/admin.token)", u, u)
 	}
 	return ep, nil
 }

@@ -26,7 +26,7 @@ import (
 func newLoginCmd(a *app) *cobra.Command {
 	var token, fingerprint string
 	cmd := &cobra.Command{
-		Use:   "login URL",
+		Use:   "login URL[,URL...]",
 		Short: "Save a control plane's URL, your token and its certificate's fingerprint",
 		Long: `Save a control plane's URL and your token in your config dir (mode 0600),
 so later commands need no EITRI_URL and EITRI_TOKEN (which still override it).
@@ -35,9 +35,14 @@ The token comes from --token, EITRI_TOKEN, or is asked for on stdin. For
 https, the control plane's certificate is pinned by its SHA-256 fingerprint,
 as agents pin it: give it with --fingerprint (the server logs it at start),
 or check the one shown and confirm it. A certificate your system's CAs
-trust is checked the ordinary way and not pinned.`,
+trust is checked the ordinary way and not pinned.
+
+A control plane with several replicas is given as every replica's URL,
+comma-separated: each must present the same
+certificate, and later commands fail over between them.`,
 		Example: `  eitri login http://127.0.0.1:8080 --token "$(cat .data/dev/control/admin.token)"
-  eitri login https://cp.example:7443 --fingerprint 3f0c…`,
+  eitri login https://cp.example:7443 --fingerprint 3f0c…
+  eitri login https://cp1.example:7443,https://cp2.example:7443 --fingerprint 3f0c…`,
 		Args: needArgs("a URL (http://HOST:PORT or https://HOST:PORT)"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return a.login(cmd.Context(), args[0], token, fingerprint)
@@ -49,11 +54,12 @@ trust is checked the ordinary way and not pinned.`,
 }
 
 func (a *app) login(ctx context.Context, rawURL, token, fingerprint string) error {
-	u, err := normalizeURL(rawURL)
+	ep, err := parseURLs(rawURL)
 	if err != nil {
 		return usageError{error: err}
 	}
-	ep := endpoint{URL: u, Token: token, Fingerprint: strings.ToLower(fingerprint)}
+	u := ep.URL
+	ep.Token, ep.Fingerprint = token, strings.ToLower(fingerprint)
 	if ep.Token == "" {
 		ep.Token = os.Getenv("EITRI_TOKEN")
 	}
@@ -63,6 +69,9 @@ func (a *app) login(ctx context.Context, rawURL, token, fingerprint string) erro
 	in := bufio.NewReader(a.io.in)
 	if strings.HasPrefix(u, "https://") {
 		if ep.Fingerprint, err = a.pin(ctx, u, ep.Fingerprint, in); err != nil {
+			return err
+		}
+		if err := a.sameCertificate(ctx, ep); err != nil {
 			return err
 		}
 	} else if !loopbackURL(u) {
@@ -83,7 +92,7 @@ func (a *app) login(ctx context.Context, rawURL, token, fingerprint string) erro
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(a.io.out, "logged in to %s as %s (saved in %s)\n", u, r.Msg.GetQuota().GetUserName(), path)
+	fmt.Fprintf(a.io.out, "logged in to %s as %s (saved in %s)\n", strings.Join(ep.urls(), ", "), r.Msg.GetQuota().GetUserName(), path)
 	return nil
 }
 
@@ -115,6 +124,26 @@ func (a *app) pin(ctx context.Context, u, given string, in *bufio.Reader) (strin
 		return "", errors.New("certificate not trusted; nothing saved")
 	}
 	return got, nil
+}
+
+// sameCertificate checks that every other replica presents the certificate
+// the first one does (replicas share one serving identity), so the pin (or
+// the CAs' word) holds wherever a request fails over to. A replica that
+// cannot be reached now is only warned about: it may be down for an upgrade.
+func (a *app) sameCertificate(ctx context.Context, ep endpoint) error {
+	for _, u := range ep.urls()[1:] {
+		leaf, trusted, err := presentedCert(ctx, u)
+		if err != nil {
+			fmt.Fprintf(a.io.err, "warning: %v; its certificate is checked when a request reaches it\n", err)
+			continue
+		}
+		if got := pki.Fingerprint(leaf.Raw); ep.Fingerprint != "" && got != ep.Fingerprint {
+			return fmt.Errorf("%s presents a certificate with fingerprint %s, not the %s of %s: replicas must share one certificate (nothing saved)", u, got, ep.Fingerprint, ep.URL)
+		} else if ep.Fingerprint == "" && !trusted {
+			return fmt.Errorf("%s presents a certificate no CA on this machine vouches for, unlike %s (nothing saved)", u, ep.URL)
+		}
+	}
+	return nil
 }
 
 // presentedCert is the certificate the server at u presents, and whether

@@ -167,3 +167,47 @@ func TestLoginPinsTheCertificateOfAnHTTPSControlPlane(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "does not match the pinned")
 }
+
+func TestLoginToSeveralReplicasFailsOverToOneThatAnswers(t *testing.T) {
+	live, srv := tlsControlPlane(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	down := "https://" + ln.Addr().String()
+	require.NoError(t, ln.Close()) // a replica that is down
+	path := loggedOut(t)
+
+	out, err := eitriIn("", "login", down+","+live, "--token", srv.AdminToken, "--fingerprint", srv.Fingerprint)
+	require.Error(t, err, "the pin is checked on the first replica, which must answer at login")
+	assert.Contains(t, err.Error(), "cannot reach "+down)
+
+	out, err = eitriIn("", "login", live+","+down, "--token", srv.AdminToken, "--fingerprint", srv.Fingerprint)
+	require.NoError(t, err)
+	assert.Contains(t, out, "logged in to "+live+", "+down)
+	var saved endpoint
+	b, _ := os.ReadFile(path)
+	require.NoError(t, json.Unmarshal(b, &saved))
+	assert.Equal(t, []string{live, down}, saved.Replicas)
+
+	// Commands fail over: with the order reversed in EITRI_URL (the dead
+	// one first), the request still reaches the live replica.
+	t.Setenv("EITRI_URL", down+","+live)
+	t.Setenv("EITRI_TOKEN", srv.AdminToken)
+	t.Setenv("EITRI_FINGERPRINT", srv.Fingerprint)
+	out, err = eitriIn("", "quota", "get")
+	require.NoError(t, err)
+	assert.Contains(t, out, "quota of admin")
+}
+
+func TestLoginRefusesReplicasThatPresentDifferentCertificates(t *testing.T) {
+	a, srv := tlsControlPlane(t)
+	b, _ := tlsControlPlane(t) // another control plane, its own certificate
+	path := loggedOut(t)
+	_, err := eitriIn("", "login", a+","+b, "--token", srv.AdminToken, "--fingerprint", srv.Fingerprint)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "replicas must share one certificate")
+	assert.NoFileExists(t, path)
+
+	_, err = eitriIn("", "login", a+",http://127.0.0.1:1", "--token", srv.AdminToken)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "same scheme")
+}

@@ -242,3 +242,67 @@ func TestASecondAgentWithOneIdentityIsRefusedAndBacksOff(t *testing.T) {
 	assert.Equal(t, 1, strings.Count(cloneLogs.String(), "refused this agent"), cloneLogs.String())
 	assert.NotContains(t, firstLogs.String(), "stream lost", "the first agent's stream was never replaced")
 }
+
+// TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem serves one control
+// plane at two addresses (two replicas with one serving identity, as far as
+// an agent can tell) and names a third that is down: the join token carries
+// all three, the agent enrolls and streams through a live one, and when the
+// address it is on goes away it is back through the other.
+func TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem(t *testing.T) {
+	listen := func() net.Listener {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		return ln
+	}
+	dead := listen()
+	deadURL := "https://" + dead.Addr().String()
+	require.NoError(t, dead.Close())
+	lnA, lnB := listen(), listen()
+	urlA, urlB := "https://"+lnA.Addr().String(), "https://"+lnB.Addr().String()
+	dir := t.TempDir()
+	srv, err := server.New(context.Background(), server.Config{DataDir: dir, PublicURL: deadURL + "," + urlA + "," + urlB})
+	require.NoError(t, err)
+	t.Cleanup(func() { srv.Close() })
+	serve := func(ln net.Listener) (stop func()) {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { _ = srv.Serve(ctx, ln); close(done) }()
+		return func() { cancel(); <-done }
+	}
+	stopA := serve(lnA)
+	t.Cleanup(serve(lnB))
+	cp := &controlPlane{t: t, dir: dir, srv: srv}
+
+	jt, err := srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
+	require.NoError(t, err)
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err, "enrolling skips the replica that is down")
+	assert.Equal(t, []string{deadURL, urlA, urlB}, id.URLs())
+
+	src := &source{}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		_ = syncclient.Run(ctx, syncclient.Config{
+			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
+			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg"} },
+		})
+	}()
+	connected := func() bool {
+		h, err := srv.Fleet.GetHost(cp.admin(), id.HostID)
+		return err == nil && h.Connected
+	}
+	require.Eventually(t, connected, 10*time.Second, 10*time.Millisecond)
+	snaps := func() int {
+		src.mu.Lock()
+		defer src.mu.Unlock()
+		return len(src.snaps)
+	}
+	before := snaps()
+	stopA()
+	// Every connect earns a snapshot, and nothing else changes here: one
+	// more snapshot is the stream re-opened, through B (A is gone).
+	require.Eventually(t, func() bool { return snaps() > before && connected() }, 15*time.Second, 10*time.Millisecond,
+		"the agent is back through B")
+}

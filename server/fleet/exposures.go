@@ -14,6 +14,7 @@ import (
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // CreateExposure publishes a guest port on the VM's host.
@@ -272,7 +273,12 @@ func builtinReserved(publicURL string) *reservedPorts {
 		portKey("tcp", 53):   "the port of the agent's DNS forwarder for its guests",
 		portKey("tcp", 7480): "the port of the agent's phone-home endpoint for its guests",
 	}}
-	if u, err := url.Parse(publicURL); err == nil && u.Host != "" {
+	// Every URL the control plane answers at: a host may run a replica.
+	for _, pub := range connclient.SplitURLs(publicURL) {
+		u, err := url.Parse(pub)
+		if err != nil || u.Host == "" {
+			continue
+		}
 		port := u.Port()
 		if port == "" && u.Scheme == "https" {
 			port = "443"

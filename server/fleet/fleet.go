@@ -95,7 +95,9 @@ func KindOf(err error) Kind {
 
 // Config tunes the fleet.
 type Config struct {
-	// PublicURL is what agents dial; it goes into join tokens.
+	// PublicURL is what agents dial; it goes into join tokens. Several
+	// replicas (or load balancers) are a comma-separated list, the first
+	// the one an old agent dials.
 	PublicURL string
 	// CertFingerprint is the serving certificate's pin; empty for plain h2c
 	// (dev mode on loopback).

@@ -11,6 +11,7 @@ import (
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/connclient"
 	"github.com/a73x/eitri/wire/jointoken"
 )
 
@@ -32,7 +33,11 @@ func (f *Fleet) CreateJoinToken(ctx context.Context, ttl time.Duration) (*eitriv
 	if err := f.st.CreateJoinToken(ctx, jt); err != nil {
 		return nil, err
 	}
-	tok := jointoken.Encode(&eitriv1.JoinToken{Url: f.cfg.PublicURL, CertFingerprint: f.cfg.CertFingerprint, Secret: secret})
+	jtok := &eitriv1.JoinToken{Urls: connclient.SplitURLs(f.cfg.PublicURL), CertFingerprint: f.cfg.CertFingerprint, Secret: secret}
+	if len(jtok.Urls) > 0 {
+		jtok.Url = jtok.Urls[0] // what an agent that knows one URL dials
+	}
+	tok := jointoken.Encode(jtok)
 	return &eitriv1.CreateJoinTokenResponse{
 		Token:     tok,
 		ExpiresAt: timestamppb.New(jt.ExpiresAt),

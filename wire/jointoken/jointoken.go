@@ -41,6 +41,18 @@ func Decode(s string) (*eitriv1.JoinToken, error) {
 	return t, nil
 }
 
+// URLs is every control-plane URL t names, the first the one to try
+// first. A token from a control plane that knew one URL names only that.
+func URLs(t *eitriv1.JoinToken) []string {
+	if len(t.GetUrls()) > 0 {
+		return t.GetUrls()
+	}
+	if t.GetUrl() != "" {
+		return []string{t.GetUrl()}
+	}
+	return nil
+}
+
 // Dialable reports why an agent cannot enroll with t on its own, or nil.
 func Dialable(t *eitriv1.JoinToken) error {
 	if t.GetUrl() == "" {

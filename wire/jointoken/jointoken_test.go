@@ -41,3 +41,11 @@ func TestATokenWithoutURLCanBeSpentButNotDialed(t *testing.T) {
 	assert.Error(t, jointoken.Dialable(tok), "an agent has nowhere to send it")
 	assert.NoError(t, jointoken.Dialable(&eitriv1.JoinToken{Url: "https://cp:7443", Secret: "s"}))
 }
+
+func TestURLsNamesEveryReplicaAndFallsBackToTheOneURL(t *testing.T) {
+	assert.Equal(t, []string{"https://a:7443", "https://b:7443"},
+		jointoken.URLs(&eitriv1.JoinToken{Url: "https://a:7443", Urls: []string{"https://a:7443", "https://b:7443"}}))
+	assert.Equal(t, []string{"https://a:7443"}, jointoken.URLs(&eitriv1.JoinToken{Url: "https://a:7443"}),
+		"a token from a control plane that knew one URL")
+	assert.Empty(t, jointoken.URLs(&eitriv1.JoinToken{Secret: "s"}))
+}

@@ -1530,7 +1530,12 @@ type JoinToken struct {
 	// agent pins; empty for plain h2c on loopback (dev mode).
 	CertFingerprint string `protobuf:"bytes,2,opt,name=cert_fingerprint,json=certFingerprint,proto3" json:"cert_fingerprint,omitempty"`
 	// The single-use secret; the control plane keeps only its hash.
-	Secret        string `protobuf:"bytes,3,opt,name=secret,proto3" json:"secret,omitempty"`
+	Secret string `protobuf:"bytes,3,opt,name=secret,proto3" json:"secret,omitempty"`
+	// Every URL the control plane answers at (its replicas, or a load
+	// balancer), url first. All present the certificate cert_fingerprint
+	// pins. The agent fails over between them; an agent that knows only url
+	// keeps dialing that one.
+	Urls          []string `protobuf:"bytes,4,rep,name=urls,proto3" json:"urls,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1584,6 +1589,13 @@ func (x *JoinToken) GetSecret() string {
 		return x.Secret
 	}
 	return ""
+}
+
+func (x *JoinToken) GetUrls() []string {
+	if x != nil {
+		return x.Urls
+	}
+	return nil
 }
 
 type CallsRequest struct {
@@ -2455,11 +2467,12 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x16\n" +
 	"\x06reason\x18\x03 \x01(\tR\x06reason\x126\n" +
-	"\bsessions\x18\x04 \x01(\v2\x1a.eitri.v1.ExposureSessionsR\bsessions\"`\n" +
+	"\bsessions\x18\x04 \x01(\v2\x1a.eitri.v1.ExposureSessionsR\bsessions\"t\n" +
 	"\tJoinToken\x12\x10\n" +
 	"\x03url\x18\x01 \x01(\tR\x03url\x12)\n" +
 	"\x10cert_fingerprint\x18\x02 \x01(\tR\x0fcertFingerprint\x12\x16\n" +
-	"\x06secret\x18\x03 \x01(\tR\x06secret\"/\n" +
+	"\x06secret\x18\x03 \x01(\tR\x06secret\x12\x12\n" +
+	"\x04urls\x18\x04 \x03(\tR\x04urls\"/\n" +
 	"\fCallsRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\"\xe0\x01\n" +

@@ -912,6 +912,16 @@ export declare type JoinToken = Message<"eitri.v1.JoinToken"> & {
    * @generated from field: string secret = 3;
    */
   secret: string;
+
+  /**
+   * Every URL the control plane answers at (its replicas, or a load
+   * balancer), url first. All present the certificate cert_fingerprint
+   * pins. The agent fails over between them; an agent that knows only url
+   * keeps dialing that one.
+   *
+   * @generated from field: repeated string urls = 4;
+   */
+  urls: string[];
 };
 
 /**
