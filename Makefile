@@ -15,10 +15,13 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 # the test guest, socat for the proxy benchmark, chromium for the console's
 # end-to-end test; mmdebstrap and e2fsprogs build the Debian cloud-style image,
 # whose test logs in with the system ssh client; the SSH certificate tests
-# run openssh-server's sshd on loopback.
+# run openssh-server's sshd on loopback; the store's tests run each on
+# PostgreSQL too, in a throwaway server of their own (server/store/pgtest),
+# never the cluster the package may start; haproxy checks and runs the load
+# balancer config in deploy/haproxy.
 APT_PKGS := qemu-system-x86 qemu-utils busybox-static syslinux syslinux-common \
 	mtools dosfstools fdisk cpio kmod genisoimage iproute2 socat chromium curl jq \
-	mmdebstrap e2fsprogs openssh-client openssh-server
+	mmdebstrap e2fsprogs openssh-client openssh-server postgresql haproxy
 
 .PHONY: help
 help:
