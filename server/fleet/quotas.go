@@ -137,7 +137,8 @@ func flagName(quota string) string {
 	return string(b)
 }
 
-// OpenStream counts a streaming call (a watch, a console, a tunnel) against the caller's quota; release
+// OpenStream counts a streaming call (a watch, a console, a tunnel, an MCP
+// event stream or vm_create wait) against the caller's quota; release
 // gives it back when the stream ends. A request without a user principal
 // (an agent's stream) is not counted.
 func (f *Fleet) OpenStream(ctx context.Context) (release func(), err error) {
@@ -156,7 +157,7 @@ func (f *Fleet) OpenStream(ctx context.Context) (release func(), err error) {
 		q.streams = map[string]int64{}
 	}
 	if n := q.streams[p.UserID]; n >= eff.Streams {
-		return nil, errorf(Exhausted, "quota: streams: %s already has %d of %d streams open (watches, consoles, tunnels); close one (an admin can raise it: eitri quota set --user %s --streams N)",
+		return nil, errorf(Exhausted, "quota: streams: %s already has %d of %d streams open (watches, consoles, tunnels, MCP event streams and vm_create waits); close one (an admin can raise it: eitri quota set --user %s --streams N)",
 			p.Name, n, eff.Streams, p.Name)
 	}
 	q.streams[p.UserID]++

@@ -10,7 +10,6 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
-	"time"
 
 	mcpauth "github.com/modelcontextprotocol/go-sdk/auth"
 	"github.com/modelcontextprotocol/go-sdk/mcp"
@@ -23,23 +22,28 @@ import (
 // info, which is the only per-request value the SDK hands to tool handlers.
 const principalKey = "eitri.principal"
 
-// sessionIdle closes MCP sessions nobody has used for this long; a client
-// that comes back after it re-initializes.
-const sessionIdle = time.Hour
-
-// Handler returns the MCP endpoint (mount it at /mcp).
+// Handler returns the MCP endpoint (mount it at /mcp) with DefaultLimits.
 func Handler(f *fleet.Fleet, log *slog.Logger) http.Handler {
+	return HandlerWithLimits(f, log, DefaultLimits)
+}
+
+// HandlerWithLimits returns the MCP endpoint holding each user to lim.
+func HandlerWithLimits(f *fleet.Fleet, log *slog.Logger, lim Limits) http.Handler {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	lim = lim.withDefaults()
 	srv := mcp.NewServer(&mcp.Implementation{Name: "eitri", Version: "v1"}, nil)
 	t := &tools{f: f, log: log}
 	t.register(srv)
-	srv.AddReceivingMiddleware(t.checks.middleware)
+	sessions := newSessionTable(lim, log)
+	srv.AddReceivingMiddleware(t.checks.middleware, sessions.middleware)
 
+	// A client whose session was closed (idle, or evicted) gets a 404 and,
+	// as the transport requires, initializes a new one.
 	h := mcp.NewStreamableHTTPHandler(func(*http.Request) *mcp.Server { return srv }, &mcp.StreamableHTTPOptions{
 		Logger:         log,
-		SessionTimeout: sessionIdle,
+		SessionTimeout: lim.SessionIdle,
 	})
 	// The SDK middleware carries the principal into each request's token
 	// info, and its UserID pins a session to the user who opened it.
@@ -50,7 +54,7 @@ func Handler(f *fleet.Fleet, log *slog.Logger) http.Handler {
 		}
 		return &mcpauth.TokenInfo{UserID: p.UserID, Extra: map[string]any{principalKey: p}}, nil
 	}, &mcpauth.RequireBearerTokenOptions{AllowMissingExpiration: true})
-	return authenticate(f, log, carry(h))
+	return authenticate(f, log, sessions.gate(f, carry(h)))
 }
 
 // authenticate resolves the bearer token before the SDK sees the request, so

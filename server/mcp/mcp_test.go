@@ -40,12 +40,17 @@ type env struct {
 
 func start(t *testing.T) env {
 	t.Helper()
+	return startWith(t, eitrimcp.DefaultLimits)
+}
+
+func startWith(t *testing.T, lim eitrimcp.Limits) env {
+	t.Helper()
 	ctx := context.Background()
 	srv, err := server.New(ctx, server.Config{DataDir: t.TempDir(), Plaintext: true})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = srv.Close() })
 	require.NotEmpty(t, srv.AdminToken)
-	hs := httptest.NewServer(eitrimcp.Handler(srv.Fleet, nil))
+	hs := httptest.NewServer(eitrimcp.HandlerWithLimits(srv.Fleet, nil, lim))
 	t.Cleanup(hs.Close)
 	return env{url: hs.URL + "/mcp", token: srv.AdminToken, fleet: srv.Fleet}
 }
