@@ -34,6 +34,9 @@ import (
 // Config is how the control plane is started.
 type Config struct {
 	DataDir string
+	// DB is the database: a postgres:// URL for one that replicas share,
+	// or "" for SQLite in DataDir (see store.Open).
+	DB string
 	// PublicURL is what agents dial (goes into join tokens). Defaults from
 	// the listen address.
 	PublicURL string
@@ -104,9 +107,16 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	st, err := store.Open(ctx, filepath.Join(cfg.DataDir, "eitri.db"))
+	db := cfg.DB
+	if db == "" {
+		db = filepath.Join(cfg.DataDir, "eitri.db")
+	}
+	st, err := store.Open(ctx, db)
 	if err != nil {
 		return nil, err
+	}
+	if cfg.DB != "" {
+		cfg.Log.Info("store on PostgreSQL", "db", store.Redact(db))
 	}
 	s.Store = st
 	s.Fleet = fleet.New(fleet.Config{

@@ -22,6 +22,7 @@ import (
 	"github.com/a73x/eitri/frontend"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/store"
 )
 
 // cpFlags are the control plane's flags, which eitri server and eitri dev
@@ -51,6 +52,7 @@ func (c *cpFlags) register(fs *pflag.FlagSet, d cpDefaults) {
 // serverFlags are eitri server's flags.
 type serverFlags struct {
 	cpFlags
+	db                        string
 	publicURL                 string
 	tlsCert, tlsKey, tlsHosts string
 }
@@ -69,6 +71,9 @@ func newServerCmd() *cobra.Command {
 		dataDir: "/var/lib/eitri", dataDirUsage: "where the database, TLS material and admin token live",
 		grace: 24 * time.Hour,
 	})
+	// The default is read at run time, not shown here: --help would print
+	// a password kept in EITRI_DB.
+	fs.StringVar(&f.db, "db", "", "PostgreSQL that replicas share, as postgres://USER@HOST/DB?sslmode=verify-full (default $EITRI_DB, else SQLite in --data-dir); keep a password in EITRI_DB, PGPASSWORD or ~/.pgpass, not on the command line")
 	fs.StringVar(&f.publicURL, "public-url", "", "URL agents dial (default https://<hostname>:<port>)")
 	fs.StringVar(&f.tlsCert, "tls-cert", "", "serving certificate (PEM); default: a self-made CA and certificate")
 	fs.StringVar(&f.tlsKey, "tls-key", "", "key for --tls-cert")
@@ -78,6 +83,14 @@ func newServerCmd() *cobra.Command {
 
 func runServer(ctx context.Context, f serverFlags) error {
 	log := newLogger(f.level)
+	db := f.db
+	if db == "" {
+		db = os.Getenv("EITRI_DB")
+	}
+	if db != "" && !store.IsPostgres(db) {
+		// Not echoed: a mistyped URL may still hold a password.
+		return errors.New("--db / EITRI_DB: want a postgres:// or postgresql:// URL (SQLite needs no flag: it lives in --data-dir)")
+	}
 	ln, err := net.Listen("tcp", f.listen)
 	if err != nil {
 		return err
@@ -92,7 +105,7 @@ func runServer(ctx context.Context, f serverFlags) error {
 		hosts = strings.Split(f.tlsHosts, ",")
 	}
 	srv, err := server.New(ctx, server.Config{
-		DataDir: f.dataDir, PublicURL: pub, TLSCert: f.tlsCert, TLSKey: f.tlsKey, TLSHosts: hosts,
+		DataDir: f.dataDir, DB: db, PublicURL: pub, TLSCert: f.tlsCert, TLSKey: f.tlsKey, TLSHosts: hosts,
 		DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max, Console: consoleHandler(), Log: log,
 	})
 	if err != nil {

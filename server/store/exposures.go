@@ -156,8 +156,12 @@ func (s *Store) ListExposuresByHost(ctx context.Context, hostID string) ([]Expos
 // CountExposuresByOwner counts the exposures of the owner's VMs (deleted
 // VMs' included: they come back with a restore).
 func (s *Store) CountExposuresByOwner(ctx context.Context, ownerID string) (int64, error) {
+	return countExposuresByOwner(ctx, s.db, ownerID)
+}
+
+func countExposuresByOwner(ctx context.Context, q queryer, ownerID string) (int64, error) {
 	var n int64
-	err := s.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM exposures x JOIN vms v ON v.id = x.vm_id WHERE v.owner_id = $1`, ownerID).Scan(&n)
+	err := q.QueryRowContext(ctx, `SELECT COUNT(*) FROM exposures x JOIN vms v ON v.id = x.vm_id WHERE v.owner_id = $1`, ownerID).Scan(&n)
 	return n, err
 }
 

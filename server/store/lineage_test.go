@@ -2,8 +2,6 @@ package store
 
 import (
 	"context"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -16,8 +14,12 @@ import (
 // Generations come from a stored counter, so a control plane whose clock
 // stepped back across a restart still sends rising ones.
 func TestGenerationsKeepRisingWhenTheClockStepsBackAcrossARestart(t *testing.T) {
+	eachEngine(t, testGenerationsKeepRisingWhenTheClockStepsBackAcrossARestart)
+}
+
+func testGenerationsKeepRisingWhenTheClockStepsBackAcrossARestart(t *testing.T, e engine) {
 	ctx := context.Background()
-	s, path := openStore(t)
+	s, path := e.open(t)
 	first, err := s.Lineage(ctx)
 	require.NoError(t, err)
 	require.NotEmpty(t, first.ID)
@@ -40,8 +42,12 @@ func TestGenerationsKeepRisingWhenTheClockStepsBackAcrossARestart(t *testing.T) 
 // A VM's desired version moves with what the agent is told, not with what
 // the agent reports, and always past the last snapshot generation.
 func TestOnlyADesiredChangeGivesTheVMANewVersion(t *testing.T) {
+	eachEngine(t, testOnlyADesiredChangeGivesTheVMANewVersion)
+}
+
+func testOnlyADesiredChangeGivesTheVMANewVersion(t *testing.T, e engine) {
 	ctx := context.Background()
-	s, _ := openStore(t)
+	s, _ := e.open(t)
 	fixture(t, s)
 	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
 	created, err := s.GetVM(ctx, "v1")
@@ -66,15 +72,16 @@ func TestOnlyADesiredChangeGivesTheVMANewVersion(t *testing.T) {
 // an agent that it lost writes: a new epoch, and a counter past what the
 // agent applied.
 func TestARestoredStoreFencesForwardPastWhatAnAgentApplied(t *testing.T) {
-	ctx := context.Background()
-	s, path := openStore(t)
-	backup := filepath.Join(t.TempDir(), "backup.db")
-	require.NoError(t, s.Close())
-	b, err := os.ReadFile(path)
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(backup, b, 0o600))
+	eachEngine(t, testARestoredStoreFencesForwardPastWhatAnAgentApplied)
+}
 
-	s, err = Open(ctx, path)
+func testARestoredStoreFencesForwardPastWhatAnAgentApplied(t *testing.T, e engine) {
+	ctx := context.Background()
+	s, path := e.open(t)
+	require.NoError(t, s.Close())
+	backup := e.clone(t, path)
+
+	s, err := Open(ctx, path)
 	require.NoError(t, err)
 	var applied Lineage
 	for range 5 {

@@ -10,7 +10,11 @@ import (
 )
 
 func TestForgettingADeadHostKeepsItsVMsAsLostRows(t *testing.T) {
-	s, _ := openStore(t)
+	eachEngine(t, testForgettingADeadHostKeepsItsVMsAsLostRows)
+}
+
+func testForgettingADeadHostKeepsItsVMsAsLostRows(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	fixture(t, s)
 	ctx := context.Background()
 	live, gone, other := testVM("v1", "u2", "h1", "web", t0), testVM("v2", "u2", "h1", "old", t0.Add(time.Second)), testVM("v3", "u2", "h2", "db", t0)
@@ -61,7 +65,11 @@ func TestForgettingADeadHostKeepsItsVMsAsLostRows(t *testing.T) {
 }
 
 func TestAHostSeenAfterTheCutoffIsNotForgotten(t *testing.T) {
-	s, _ := openStore(t)
+	eachEngine(t, testAHostSeenAfterTheCutoffIsNotForgotten)
+}
+
+func testAHostSeenAfterTheCutoffIsNotForgotten(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	fixture(t, s)
 	ctx := context.Background()
 	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u2", "h1", "web", t0)))
@@ -80,7 +88,11 @@ func TestAHostSeenAfterTheCutoffIsNotForgotten(t *testing.T) {
 }
 
 func TestAHostThatNeverConnectedCountsFromItsEnrolment(t *testing.T) {
-	s, _ := openStore(t)
+	eachEngine(t, testAHostThatNeverConnectedCountsFromItsEnrolment)
+}
+
+func testAHostThatNeverConnectedCountsFromItsEnrolment(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	fixture(t, s) // h1 created at t0, never seen
 	ctx := context.Background()
 	_, err := s.ForgetUnreachableHost(ctx, "h1", t0.Add(-time.Minute), t0, func(VM) string { return "" })

@@ -51,12 +51,17 @@ func (l *Limits) args() []any {
 
 // QuotaDefaults returns the fleet's default limits as set by an admin.
 func (s *Store) QuotaDefaults(ctx context.Context) (Limits, error) {
-	return scanLimits(s.db.QueryRowContext(ctx, `SELECT `+limitCols+` FROM quota_defaults WHERE id = 1`))
+	return scanLimits(s.db.QueryRowContext(ctx, selectQuotaDefaults))
 }
+
+const (
+	selectQuotaDefaults = `SELECT ` + limitCols + ` FROM quota_defaults WHERE id = 1`
+	selectUserQuota     = `SELECT ` + limitCols + ` FROM user_quotas WHERE user_id = $1`
+)
 
 // UserQuota returns the user's own limits.
 func (s *Store) UserQuota(ctx context.Context, userID string) (Limits, error) {
-	return scanLimits(s.db.QueryRowContext(ctx, `SELECT `+limitCols+` FROM user_quotas WHERE user_id = $1`, userID))
+	return scanLimits(s.db.QueryRowContext(ctx, selectUserQuota, userID))
 }
 
 // UpdateQuotaDefaults is a read-modify-write of the defaults in one

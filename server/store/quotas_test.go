@@ -10,7 +10,11 @@ import (
 )
 
 func TestQuotaLimitsRoundTripAndNullMeansNotSet(t *testing.T) {
-	s, path := openStore(t)
+	eachEngine(t, testQuotaLimitsRoundTripAndNullMeansNotSet)
+}
+
+func testQuotaLimitsRoundTripAndNullMeansNotSet(t *testing.T, e engine) {
+	s, path := e.open(t)
 	fixture(t, s)
 	ctx := context.Background()
 	n := func(v int64) *int64 { return &v }
@@ -47,7 +51,11 @@ func TestQuotaLimitsRoundTripAndNullMeansNotSet(t *testing.T) {
 }
 
 func TestCountExposuresByOwnerCountsOnlyTheOwnersVMs(t *testing.T) {
-	s, _ := openStore(t)
+	eachEngine(t, testCountExposuresByOwnerCountsOnlyTheOwnersVMs)
+}
+
+func testCountExposuresByOwnerCountsOnlyTheOwnersVMs(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	fixture(t, s)
 	ctx := context.Background()
 	require.NoError(t, s.CreateVM(ctx, testVM("vm-a", "u1", "h1", "a", t0)))

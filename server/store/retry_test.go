@@ -11,8 +11,12 @@ import (
 // A retry is desired state (the host must hear of it); the count of exits
 // already recorded is not.
 func TestARetryIsADesiredChangeAndExitsSeenIsNot(t *testing.T) {
+	eachEngine(t, testARetryIsADesiredChangeAndExitsSeenIsNot)
+}
+
+func testARetryIsADesiredChangeAndExitsSeenIsNot(t *testing.T, e engine) {
 	ctx := context.Background()
-	s, path := openStore(t)
+	s, path := e.open(t)
 	fixture(t, s)
 	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
 	created, err := s.GetVM(ctx, "v1")

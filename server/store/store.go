@@ -1,10 +1,13 @@
 // Package store holds the control plane's durable rows — users, tokens,
 // hosts, join tokens, VMs, exposures and VM events — in an embedded SQLite
-// database with embedded, versioned migrations.
+// database, or in a PostgreSQL database that several control-plane replicas
+// share, with embedded, versioned migrations.
 //
 // The SQL is kept portable: positional $N placeholders, standard DDL, no
-// upserts or SQLite-only functions, so a PostgreSQL backend later needs only
-// a dialect pass over the migrations (BLOB → BYTEA, rowid → identity).
+// upserts or SQLite-only functions, so both engines run the same queries.
+// PostgreSQL's migrations are a dialect of the same numbered files
+// (migrations/postgres: BLOB → BYTEA, rowid → identity, TEXT in the "C"
+// collation so text sorts by bytes as in SQLite).
 //
 // Times are stored as BIGINT unix nanoseconds. Every time read back is in
 // UTC with nanosecond precision and no monotonic clock reading, so
@@ -26,6 +29,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"modernc.org/sqlite"
 	sqlite3 "modernc.org/sqlite/lib"
 )
@@ -42,8 +46,14 @@ var (
 	ErrJoinTokenExpired = errors.New("join token expired")
 )
 
-//go:embed migrations/*.sql
+//go:embed migrations/*.sql migrations/postgres/*.sql
 var migrationFS embed.FS
+
+// Where each engine's migrations are in migrationFS.
+const (
+	sqliteMigrations   = "migrations"
+	postgresMigrations = "migrations/postgres"
+)
 
 const busyTimeout = 10 * time.Second
 
@@ -53,14 +63,31 @@ type Store struct {
 	// wlock serializes writers inside this process: SQLite allows one writer
 	// at a time, and queueing here (cancellable by ctx) is cheaper and more
 	// predictable than contending on the file lock. Readers use the pool
-	// freely; WAL lets them run beside the writer.
+	// freely; WAL lets them run beside the writer. Nil on PostgreSQL,
+	// where writers run side by side (see writePostgres).
 	wlock chan struct{}
-	now   func() time.Time
+	// pg: the database is PostgreSQL, else SQLite.
+	pg  bool
+	now func() time.Time
+	// pgcfg opens the dedicated connections LISTEN needs (PostgreSQL only).
+	pgcfg *pgx.ConnConfig
+	// replica names this process in the change feed (changes.origin).
+	replica string
 }
 
-// Open opens (creating if needed) the database file at path and applies any
-// pending migrations.
-func Open(ctx context.Context, path string) (*Store, error) {
+// Open opens the database db names and applies any pending migrations: a
+// postgres:// or postgresql:// URL is a PostgreSQL database (see
+// IsPostgres), anything else the path of a SQLite file, created if needed.
+// A database whose schema is newer than this binary's migrations is
+// refused with a *SchemaTooNewError.
+func Open(ctx context.Context, db string) (*Store, error) {
+	if IsPostgres(db) {
+		return openPostgres(ctx, db)
+	}
+	return openSQLite(ctx, db)
+}
+
+func openSQLite(ctx context.Context, path string) (*Store, error) {
 	if path == "" || strings.ContainsAny(path, "?#") || path == ":memory:" {
 		return nil, fmt.Errorf("store: invalid database path %q", path)
 	}
@@ -88,19 +115,26 @@ func Open(ctx context.Context, path string) (*Store, error) {
 	db.SetMaxIdleConns(8)
 
 	s := &Store{db: db, wlock: make(chan struct{}, 1), now: func() time.Time { return time.Now().UTC() }}
-	if err := db.PingContext(ctx); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("store: open %s: %w", path, err)
-	}
-	if err := s.migrate(ctx); err != nil {
+	if err := s.start(ctx, path); err != nil {
 		db.Close()
 		return nil, err
 	}
-	if err := s.ensureLineage(ctx); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("store: control plane lineage: %w", err)
-	}
 	return s, nil
+}
+
+// start checks the connection and brings the schema and the lineage row
+// up to date; shown names the database in errors (no password).
+func (s *Store) start(ctx context.Context, shown string) error {
+	if err := s.db.PingContext(ctx); err != nil {
+		return fmt.Errorf("store: open %s: %w", shown, err)
+	}
+	if err := s.migrate(ctx); err != nil {
+		return err
+	}
+	if err := s.ensureLineage(ctx); err != nil {
+		return fmt.Errorf("store: control plane lineage: %w", err)
+	}
+	return nil
 }
 
 // Close closes the database.
@@ -112,14 +146,18 @@ type migration struct {
 	sql     string
 }
 
-func loadMigrations() ([]migration, error) {
-	entries, err := fs.ReadDir(migrationFS, "migrations")
+// loadMigrations reads one engine's migrations from dir, by version.
+func loadMigrations(dir string) ([]migration, error) {
+	entries, err := fs.ReadDir(migrationFS, dir)
 	if err != nil {
 		return nil, err
 	}
 	var ms []migration
 	seen := map[int]string{}
 	for _, e := range entries {
+		if e.IsDir() {
+			continue
+		}
 		name := e.Name()
 		prefix, _, ok := strings.Cut(name, "_")
 		if !ok || !strings.HasSuffix(name, ".sql") {
@@ -133,7 +171,7 @@ func loadMigrations() ([]migration, error) {
 			return nil, fmt.Errorf("store: migrations %q and %q share version %d", other, name, v)
 		}
 		seen[v] = name
-		body, err := fs.ReadFile(migrationFS, path.Join("migrations", name))
+		body, err := fs.ReadFile(migrationFS, path.Join(dir, name))
 		if err != nil {
 			return nil, err
 		}
@@ -143,20 +181,82 @@ func loadMigrations() ([]migration, error) {
 	return ms, nil
 }
 
-// migrate applies every embedded migration not yet recorded in
-// schema_migrations, each in its own transaction together with its record,
-// so a crash leaves the schema at a whole version.
+// schemaMigrationsDDL records the applied migrations, on both engines.
+const schemaMigrationsDDL = `CREATE TABLE IF NOT EXISTS schema_migrations (
+	version    INTEGER PRIMARY KEY,
+	name       TEXT NOT NULL,
+	applied_at BIGINT NOT NULL
+)`
+
+// SchemaTooNewError: the database has migrations this binary does not
+// know, so a newer eitri wrote it, and this one could misread it.
+type SchemaTooNewError struct {
+	// At is the database's highest schema version; Known this binary's.
+	At, Known int
+}
+
+func (e *SchemaTooNewError) Error() string {
+	return fmt.Sprintf("database schema is at version %d; this eitri knows up to %d: upgrade eitri", e.At, e.Known)
+}
+
+// checkSchemaVersion returns the versions already applied, or a
+// *SchemaTooNewError when any of them is not among ms.
+func checkSchemaVersion(ctx context.Context, q queryer, ms []migration) (map[int]bool, error) {
+	known := map[int]bool{}
+	maxKnown := 0
+	for _, m := range ms {
+		known[m.version] = true
+		maxKnown = max(maxKnown, m.version)
+	}
+	rows, err := q.QueryContext(ctx, `SELECT version FROM schema_migrations`)
+	if err != nil {
+		return nil, fmt.Errorf("store: read schema_migrations: %w", err)
+	}
+	defer rows.Close()
+	applied := map[int]bool{}
+	at, unknown := 0, false
+	for rows.Next() {
+		var v int
+		if err := rows.Scan(&v); err != nil {
+			return nil, err
+		}
+		applied[v] = true
+		at = max(at, v)
+		unknown = unknown || !known[v]
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	if unknown {
+		return nil, fmt.Errorf("store: %w", &SchemaTooNewError{At: at, Known: maxKnown})
+	}
+	return applied, nil
+}
+
+// migrate applies every embedded migration of the engine not yet recorded
+// in schema_migrations, after refusing a schema newer than it knows. On
+// SQLite each migration runs in its own transaction together with its
+// record, so a crash leaves the schema at a whole version.
 func (s *Store) migrate(ctx context.Context) error {
-	ms, err := loadMigrations()
+	dir := sqliteMigrations
+	if s.pg {
+		dir = postgresMigrations
+	}
+	ms, err := loadMigrations(dir)
 	if err != nil {
 		return err
 	}
-	if _, err := s.db.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS schema_migrations (
-		version    INTEGER PRIMARY KEY,
-		name       TEXT NOT NULL,
-		applied_at BIGINT NOT NULL
-	)`); err != nil {
+	if s.pg {
+		return s.migratePostgres(ctx, ms)
+	}
+	if _, err := s.db.ExecContext(ctx, schemaMigrationsDDL); err != nil {
 		return fmt.Errorf("store: create schema_migrations: %w", err)
+	}
+	if err := s.write(ctx, func(tx *sql.Tx) error {
+		_, err := checkSchemaVersion(ctx, tx, ms)
+		return err
+	}); err != nil {
+		return err
 	}
 	for _, m := range ms {
 		err := s.write(ctx, func(tx *sql.Tx) error {
@@ -183,25 +283,24 @@ func (s *Store) migrate(ctx context.Context) error {
 	return nil
 }
 
-// write runs fn in a write transaction, one writer at a time. fn's error
-// rolls the transaction back and is returned as is.
+// write runs fn in a write transaction, one writer at a time (on SQLite;
+// serializable on PostgreSQL, where fn may run more than once: see
+// writePostgres). fn's error rolls the transaction back and is returned as
+// is.
 func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if s.pg {
+		return s.writePostgres(ctx, fn)
+	}
 	select {
 	case s.wlock <- struct{}{}:
 	case <-ctx.Done():
 		return ctx.Err()
 	}
 	defer func() { <-s.wlock }()
-
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return err
-	}
-	if err := fn(tx); err != nil {
-		_ = tx.Rollback()
-		return err
-	}
-	return tx.Commit()
+	return s.txOnce(ctx, nil, fn)
 }
 
 // queryer is what both *sql.DB and *sql.Tx offer, so row loaders serve
@@ -260,11 +359,11 @@ func isUniqueViolation(err error) bool {
 	case sqlite3.SQLITE_CONSTRAINT_UNIQUE, sqlite3.SQLITE_CONSTRAINT_PRIMARYKEY:
 		return true
 	}
-	return false
+	return pgCode(err) == pgUniqueViolation
 }
 
 func isForeignKeyViolation(err error) bool {
-	return sqliteCode(err) == sqlite3.SQLITE_CONSTRAINT_FOREIGNKEY
+	return sqliteCode(err) == sqlite3.SQLITE_CONSTRAINT_FOREIGNKEY || pgCode(err) == pgForeignKeyViolation
 }
 
 // notFound turns sql.ErrNoRows into ErrNotFound with what was looked for.

@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -19,13 +18,10 @@ import (
 // t0 is a fixed UTC instant with nanoseconds, to prove exact round trips.
 var t0 = time.Date(2026, 3, 4, 5, 6, 7, 123456789, time.UTC)
 
+// openStore opens a SQLite store (eachEngine runs a test on both engines).
 func openStore(t testing.TB) (*Store, string) {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "eitri.db")
-	s, err := Open(context.Background(), path)
-	require.NoError(t, err)
-	t.Cleanup(func() { s.Close() })
-	return s, path
+	return engines[0].open(t)
 }
 
 func hashOf(s string) []byte {
@@ -54,37 +50,6 @@ func testVM(id, owner, host, name string, created time.Time) VM {
 	}
 }
 
-func TestMigrationsIdempotentAndDataSurvivesReopen(t *testing.T) {
-	ctx := context.Background()
-	path := filepath.Join(t.TempDir(), "eitri.db")
-	s, err := Open(ctx, path)
-	require.NoError(t, err)
-	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
-	require.NoError(t, s.Close())
-
-	for range 2 {
-		s, err = Open(ctx, path)
-		require.NoError(t, err)
-		var n int
-		require.NoError(t, s.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM schema_migrations`).Scan(&n))
-		ms, err := loadMigrations()
-		require.NoError(t, err)
-		assert.Equal(t, len(ms), n, "each migration recorded exactly once")
-
-		u, err := s.UserByName(ctx, "alice")
-		require.NoError(t, err)
-		assert.Equal(t, User{ID: "u1", Name: "alice", Admin: true, CreatedAt: t0}, u)
-		vm, err := s.GetVM(ctx, "v1")
-		require.NoError(t, err)
-		want := testVM("v1", "u1", "h1", "web", t0)
-		assert.NotZero(t, vm.DesiredGen, "a created VM has a desired version")
-		want.DesiredGen = vm.DesiredGen
-		assert.Equal(t, want, vm)
-		require.NoError(t, s.Close())
-	}
-}
-
 func TestPragmas(t *testing.T) {
 	s, _ := openStore(t)
 	ctx := context.Background()
@@ -108,8 +73,10 @@ func TestOpenRejectsBadPath(t *testing.T) {
 	}
 }
 
-func TestUsers(t *testing.T) {
-	s, _ := openStore(t)
+func TestUsers(t *testing.T) { eachEngine(t, testUsers) }
+
+func testUsers(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 
 	n, err := s.CountUsers(ctx)
@@ -142,8 +109,10 @@ func TestUsers(t *testing.T) {
 	assert.Equal(t, time.UTC, u.CreatedAt.Location())
 }
 
-func TestTokens(t *testing.T) {
-	s, _ := openStore(t)
+func TestTokens(t *testing.T) { eachEngine(t, testTokens) }
+
+func testTokens(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 
@@ -202,8 +171,10 @@ func TestTokens(t *testing.T) {
 	assert.Equal(t, []string{"t2"}, ids(all))
 }
 
-func TestHosts(t *testing.T) {
-	s, _ := openStore(t)
+func TestHosts(t *testing.T) { eachEngine(t, testHosts) }
+
+func testHosts(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 
@@ -245,7 +216,11 @@ func TestHosts(t *testing.T) {
 }
 
 func TestDeleteHostRefusedWhileVMsRemain(t *testing.T) {
-	s, _ := openStore(t)
+	eachEngine(t, testDeleteHostRefusedWhileVMsRemain)
+}
+
+func testDeleteHostRefusedWhileVMsRemain(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
@@ -265,8 +240,10 @@ func TestDeleteHostRefusedWhileVMsRemain(t *testing.T) {
 	assert.ErrorIs(t, err, ErrNotFound)
 }
 
-func TestConsumeJoinToken(t *testing.T) {
-	s, _ := openStore(t)
+func TestConsumeJoinToken(t *testing.T) { eachEngine(t, testConsumeJoinToken) }
+
+func testConsumeJoinToken(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 	exp := t0.Add(time.Hour)
@@ -314,7 +291,11 @@ func TestConsumeJoinToken(t *testing.T) {
 }
 
 func TestConsumeJoinTokenSingleUseUnderConcurrency(t *testing.T) {
-	s, path := openStore(t)
+	eachEngine(t, testConsumeJoinTokenSingleUseUnderConcurrency)
+}
+
+func testConsumeJoinTokenSingleUseUnderConcurrency(t *testing.T, e engine) {
+	s, path := e.open(t)
 	ctx := context.Background()
 	require.NoError(t, s.CreateJoinToken(ctx, JoinToken{ID: "j1", Hash: hashOf("j1"), CreatedAt: t0, ExpiresAt: t0.Add(time.Hour)}))
 	// A second Store on the same file stands in for a second process: its
@@ -357,8 +338,10 @@ func TestConsumeJoinTokenSingleUseUnderConcurrency(t *testing.T) {
 	assert.Len(t, hosts, 1, "only the winner's host exists")
 }
 
-func TestVMNamesUniquePerOwner(t *testing.T) {
-	s, _ := openStore(t)
+func TestVMNamesUniquePerOwner(t *testing.T) { eachEngine(t, testVMNamesUniquePerOwner) }
+
+func testVMNamesUniquePerOwner(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 
@@ -381,8 +364,10 @@ func TestVMNamesUniquePerOwner(t *testing.T) {
 	assert.Equal(t, "db", vm.Name)
 }
 
-func TestCreateVMErrors(t *testing.T) {
-	s, _ := openStore(t)
+func TestCreateVMErrors(t *testing.T) { eachEngine(t, testCreateVMErrors) }
+
+func testCreateVMErrors(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 	cases := []struct {
@@ -417,8 +402,10 @@ func TestCreateVMErrors(t *testing.T) {
 	assert.ErrorIs(t, err, ErrNotFound)
 }
 
-func TestListVMs(t *testing.T) {
-	s, _ := openStore(t)
+func TestListVMs(t *testing.T) { eachEngine(t, testListVMs) }
+
+func testListVMs(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 	// Created out of order; v-b and v-a share a creation time (id breaks ties).
@@ -447,8 +434,10 @@ func TestListVMs(t *testing.T) {
 	assert.Empty(t, none)
 }
 
-func TestUpdateVM(t *testing.T) {
-	s, _ := openStore(t)
+func TestUpdateVM(t *testing.T) { eachEngine(t, testUpdateVM) }
+
+func testUpdateVM(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 	orig := testVM("v1", "u1", "h1", "web", t0)
@@ -536,8 +525,10 @@ func testExposure(id, vm, host string, guest, hostPort uint16, proto string, cre
 		Protocol: proto, Scope: "lan", MaxSessions: 64, CreatedAt: created}
 }
 
-func TestExposures(t *testing.T) {
-	s, _ := openStore(t)
+func TestExposures(t *testing.T) { eachEngine(t, testExposures) }
+
+func testExposures(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
@@ -608,8 +599,10 @@ func TestExposures(t *testing.T) {
 	require.NoError(t, s.CreateExposure(ctx, testExposure("x-6", "v2", "h1", 8080, 30080, "tcp", t0)))
 }
 
-func TestVMEventsAndCascadeOnDeleteVM(t *testing.T) {
-	s, _ := openStore(t)
+func TestVMEventsAndCascadeOnDeleteVM(t *testing.T) { eachEngine(t, testVMEventsAndCascadeOnDeleteVM) }
+
+func testVMEventsAndCascadeOnDeleteVM(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
 	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
@@ -651,8 +644,10 @@ func TestVMEventsAndCascadeOnDeleteVM(t *testing.T) {
 	require.NoError(t, s.CreateVM(ctx, testVM("v3", "u1", "h1", "web", t0)))
 }
 
-func TestWriteHonoursContext(t *testing.T) {
-	s, _ := openStore(t)
+func TestWriteHonoursContext(t *testing.T) { eachEngine(t, testWriteHonoursContext) }
+
+func testWriteHonoursContext(t *testing.T, e engine) {
+	s, _ := e.open(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	err := s.CreateUser(ctx, User{ID: "u1", Name: "alice"})

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/a73x/eitri/wire/vmstate"
@@ -110,6 +111,16 @@ func nameTaken(ctx context.Context, tx *sql.Tx, ownerID, name, exceptID string) 
 // owner already uses (soft-deleted VMs included) is ErrConflict; an unknown
 // owner or host is ErrNotFound.
 func (s *Store) CreateVM(ctx context.Context, vm VM) error {
+	return s.CreateVMAdmitted(ctx, vm, nil)
+}
+
+// CreateVMAdmitted is CreateVM once admit has approved the VM in the same
+// transaction: admit reads through r what the VM must fit (its owner's
+// quota, its host's room), and what it read still holds when the VM is
+// written, whatever other replicas write meanwhile. An error from admit is
+// returned as is, with nothing written. admit may run more than once (see
+// writePostgres). A nil admit approves.
+func (s *Store) CreateVMAdmitted(ctx context.Context, vm VM, admit func(ctx context.Context, r Reader) error) error {
 	if err := validVM(&vm); err != nil {
 		return err
 	}
@@ -118,6 +129,11 @@ func (s *Store) CreateVM(ctx context.Context, vm VM) error {
 		vm.UpdatedAt = vm.CreatedAt
 	}
 	return s.write(ctx, func(tx *sql.Tx) error {
+		if admit != nil {
+			if err := admit(ctx, Reader{tx: tx}); err != nil {
+				return err
+			}
+		}
 		if err := nameTaken(ctx, tx, vm.OwnerID, vm.Name, vm.ID); err != nil {
 			return err
 		}
@@ -324,9 +340,18 @@ func (s *Store) DeleteVM(ctx context.Context, id string) error {
 	})
 }
 
-// AddVMEvent appends an event to the VM's history. A zero At is set to
-// now; an unknown VM is ErrNotFound.
+// MaxVMEvents is how many events a VM keeps: adding one past it drops the
+// oldest, so no VM's timeline (nor a reply listing it) grows without bound.
+const MaxVMEvents = 1000
+
+// AddVMEvent appends an event to the VM's history, dropping the oldest
+// past MaxVMEvents in the same transaction. A zero At is set to now; an
+// unknown VM is ErrNotFound.
 func (s *Store) AddVMEvent(ctx context.Context, e VMEvent) error {
+	return s.addVMEvent(ctx, e, MaxVMEvents)
+}
+
+func (s *Store) addVMEvent(ctx context.Context, e VMEvent, keep int) error {
 	if e.Kind == "" {
 		return errors.New("store: vm event needs a kind")
 	}
@@ -337,13 +362,54 @@ func (s *Store) AddVMEvent(ctx context.Context, e VMEvent) error {
 		if isForeignKeyViolation(err) {
 			return fmt.Errorf("%w: vm %s", ErrNotFound, e.VMID)
 		}
+		if err != nil {
+			return err
+		}
+		// The newest event past the ones kept, if any, and everything
+		// older goes (in the order ListVMEvents reads).
+		var cutAt, cutID int64
+		err = tx.QueryRowContext(ctx, `SELECT at, id FROM vm_events WHERE vm_id = $1
+			ORDER BY at DESC, id DESC LIMIT 1 OFFSET $2`, e.VMID, keep).Scan(&cutAt, &cutID)
+		if errors.Is(err, sql.ErrNoRows) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		_, err = tx.ExecContext(ctx, `DELETE FROM vm_events WHERE vm_id = $1 AND (at < $2 OR (at = $2 AND id <= $3))`,
+			e.VMID, cutAt, cutID)
 		return err
 	})
 }
 
+// VMEventCursor is a place in a VM's timeline: the event a page starts at.
+type VMEventCursor struct {
+	At time.Time
+	ID int64
+}
+
+// ListVMEventsBefore returns the newest n of the VM's events that come
+// before the cursor (all of them for nil), oldest first.
+func (s *Store) ListVMEventsBefore(ctx context.Context, vmID string, before *VMEventCursor, n int) ([]VMEvent, error) {
+	q := `SELECT id, vm_id, at, kind, message FROM vm_events WHERE vm_id = $1 ORDER BY at DESC, id DESC LIMIT $2`
+	args := []any{vmID, n}
+	if before != nil {
+		q = `SELECT id, vm_id, at, kind, message FROM vm_events WHERE vm_id = $1 AND (at < $2 OR (at = $2 AND id < $3))
+			ORDER BY at DESC, id DESC LIMIT $4`
+		args = []any{vmID, nanos(before.At), before.ID, n}
+	}
+	out, err := s.queryVMEvents(ctx, q, args...)
+	slices.Reverse(out)
+	return out, err
+}
+
 // ListVMEvents returns the VM's events, oldest first.
 func (s *Store) ListVMEvents(ctx context.Context, vmID string) ([]VMEvent, error) {
-	rows, err := s.db.QueryContext(ctx, `SELECT id, vm_id, at, kind, message FROM vm_events WHERE vm_id = $1 ORDER BY at, id`, vmID)
+	return s.queryVMEvents(ctx, `SELECT id, vm_id, at, kind, message FROM vm_events WHERE vm_id = $1 ORDER BY at, id`, vmID)
+}
+
+func (s *Store) queryVMEvents(ctx context.Context, q string, args ...any) ([]VMEvent, error) {
+	rows, err := s.db.QueryContext(ctx, q, args...)
 	if err != nil {
 		return nil, err
 	}
