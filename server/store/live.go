@@ -1,0 +1,186 @@
+package store
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"time"
+)
+
+// Live state across replicas (PostgreSQL only): the host_live table says
+// which replica holds each host's agent stream, under a claim the holder
+// renews and a dead replica's lapses, and carries the host's last hello
+// and report so every other replica can show what the host said. The
+// claim is what keeps one stream per host in the whole fleet: a second
+// agent process is refused wherever it connects, while the same process
+// reconnecting through another replica takes its host over at once.
+
+// LiveChannel is the NOTIFY channel live writes wake followers on.
+const LiveChannel = "eitri_live"
+
+// ErrHeld: another replica holds the host's stream for another agent
+// process, and its claim has not lapsed.
+var ErrHeld = errors.New("host held by another replica")
+
+// liveLock numbers live writes in commit order (as the change feed's
+// triggers do theirs): "eitri" and a 3, as bytes.
+const liveLock int64 = 0x65_69_74_72_69_00_03
+
+// dbNow is the database's clock in unix nanoseconds: claims are compared
+// on one clock, whatever the replicas' own say.
+const dbNow = `(extract(epoch FROM clock_timestamp()) * 1000000000)::bigint`
+
+// HostLive is one host's row.
+type HostLive struct {
+	HostID, Replica, Instance string
+	// Conn rises with every stream the host opens, on any replica.
+	Conn      int64
+	Connected bool
+	// Expired: the holder's claim lapsed (it stopped renewing).
+	Expired bool
+	// Hello and Report are the wire messages, marshalled.
+	Hello, Report []byte
+	Rev           int64
+}
+
+// ClaimHost makes this replica the holder of hostID's stream for the agent
+// process instance and returns the stream's conn number. It is refused
+// with ErrHeld while another replica holds the host for another live agent
+// process (an empty instance, from older agents, matches any).
+func (s *Store) ClaimHost(ctx context.Context, hostID, instance string, hello []byte, ttl time.Duration) (int64, error) {
+	var conn int64
+	err := s.liveWrite(ctx, func(tx *sql.Tx) error {
+		err := tx.QueryRowContext(ctx, `INSERT INTO host_live (host_id, replica, instance, conn, connected, expires_at, hello, report, rev)
+			VALUES ($1, $2, $3, nextval('host_live_conn'), TRUE, `+dbNow+` + $4, $5, NULL, nextval('host_live_rev'))
+			ON CONFLICT (host_id) DO UPDATE SET replica = EXCLUDED.replica, instance = EXCLUDED.instance, conn = EXCLUDED.conn,
+				connected = TRUE, expires_at = EXCLUDED.expires_at, hello = EXCLUDED.hello, report = NULL, rev = EXCLUDED.rev
+			WHERE host_live.replica = EXCLUDED.replica OR host_live.instance = EXCLUDED.instance
+				OR host_live.instance = '' OR EXCLUDED.instance = ''
+				OR NOT host_live.connected OR host_live.expires_at < `+dbNow+`
+			RETURNING conn`, hostID, s.replica, instance, ttl.Nanoseconds(), hello).Scan(&conn)
+		if errors.Is(err, sql.ErrNoRows) {
+			return ErrHeld
+		}
+		if isForeignKeyViolation(err) {
+			return ErrNotFound
+		}
+		return err
+	})
+	return conn, err
+}
+
+// LiveReport is a report to publish for a host this replica holds.
+type LiveReport struct {
+	HostID string
+	Conn   int64
+	Report []byte
+}
+
+// WriteLive publishes reports of hosts this replica holds, in one
+// transaction, renewing their claims. It returns the hosts whose claim this
+// replica no longer holds (another took the host over): their streams here
+// are stale.
+func (s *Store) WriteLive(ctx context.Context, reps []LiveReport, ttl time.Duration) (lost []string, err error) {
+	err = s.liveWrite(ctx, func(tx *sql.Tx) error {
+		lost = lost[:0]
+		for _, r := range reps {
+			res, err := tx.ExecContext(ctx, `UPDATE host_live SET report = $1, rev = nextval('host_live_rev'), expires_at = `+dbNow+` + $2
+				WHERE host_id = $3 AND replica = $4 AND conn = $5 AND connected`, r.Report, ttl.Nanoseconds(), r.HostID, s.replica, r.Conn)
+			if err != nil {
+				return err
+			}
+			if n, _ := res.RowsAffected(); n == 0 {
+				lost = append(lost, r.HostID)
+			}
+		}
+		return nil
+	})
+	return lost, err
+}
+
+// ReleaseHost marks the stream conn of hostID closed, if it is still the
+// host's current one here.
+func (s *Store) ReleaseHost(ctx context.Context, hostID string, conn int64) error {
+	return s.liveWrite(ctx, func(tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, `UPDATE host_live SET connected = FALSE, report = NULL, rev = nextval('host_live_rev')
+			WHERE host_id = $1 AND replica = $2 AND conn = $3`, hostID, s.replica, conn)
+		return err
+	})
+}
+
+// RenewClaims extends every claim this replica holds.
+func (s *Store) RenewClaims(ctx context.Context, ttl time.Duration) error {
+	_, err := s.db.ExecContext(ctx, `UPDATE host_live SET expires_at = `+dbNow+` + $1 WHERE replica = $2 AND connected`,
+		ttl.Nanoseconds(), s.replica)
+	return err
+}
+
+// LiveSince returns the rows written after revision after, oldest first,
+// each as it is now.
+func (s *Store) LiveSince(ctx context.Context, after int64) ([]HostLive, error) {
+	return s.queryLive(ctx, `WHERE rev > $1 ORDER BY rev`, after)
+}
+
+// LiveAll returns every row, for a follower starting over.
+func (s *Store) LiveAll(ctx context.Context) ([]HostLive, error) {
+	return s.queryLive(ctx, `ORDER BY rev`)
+}
+
+func (s *Store) queryLive(ctx context.Context, where string, args ...any) ([]HostLive, error) {
+	rows, err := s.db.QueryContext(ctx, `SELECT host_id, replica, instance, conn, connected, expires_at < `+dbNow+`, hello, report, rev
+		FROM host_live `+where, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []HostLive
+	for rows.Next() {
+		var l HostLive
+		if err := rows.Scan(&l.HostID, &l.Replica, &l.Instance, &l.Conn, &l.Connected, &l.Expired, &l.Hello, &l.Report, &l.Rev); err != nil {
+			return nil, err
+		}
+		out = append(out, l)
+	}
+	return out, rows.Err()
+}
+
+// LiveExpired returns the hosts shown connected whose holder's claim has
+// lapsed: a replica that died or froze. Followers show them disconnected.
+func (s *Store) LiveExpired(ctx context.Context) ([]string, error) {
+	rows, err := s.db.QueryContext(ctx, `SELECT host_id FROM host_live WHERE connected AND expires_at < `+dbNow)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		out = append(out, id)
+	}
+	return out, rows.Err()
+}
+
+// liveWrite runs fn as a live write: numbered in commit order (the lock,
+// held to commit), without waiting for the disk (live state is rebuilt from
+// the agents if lost), and waking followers.
+func (s *Store) liveWrite(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	if !s.pg {
+		return errors.New("store: live state is shared only on PostgreSQL")
+	}
+	return s.write(ctx, func(tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, liveLock); err != nil {
+			return err
+		}
+		if err := fn(tx); err != nil {
+			return err
+		}
+		_, err := tx.ExecContext(ctx, `SELECT pg_notify($1, '')`, LiveChannel)
+		return err
+	})
+}
