@@ -2,10 +2,10 @@ package store
 
 import (
 	"context"
+	crand "crypto/rand"
 	"database/sql"
 	"errors"
 	"fmt"
-	crand "crypto/rand"
 	"math/rand/v2"
 	"net/url"
 	"strings"
