@@ -79,10 +79,10 @@ func (im *Images) Pinned(sha256 string) int {
 var _ reconcile.Seeder = (*Hypervisor)(nil).WriteSeed
 
 // WriteSeed is the engine's Seeder: it writes the NoCloud seed with
-// seed.Write, with the VM's phone-home URL on this host's guest network
-// (the engine's instance id is the VM id). Parameters the seed refuses (a
-// bad hostname or key) are a permanent error: retrying the same spec can
-// never succeed.
+// seed.Write, with the VM's phone-home and host certificate URLs on this
+// host's guest network (the engine's instance id is the VM id). Parameters
+// the seed refuses (a bad hostname or key) are a permanent error: retrying
+// the same spec can never succeed.
 func (h *Hypervisor) WriteSeed(outPath string, p reconcile.SeedParams) error {
 	err := seed.Write(outPath, seed.Params{
 		InstanceID:        p.InstanceID,
@@ -95,6 +95,7 @@ func (h *Hypervisor) WriteSeed(outPath string, p reconcile.SeedParams) error {
 		TrustedUserCAKeys: p.TrustedUserCAKeys,
 		UserCertPrincipal: p.UserCertPrincipal,
 		HostCertificate:   p.HostCertificate,
+		HostCertURL:       h.net.HostCertURL(p.InstanceID),
 	})
 	if errors.Is(err, seed.ErrInvalidParams) {
 		return permanent.Wrap(err)

@@ -55,6 +55,10 @@ type Config struct {
 	// PhoneHomePort is the phone-home endpoint's port on the bridge address
 	// (default DefaultPhoneHomePort).
 	PhoneHomePort uint16
+	// HostCerts returns the SSH host certificate this host holds for a
+	// VM's guest ("": none), which the endpoint serves to that guest alone
+	// (HostCertURL). Nil: guests are given no URL for one.
+	HostCerts func(vmID string) string
 	// LeaseTime is the DHCP lease time (default 1h).
 	LeaseTime time.Duration
 	// Teardown makes Close also delete the bridge, the NAT table and the

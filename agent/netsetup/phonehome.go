@@ -112,6 +112,7 @@ func (n *Network) startPhoneHome() error {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST "+phoneHomePath+"{vm}/{token}", n.handlePhoneHome)
+	mux.HandleFunc("GET "+hostCertPath+"{vm}/{token}", n.handleHostCert)
 	n.phoneSrv = &http.Server{
 		Handler:           mux,
 		ReadHeaderTimeout: 5 * time.Second,

@@ -187,6 +187,9 @@ type Engine struct {
 	admitMu  sync.Mutex
 	admitted map[string]bool
 
+	// certRetries holds back host certificate renewals that failed.
+	certRetries hostCertRetries
+
 	// mu guards the fields below. Lock order: Engine.mu before worker.mu,
 	// never the other way.
 	mu      sync.Mutex

@@ -432,6 +432,11 @@ func (e *Engine) converge(ctx context.Context, d *eitriv1.VMDesired, rec state.R
 		running, lastErr := e.stop(ctx, id)
 		return outcome{row: newRow(id, rec, powerWord(running), vmstate.PhaseFailed, cmp.Or(rec.LastError, lastErr), "")}
 	}
+	if wantRunning(d) {
+		// Before a start too, so a guest that was stopped for weeks finds
+		// a current certificate when it boots.
+		rec = e.renewHostCert(ctx, id, rec)
+	}
 	running, err := e.cfg.Hyper.Power(ctx, id)
 	if err != nil {
 		return outcome{row: unknownPowerRow(id, rec, prev, err)}

@@ -57,6 +57,12 @@ type Params struct {
 	// HostPubKey (authorized_keys form), which sshd presents
 	// (HostCertificate) so clients trusting the CA need no per-guest key.
 	HostCertificate string
+	// HostCertURL, when set, is where the guest fetches its current host
+	// certificate: certificates are short-lived and the agent renews them,
+	// so the seed installs a systemd timer that fetches it a few minutes
+	// after every boot and every few hours, installs it if it certifies
+	// the guest's own host key, and reloads sshd. Needs HostPubKey.
+	HostCertURL string
 }
 
 // Where the seed puts the SSH CA material, and the sshd drop-in naming it.
@@ -109,8 +115,16 @@ func (p Params) Validate() error {
 		}
 	}
 	if p.PhoneHomeURL != "" {
-		if err := validPhoneHome(p.PhoneHomeURL); err != nil {
+		if err := validHostURL("phone-home", p.PhoneHomeURL); err != nil {
 			return err
+		}
+	}
+	if p.HostCertURL != "" {
+		if err := validHostURL("host certificate", p.HostCertURL); err != nil {
+			return err
+		}
+		if p.HostPubKey == "" {
+			return invalid("a host certificate URL without a host key")
 		}
 	}
 	for _, k := range p.TrustedUserCAKeys {
@@ -222,17 +236,17 @@ func validUser(u string) error {
 	return nil
 }
 
-// validPhoneHome accepts a plain http(s) URL with nothing YAML or Python
+// validHostURL accepts a plain http(s) URL with nothing YAML or Python
 // could read differently: it is written into a script in the config.
-func validPhoneHome(raw string) error {
+func validHostURL(what, raw string) error {
 	u, err := url.Parse(raw)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" || u.User != nil {
-		return invalid("phone-home URL %q is not an http(s) URL", raw)
+		return invalid("%s URL %q is not an http(s) URL", what, raw)
 	}
 	for _, c := range []byte(raw) {
 		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte(":/.-_~[]%", c) >= 0
 		if !ok {
-			return invalid("phone-home URL %q has characters outside [A-Za-z0-9:/.-_~[]%%]", raw)
+			return invalid("%s URL %q has characters outside [A-Za-z0-9:/.-_~[]%%]", what, raw)
 		}
 	}
 	return nil
@@ -414,6 +428,17 @@ func UserData(p Params) string {
 	}
 	if p.HostCertificate != "" {
 		files = append(files, seedFile{HostCertificatePath, "0644", strings.TrimSpace(p.HostCertificate) + "\n"})
+	}
+	if p.HostCertURL != "" {
+		files = append(files,
+			seedFile{HostCertScript, "0700", hostCertScript(p.HostCertURL)},
+			seedFile{HostCertUnitPath, "0644", hostCertUnit},
+			seedFile{HostCertTimerPath, "0644", hostCertTimer})
+	}
+	if p.HostCertificate != "" || p.HostCertURL != "" {
+		// Named even before the timer has fetched a first certificate (a
+		// guest its agent could not have certified in time): sshd logs
+		// that it cannot load it and serves its plain key meanwhile.
 		sshd = append(sshd, "HostCertificate "+HostCertificatePath)
 	}
 	if len(sshd) > 0 {
@@ -435,13 +460,19 @@ func UserData(p Params) string {
 			}
 		}
 	}
+	if p.PhoneHomeURL != "" || p.HostCertURL != "" {
+		b.WriteString("runcmd:\n")
+	}
 	if p.PhoneHomeURL != "" {
 		// Enabled for later boots, started for this one: --no-block
 		// because runcmd runs inside cloud-final.service, which the unit
 		// waits for.
-		b.WriteString("runcmd:\n")
 		b.WriteString("  - [\"systemctl\", \"enable\", \"" + PhoneHomeUnit + "\"]\n")
 		b.WriteString("  - [\"systemctl\", \"start\", \"--no-block\", \"" + PhoneHomeUnit + "\"]\n")
+	}
+	if p.HostCertURL != "" {
+		b.WriteString("  - [\"systemctl\", \"enable\", \"" + HostCertTimer + "\"]\n")
+		b.WriteString("  - [\"systemctl\", \"start\", \"--no-block\", \"" + HostCertTimer + "\"]\n")
 	}
 	return b.String()
 }

@@ -179,6 +179,15 @@ func runAgent(ctx context.Context, a agentFlags, log *slog.Logger) error {
 	}
 	network, err := netsetup.Setup(ctx, netsetup.Config{
 		Bridge: a.bridge, Prefix: prefix, LeaseFile: filepath.Join(a.dataDir, "leases.json"), DNSUpstreams: a.dnsUpstreams, Log: log,
+		// Guests fetch their renewed host certificates from the record
+		// the engine keeps them in.
+		HostCerts: func(vmID string) string {
+			rec, ok, err := st.LoadVM(vmID)
+			if err != nil || !ok {
+				return ""
+			}
+			return rec.HostCert
+		},
 	})
 	if err != nil {
 		return fmt.Errorf("host network: %w", err)

@@ -105,7 +105,7 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	// SSH certificates: a 5-minute user certificate from the control plane
 	// logs in as the login user, and the guest's host certificate verifies
 	// against the host CA alone (known_hosts holds only the
-	// @cert-authority line), under the VM's id.
+	// @cert-authority line), under the VM's alias.
 	token, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
 	require.NoError(t, err)
 	cli := (&app{io: stdio{out: io.Discard, err: io.Discard}, format: formatTable}).
@@ -113,7 +113,7 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	login, err := cli.newSSHLogin(ctx, t.TempDir(), id, 0)
 	require.NoError(t, err)
 	defer login.Remove()
-	certArgs := append([]string{"-F", "/dev/null", "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"}, login.SSHOptions(id)...)
+	certArgs := append([]string{"-F", "/dev/null", "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"}, login.SSHOptions(sshcert.HostAlias(id))...)
 	certOut, err := exec.Command("ssh", append(certArgs, vm.AssignedIp, "id", "-un")...).CombinedOutput()
 	require.NoError(t, err, "ssh with a certificate, trusting only the host CA: %s", certOut)
 	assert.Equal(t, "eitri\n", string(certOut))
@@ -144,7 +144,7 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 		require.NoError(t, os.WriteFile(certPath, ssh.MarshalAuthorizedKey(cert), 0o600))
 		args := []string{"-F", "/dev/null", "-o", "BatchMode=yes", "-o", "ConnectTimeout=20",
 			"-i", keyPath, "-o", "CertificateFile=" + certPath, "-o", "IdentitiesOnly=yes",
-			"-o", "UserKnownHostsFile=" + login.KnownHostsFile, "-o", "StrictHostKeyChecking=yes", "-o", "HostKeyAlias=" + id,
+			"-o", "UserKnownHostsFile=" + login.KnownHostsFile, "-o", "StrictHostKeyChecking=yes", "-o", "HostKeyAlias=" + sshcert.HostAlias(id),
 			"-l", vm.LoginUser, vm.AssignedIp, "true"}
 		out, err := exec.Command("ssh", args...).CombinedOutput()
 		assert.Error(t, err, "%s is refused", what)
@@ -152,6 +152,33 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	}
 	refused("a certificate for another VM", "eitri@vm-someoneelse", time.Now().Add(time.Hour))
 	refused("an expired certificate", sshcert.Principal(vm.LoginUser, id), time.Now().Add(-time.Minute))
+
+	// Host certificates live a month and the agent renews them; the
+	// guest's timer fetches the agent's current one and reloads sshd.
+	// Without its certificate the guest fails a client that trusts only
+	// the host CA; one run of the timer's unit puts it back.
+	assert.Equal(t, "enabled\nactive\n", g.run("systemctl is-enabled eitri-host-cert.timer; systemctl is-active eitri-host-cert.timer"),
+		"the renewal timer runs")
+	// sshd closes its listener while a reload re-executes it: a refused
+	// connection is tried again.
+	byCA := func() (out []byte, err error) {
+		for range 20 {
+			out, err = exec.Command("ssh", append(certArgs, vm.AssignedIp, "true")...).CombinedOutput()
+			if err == nil || !strings.Contains(string(out), "Connection refused") {
+				break
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+		return out, err
+	}
+	g.run("sudo rm /etc/ssh/eitri_host_ed25519_cert.pub && sudo systemctl reload ssh")
+	out2, err := byCA()
+	require.Error(t, err, "no certificate, no trust by the CA alone")
+	assert.Contains(t, string(out2), "Host key verification failed")
+	g.run("sudo systemctl start eitri-host-cert.service")
+	out2, err = byCA()
+	require.NoError(t, err, "the timer's unit fetched the certificate from the agent and sshd presents it: %s\n%s", out2,
+		g.run("sudo journalctl -u eitri-host-cert.service --no-pager"))
 
 	// eitri ssh itself: through a tunnel (ProxyCommand `eitri tunnel`),
 	// with a certificate made for this login and the host key pinned.

@@ -588,16 +588,16 @@ func runFleet(t *testing.T, base string) {
 	step("a VM placed on each host reaches ready", func(t *testing.T) {
 		for _, h := range []string{"a", "b"} {
 			r, err := vmc.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{
-				Name: "vm-" + h, HostId: hostIDs[h], ImageUrl: f.imageURL, ImageSha256: f.imageSum, Vcpus: 1, MemMb: 256, DiskGb: 1,
+				Name: "guest-" + h, HostId: hostIDs[h], ImageUrl: f.imageURL, ImageSha256: f.imageSum, Vcpus: 1, MemMb: 256, DiskGb: 1,
 			}))
 			require.NoError(t, err)
 			assert.Equal(t, hostIDs[h], r.Msg.Vm.HostId, "placed on the host asked for")
 			vmIDs[h] = r.Msg.Vm.Id
 		}
 		for _, h := range []string{"a", "b"} {
-			vm := f.waitReady(t, vmIDs[h], 5*time.Minute, "vm-"+h+" becomes ready on host-"+h)
+			vm := f.waitReady(t, vmIDs[h], 5*time.Minute, "guest-"+h+" becomes ready on host-"+h)
 			assert.Equal(t, hostIDs[h], vm.HostId)
-			t.Logf("vm-%s ready at %s", h, vm.AssignedIp)
+			t.Logf("guest-%s ready at %s", h, vm.AssignedIp)
 		}
 	})
 
@@ -633,7 +633,7 @@ func runFleet(t *testing.T, base string) {
 				return false, err.Error()
 			}
 			body = b
-			return strings.Contains(b, "hostname=vm-a"), b
+			return strings.Contains(b, "hostname=guest-a"), b
 		})
 		t.Logf("%s answers: %s", exposed, strings.TrimSpace(body))
 	})
@@ -645,13 +645,13 @@ func runFleet(t *testing.T, base string) {
 		f.waitConnected(t, hostIDs["a"], false, 30*time.Second, "host-a shows disconnected after its agent is SIGKILLed")
 		vm, err := vmc.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: vmIDs["a"]}))
 		require.NoError(t, err)
-		assert.NotEqual(t, "ready", vm.Msg.Vm.Lifecycle, "nobody reports on vm-a, so it is not claimed ready")
-		f.waitUnreported(t, vmIDs["a"], "watchers hear that vm-a is no longer reported on")
+		assert.NotEqual(t, "ready", vm.Msg.Vm.Lifecycle, "nobody reports on guest-a, so it is not claimed ready")
+		f.waitUnreported(t, vmIDs["a"], "watchers hear that guest-a is no longer reported on")
 		assert.True(t, alive(pid), "the guest's QEMU (pid %d) outlives its agent", pid)
 
 		agents["a"] = f.start(t, "agent-a", agentNS(base, "a"), f.agentArgs("a", dirs["a"])...)
 		f.waitConnected(t, hostIDs["a"], true, time.Minute, "the restarted agent connects")
-		f.waitReady(t, vmIDs["a"], 2*time.Minute, "vm-a is ready again")
+		f.waitReady(t, vmIDs["a"], 2*time.Minute, "guest-a is ready again")
 		assert.Equal(t, pid, qemuPID(t, dirs["a"], vmIDs["a"]), "the restarted agent adopts the same QEMU")
 		assert.True(t, alive(pid), "QEMU %d still runs", pid)
 		waitUntil(t, 30*time.Second, "the published port answers again through the restarted agent", func() (bool, string) {
@@ -659,7 +659,7 @@ func runFleet(t *testing.T, base string) {
 			if err != nil {
 				return false, err.Error()
 			}
-			return strings.Contains(b, "hostname=vm-a"), b
+			return strings.Contains(b, "hostname=guest-a"), b
 		})
 	})
 
@@ -672,12 +672,12 @@ func runFleet(t *testing.T, base string) {
 		f.waitConnected(t, hostIDs["b"], false, 30*time.Second, "host-b, silent without a FIN, shows disconnected")
 		t.Logf("host-b shown disconnected %s after its link went down", time.Since(down).Round(100*time.Millisecond))
 		assert.False(t, agents["b"].exited(), "agent-b keeps running without its link")
-		f.waitUnreported(t, vmIDs["b"], "watchers hear that vm-b is no longer reported on")
+		f.waitUnreported(t, vmIDs["b"], "watchers hear that guest-b is no longer reported on")
 		up := time.Now()
 		sh(t, "ip", "-n", ns, "link", "set", "lan0", "up")
 		f.waitConnected(t, hostIDs["b"], true, 90*time.Second, "host-b reconnects once its link is up")
 		t.Logf("host-b connected again %s after its link came up", time.Since(up).Round(100*time.Millisecond))
-		f.waitReady(t, vmIDs["b"], time.Minute, "vm-b is reported ready again")
+		f.waitReady(t, vmIDs["b"], time.Minute, "guest-b is reported ready again")
 	})
 
 	step("an agent restarted while the control plane is down serves its published port again at once", func(t *testing.T) {
@@ -697,7 +697,7 @@ func runFleet(t *testing.T, base string) {
 			if err != nil {
 				return false, err.Error()
 			}
-			return strings.Contains(b, "hostname=vm-a"), b
+			return strings.Contains(b, "hostname=guest-a"), b
 		})
 
 		var fp string
@@ -706,7 +706,7 @@ func runFleet(t *testing.T, base string) {
 		for _, h := range []string{"a", "b"} {
 			f.waitConnected(t, hostIDs[h], true, 90*time.Second, "host-"+h+" connects to the control plane again")
 		}
-		f.waitReady(t, vmIDs["a"], time.Minute, "vm-a is reported ready again")
+		f.waitReady(t, vmIDs["a"], time.Minute, "guest-a is reported ready again")
 		_, err = published(exposed)
 		assert.NoError(t, err, "the port stays up once the snapshot replaces the restored one")
 	})
@@ -750,7 +750,7 @@ func runFleet(t *testing.T, base string) {
 			f.waitConnected(t, hostIDs[h], true, 90*time.Second, "host-"+h+" connects to the real control plane again")
 		}
 		for _, h := range []string{"a", "b"} {
-			f.waitReady(t, vmIDs[h], time.Minute, "vm-"+h+" is reported ready again")
+			f.waitReady(t, vmIDs[h], time.Minute, "guest-"+h+" is reported ready again")
 		}
 	})
 

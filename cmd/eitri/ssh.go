@@ -13,6 +13,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/sshcert"
 )
 
 func newSSHCmd(a *app) *cobra.Command {
@@ -22,10 +23,10 @@ func newSSHCmd(a *app) *cobra.Command {
 		Long: "Runs ssh as the VM's login user, connected through `eitri tunnel` (nothing is published).\n" +
 			"The guest's host key, as its host reported it, is written to a known_hosts file eitri owns\n" +
 			"(in eitri's config dir) and checked strictly: a key that differs is refused, and none is\n" +
-			"ever trusted on first use; the control plane's host CA is trusted beside it. ssh logs in\n" +
-			"with a key made for this login and a 5-minute certificate for it from the control plane,\n" +
-			"both removed when ssh exits. Arguments after -- go to ssh after the destination (options,\n" +
-			"then a command).",
+			"ever trusted on first use; the control plane's host CA is trusted beside it, for eitri's\n" +
+			"aliases (eitri-<vm id>, the name ssh connects to) only. ssh logs in with a key made for\n" +
+			"this login and a 5-minute certificate for it from the control plane, both removed when\n" +
+			"ssh exits. Arguments after -- go to ssh after the destination (options, then a command).",
 		Args:              cobra.MinimumNArgs(1),
 		ValidArgsFunction: a.completeVMs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -78,8 +79,9 @@ type sshTarget struct {
 }
 
 // HostAlias names the VM's host key in KnownHosts (and is ssh's
-// destination, so no ssh_config Host block for a VM name applies).
-func (t sshTarget) HostAlias() string { return "eitri-" + t.VMID }
+// destination, so no ssh_config Host block for a VM name applies). The
+// guest's host certificate names it, and the host CA is trusted for it.
+func (t sshTarget) HostAlias() string { return sshcert.HostAlias(t.VMID) }
 
 // sshArgs is the ssh command line for t. Options given with -o first win,
 // so these cannot be overridden by the caller's.
@@ -130,8 +132,8 @@ func (c *client) sshTarget(ctx context.Context, id string, extra []string) (sshT
 		return sshTarget{}, err
 	}
 	// The host CA too: a guest presenting a host certificate is checked
-	// against it (the certificate names the alias), a guest without one
-	// against the pinned key.
+	// against it (the certificate names the alias), a guest without one,
+	// or with an expired one, against the pinned key.
 	if cas, err := c.ssh.GetSSHCAKeys(ctx, connect.NewRequest(&eitriv1.GetSSHCAKeysRequest{})); err == nil {
 		if err := pinHostCAs(path, cas.Msg.GetHostCaKeys()); err != nil {
 			return sshTarget{}, err
@@ -149,18 +151,29 @@ func knownHostsPath() (string, error) {
 	return filepath.Join(filepath.Dir(cfg), "known_hosts"), nil
 }
 
-// pinHostCAs makes keys the only @cert-authority lines in path (eitri's
-// own known_hosts: "*" covers the VMs eitri ssh connects to, nothing else).
+// pinHostCAs makes keys the only @cert-authority lines in path.
 func pinHostCAs(path string, keys []*eitriv1.SSHCAKey) error {
-	var add []string
+	add, err := hostCALines(keys)
+	if err != nil {
+		return err
+	}
+	return rewriteKnownHosts(path, func(f []string) bool { return f[0] == "@cert-authority" }, add)
+}
+
+// hostCALines are the known_hosts lines trusting keys for eitri's aliases
+// only (sshcert.HostAliasPattern). Made here from the keys, not taken
+// from the control plane's known_hosts lines: an older one sends "*",
+// which would trust its host CA for every host ssh connects to.
+func hostCALines(keys []*eitriv1.SSHCAKey) ([]string, error) {
+	var out []string
 	for _, k := range keys {
 		key, _, _, _, err := ssh.ParseAuthorizedKey([]byte(k.GetPublicKey()))
 		if err != nil {
-			return fmt.Errorf("the control plane's host CA key is not a key: %w", err)
+			return nil, fmt.Errorf("the control plane's host CA key is not a key: %w", err)
 		}
-		add = append(add, "@cert-authority * "+strings.TrimSpace(string(ssh.MarshalAuthorizedKey(key))))
+		out = append(out, "@cert-authority "+sshcert.HostAliasPattern+" "+strings.TrimSpace(string(ssh.MarshalAuthorizedKey(key))))
 	}
-	return rewriteKnownHosts(path, func(f []string) bool { return f[0] == "@cert-authority" }, add)
+	return out, nil
 }
 
 // pinHostKey makes the key the only one in path for alias, keeping the

@@ -1,15 +1,28 @@
 package main
 
 import (
+	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/pem"
+	"fmt"
+	"net"
 	"os"
+	"os/exec"
+	"os/user"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
 
+	"github.com/a73x/eitri/agent/hosttest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/sshcert"
 )
 
 func TestEitriSSHOffersTheCertificateAndTrustsTheHostCA(t *testing.T) {
@@ -29,7 +42,101 @@ func TestEitriSSHOffersTheCertificateAndTrustsTheHostCA(t *testing.T) {
 	require.NoError(t, pinHostCAs(kh, []*eitriv1.SSHCAKey{{PublicKey: key}}))
 	b, err := os.ReadFile(kh)
 	require.NoError(t, err)
-	assert.Equal(t, "eitri-vm-1 "+key+"\n@cert-authority * "+key+"\n", string(b),
-		"the pinned key stays, the CA line is replaced rather than added again")
+	assert.Equal(t, "eitri-vm-1 "+key+"\n@cert-authority eitri-* "+key+"\n", string(b),
+		"the pinned key stays, the CA line is replaced rather than added again, and trusts the CA for eitri's aliases only")
 	assert.Error(t, pinHostCAs(kh, []*eitriv1.SSHCAKey{{PublicKey: "@cert-authority * x\nevil"}}))
+}
+
+// Host certificates live a month; a guest cut off from its renewals
+// presents a lapsed one. eitri ssh still reaches it by the key it pinned
+// (ssh drops a certificate it cannot accept and checks the plain key),
+// and a client trusting the host CA alone refuses it. Debian's sshd and
+// ssh, on loopback.
+func TestEitriSSHReachesAGuestWhoseHostCertificateLapsedByItsPinnedKey(t *testing.T) {
+	const sshd = "/usr/sbin/sshd"
+	if _, err := os.Stat(sshd); err != nil {
+		t.Skip("needs openssh-server (make deps)")
+	}
+	for _, bin := range []string{"ssh", "socat"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Skipf("needs %s (make deps)", bin)
+		}
+	}
+	me, err := user.Current()
+	require.NoError(t, err)
+	if me.Uid == "0" {
+		require.NoError(t, os.MkdirAll("/run/sshd", 0o755))
+	}
+	dir := t.TempDir()
+	writeKey := func(name string) (ssh.Signer, string) {
+		_, priv, err := ed25519.GenerateKey(rand.Reader)
+		require.NoError(t, err)
+		block, err := ssh.MarshalPrivateKey(priv, "")
+		require.NoError(t, err)
+		path := filepath.Join(dir, name)
+		require.NoError(t, os.WriteFile(path, pem.EncodeToMemory(block), 0o600))
+		s, err := ssh.NewSignerFromKey(priv)
+		require.NoError(t, err)
+		return s, path
+	}
+	hostSigner, hostKeyPath := writeKey("host_key")
+	caSigner, _ := writeKey("host_ca")
+	userSigner, userKeyPath := writeKey("id_ed25519")
+	const vmID = "vm-lapsed"
+	cert := &ssh.Certificate{Key: hostSigner.PublicKey(), CertType: ssh.HostCert, ValidPrincipals: []string{vmID, sshcert.HostAlias(vmID)},
+		ValidAfter: uint64(time.Now().Add(-31 * 24 * time.Hour).Unix()), ValidBefore: uint64(time.Now().Add(-time.Hour).Unix())}
+	require.NoError(t, cert.SignCert(rand.Reader, caSigner))
+	certPath := filepath.Join(dir, "host_key-cert.pub")
+	require.NoError(t, os.WriteFile(certPath, ssh.MarshalAuthorizedKey(cert), 0o644))
+	authorized := filepath.Join(dir, "authorized_keys")
+	require.NoError(t, os.WriteFile(authorized, ssh.MarshalAuthorizedKey(userSigner.PublicKey()), 0o600))
+
+	port := hosttest.FreePort(t, "tcp")
+	conf := filepath.Join(dir, "sshd_config")
+	require.NoError(t, os.WriteFile(conf, []byte(fmt.Sprintf(`ListenAddress 127.0.0.1:%d
+HostKey %s
+HostCertificate %s
+AuthorizedKeysFile %s
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PermitRootLogin prohibit-password
+PidFile %s
+`, port, hostKeyPath, certPath, authorized, filepath.Join(dir, "sshd.pid"))), 0o600))
+	var sshdLog syncBuffer
+	daemon := exec.Command(sshd, "-D", "-e", "-f", conf)
+	daemon.Stdout, daemon.Stderr = &sshdLog, &sshdLog
+	require.NoError(t, daemon.Start())
+	t.Cleanup(func() { _ = daemon.Process.Kill(); _ = daemon.Wait() })
+	require.Eventually(t, func() bool {
+		c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond, "sshd listens:\n%s", &sshdLog)
+
+	// eitri ssh's own known_hosts and command line, its ProxyCommand
+	// standing in for the tunnel.
+	proxy := filepath.Join(dir, "eitri-proxy")
+	require.NoError(t, os.WriteFile(proxy, []byte(fmt.Sprintf("#!/bin/sh\nexec socat - TCP:127.0.0.1:%d\n", port)), 0o755))
+	kh := filepath.Join(dir, "known_hosts")
+	caKey := []*eitriv1.SSHCAKey{{PublicKey: string(ssh.MarshalAuthorizedKey(caSigner.PublicKey()))}}
+	require.NoError(t, pinHostCAs(kh, caKey))
+	run := func() (string, error) {
+		args := append([]string{"-F", "/dev/null", "-o", "BatchMode=yes", "-i", userKeyPath, "-o", "IdentitiesOnly=yes"},
+			sshArgs(sshTarget{Self: proxy, VMID: vmID, User: me.Username, KnownHosts: kh})...)
+		out, err := exec.Command("ssh", append(args, "echo", "in-the-guest")...).CombinedOutput()
+		return string(out), err
+	}
+	out, err := run()
+	assert.Error(t, err, "the host CA alone does not vouch for a lapsed certificate")
+	assert.Contains(t, out, "Host key verification failed")
+
+	pub := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(hostSigner.PublicKey())))
+	require.NoError(t, pinHostKey(kh, sshcert.HostAlias(vmID), pub))
+	out, err = run()
+	require.NoError(t, err, "eitri ssh with the reported key pinned:\n%s\nsshd:\n%s", out, &sshdLog)
+	assert.Contains(t, out, "in-the-guest")
 }

@@ -29,10 +29,13 @@ func newSSHCACmd(a *app) *cobra.Command {
 		Long: `Print the control plane's SSH certificate authorities.
 
 Guests trust certificates from the user CA (eitri ssh gets one for a few
-minutes), and present host certificates from the host CA. One known_hosts
-line trusts every eitri guest's host key:
+minutes), and present host certificates from the host CA, for 30 days at a
+time and renewed, naming the VM's id and its alias eitri-<vm id>. One
+known_hosts line trusts every eitri guest's host key under its alias, and
+the host CA for no other name:
 
   eitri ssh-ca --known-hosts >> ~/.ssh/known_hosts
+  ssh -o HostKeyAlias=eitri-<vm id> -o ProxyCommand='eitri tunnel <vm id> 22' eitri@<vm id>
 
 After a CA rotation the previous key is listed too, marked "previous".`,
 		Args: noArgs,
@@ -42,7 +45,11 @@ After a CA rotation the previous key is listed too, marked "previous".`,
 				return apiError(err)
 			}
 			if knownHosts {
-				for _, l := range r.Msg.GetKnownHosts() {
+				lines, err := hostCALines(r.Msg.GetHostCaKeys())
+				if err != nil {
+					return err
+				}
+				for _, l := range lines {
 					fmt.Fprintln(c.out, l)
 				}
 				return nil
@@ -67,8 +74,8 @@ into new guests) until that CA is rotated again.
 Guests read their seed once, on their first boot: a guest created before a
 user CA rotation accepts no certificate from the new key (its injected key
 still works). After a host CA rotation, add the new known_hosts line
-(eitri ssh-ca --known-hosts); guests created before it keep presenting
-certificates from the old key.`,
+(eitri ssh-ca --known-hosts); guests keep presenting certificates from the
+old key until their agents renew them (within 10 days).`,
 		Args:      cobra.ExactArgs(1),
 		ValidArgs: []cobra.Completion{"user", "host"},
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -98,21 +105,22 @@ func sshCATable(w io.Writer, m *eitriv1.GetSSHCAKeysResponse) {
 	}
 	section("user CA (guests accept the certificates it signs):", m.GetUserCaKeys())
 	section("host CA (guests' host keys are certified by it):", m.GetHostCaKeys())
-	fmt.Fprintln(w, "known_hosts (trusts every eitri guest):")
-	for _, l := range m.GetKnownHosts() {
+	fmt.Fprintln(w, "known_hosts (trusts every eitri guest, under its alias eitri-<vm id>):")
+	lines, _ := hostCALines(m.GetHostCaKeys()) // a key that is not one shows no line
+	for _, l := range lines {
 		fmt.Fprintln(w, "  "+l)
 	}
 }
 
 // sshLogin is an ephemeral key pair with a short-lived certificate for
-// logging into one VM, and a known_hosts file trusting the host CA, in a
-// private temporary directory. Remove deletes it all.
+// logging into one VM, and a known_hosts file trusting the host CA for
+// eitri's aliases, in a private temporary directory. Remove deletes it all.
 type sshLogin struct {
 	Dir string
 	// IdentityFile is the private key (ssh -i); CertificateFile its
 	// certificate (ssh -o CertificateFile=).
 	IdentityFile, CertificateFile string
-	// KnownHostsFile holds "@cert-authority * <host CA>" lines
+	// KnownHostsFile holds "@cert-authority eitri-* <host CA>" lines
 	// (ssh -o UserKnownHostsFile=).
 	KnownHostsFile string
 	// User is the VM's login user, whom the certificate logs in as.
@@ -163,6 +171,10 @@ func (c *client) newSSHLogin(ctx context.Context, dir, vmID string, ttl time.Dur
 	if err != nil {
 		return nil, apiError(err)
 	}
+	caLines, err := hostCALines(cas.Msg.GetHostCaKeys())
+	if err != nil {
+		return nil, err
+	}
 	l.IdentityFile = filepath.Join(d, "id_ed25519")
 	l.CertificateFile = l.IdentityFile + "-cert.pub"
 	l.KnownHostsFile = filepath.Join(d, "known_hosts")
@@ -173,7 +185,7 @@ func (c *client) newSSHLogin(ctx context.Context, dir, vmID string, ttl time.Dur
 		{l.IdentityFile, pem.EncodeToMemory(block)},
 		{l.IdentityFile + ".pub", ssh.MarshalAuthorizedKey(sshPub)},
 		{l.CertificateFile, []byte(signed.Msg.GetCertificate() + "\n")},
-		{l.KnownHostsFile, []byte(strings.Join(cas.Msg.GetKnownHosts(), "\n") + "\n")},
+		{l.KnownHostsFile, []byte(strings.Join(caLines, "\n") + "\n")},
 	} {
 		if err := os.WriteFile(f.path, f.data, 0o600); err != nil {
 			return nil, err
@@ -187,8 +199,9 @@ func (c *client) newSSHLogin(ctx context.Context, dir, vmID string, ttl time.Dur
 
 // SSHOptions are the system ssh's options that log in with l: the key and
 // its certificate only (not the user's agent's keys), as l.User, trusting
-// the host CA for hostAlias (a name the host certificate carries: the VM's
-// id or name).
+// the host CA for hostAlias, which must be the VM's alias
+// (sshcert.HostAlias): the only name both the certificate and the
+// known_hosts line cover.
 func (l *sshLogin) SSHOptions(hostAlias string) []string {
 	return []string{
 		"-i", l.IdentityFile,

@@ -29,6 +29,7 @@ import (
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/wire/connclient"
+	"github.com/a73x/eitri/wire/sshcert"
 )
 
 func TestSSHCAPrintsTheKeysAndTheKnownHostsLine(t *testing.T) {
@@ -39,8 +40,8 @@ func TestSSHCAPrintsTheKeysAndTheKnownHostsLine(t *testing.T) {
 	require.NoError(t, protojson.Unmarshal([]byte(out), &r), out)
 	require.Len(t, r.HostCaKeys, 1)
 	require.Len(t, r.UserCaKeys, 1)
-	line := "@cert-authority * " + r.HostCaKeys[0].PublicKey
-	assert.Equal(t, []string{line}, r.KnownHosts)
+	line := "@cert-authority eitri-* " + r.HostCaKeys[0].PublicKey
+	assert.Equal(t, []string{line}, r.KnownHosts, "the host CA is trusted for eitri's aliases only")
 
 	out, err = e.eitri("ssh-ca", "--known-hosts")
 	require.NoError(t, err)
@@ -111,7 +112,7 @@ func TestSSHLoginWritesAPrivateKeyAndItsCertificate(t *testing.T) {
 	assert.WithinDuration(t, time.Now().Add(5*time.Minute), l.ValidBefore, time.Minute)
 	kh, err := os.ReadFile(l.KnownHostsFile)
 	require.NoError(t, err)
-	assert.True(t, strings.HasPrefix(string(kh), "@cert-authority * ssh-ed25519 "), string(kh))
+	assert.True(t, strings.HasPrefix(string(kh), "@cert-authority eitri-* ssh-ed25519 "), string(kh))
 
 	require.NoError(t, l.Remove())
 	_, err = os.Stat(l.Dir)
@@ -216,18 +217,25 @@ LogLevel VERBOSE
 	}
 
 	l := login(0)
-	for _, alias := range []string{vmID, "web", "eitri-" + vmID} {
-		out, err := runSSH(l.SSHOptions(alias))
-		require.NoError(t, err, "ssh as the VM's login user with a fresh certificate, host %s:\n%s\nsshd:\n%s", alias, out, &sshdLog)
-		assert.Contains(t, out, "in-the-guest")
-	}
+	out, err := runSSH(l.SSHOptions(sshcert.HostAlias(vmID)))
+	require.NoError(t, err, "ssh as the VM's login user with a fresh certificate, by its alias:\n%s\nsshd:\n%s", out, &sshdLog)
+	assert.Contains(t, out, "in-the-guest")
 	assert.Contains(t, sshdLog.String(), "Accepted publickey for "+me.Username, "sshd took the certificate")
 
-	out, err := runSSH(l.SSHOptions("another-vm"))
-	assert.Error(t, err, "the host certificate names this VM only")
-	assert.Contains(t, out, "Host key verification failed")
+	// The guest is root in its VM and holds its host certificate: it
+	// passes for no name but its own alias. Not its id or its name (the
+	// known_hosts line trusts the host CA for eitri's aliases only), not
+	// localhost, not another VM's alias.
+	for _, name := range []string{vmID, "web", "localhost", sshcert.HostAlias("vm-another")} {
+		out, err := runSSH(l.SSHOptions(name))
+		assert.Error(t, err, "the host certificate passes for %s", name)
+		assert.Contains(t, out, "Host key verification failed", name)
+	}
+	// Nor can its owner name a VM so that its alias is theirs.
+	_, err = e.eitri("vm", "create", sshcert.HostAlias(vmID), "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32))
+	assert.ErrorContains(t, err, "name: ")
 
-	other := l.SSHOptions(vmID)
+	other := l.SSHOptions(sshcert.HostAlias(vmID))
 	other[len(other)-1] = "nobody" // -l: a user the certificate does not name
 	out, err = runSSH(other)
 	assert.Error(t, err, "a certificate for another principal is refused")
@@ -246,7 +254,7 @@ LogLevel VERBOSE
 	forOther, err := c.newSSHLogin(ctx, t.TempDir(), other2.Id, 0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = forOther.Remove() })
-	out, err = runSSH(forOther.SSHOptions(vmID))
+	out, err = runSSH(forOther.SSHOptions(sshcert.HostAlias(vmID)))
 	assert.Error(t, err, "a certificate for another VM is refused")
 	assert.Contains(t, out, "Permission denied")
 
@@ -254,7 +262,7 @@ LogLevel VERBOSE
 	for time.Now().Before(expired.ValidBefore.Add(time.Second)) {
 		time.Sleep(100 * time.Millisecond)
 	}
-	out, err = runSSH(expired.SSHOptions(vmID))
+	out, err = runSSH(expired.SSHOptions(sshcert.HostAlias(vmID)))
 	assert.Error(t, err, "an expired certificate is refused")
 	assert.Contains(t, out, "Permission denied")
 	assert.Contains(t, sshdLog.String(), "expired", "sshd says why")

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -280,8 +281,11 @@ func (f *Fleet) AdoptOrphanedVM(ctx context.Context, r *eitriv1.AdoptOrphanedVMR
 		return nil, err
 	}
 	name := cmp.Or(r.GetName(), held.GetName())
-	if !dnsLabel.MatchString(name) {
-		return nil, invalid("name", "%q is not a DNS label", name)
+	if err := checkVMName(name); err != nil {
+		if r.GetName() == "" {
+			return nil, invalid("name", "%s (the name its host holds; pass name to adopt it under another)", strings.TrimPrefix(err.Error(), "name: "))
+		}
+		return nil, err
 	}
 	power := held.GetPowerState()
 	if power != vmstate.PowerRunning && power != vmstate.PowerStopped {

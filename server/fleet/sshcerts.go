@@ -25,9 +25,13 @@ import (
 const (
 	DefaultUserCertTTL = 5 * time.Minute
 	MaxUserCertTTL     = time.Hour
-	// A guest's host certificate lives as long as a guest may: its key never
-	// changes, and a host CA rotation is what retires it.
-	hostCertValidity = 5 * 365 * 24 * time.Hour
+	// HostCertValidity is how long a guest's host certificate lives.
+	// Nothing can revoke one short of rotating the host CA, so it is short;
+	// agents renew it once it is a third of the way through (or ten days
+	// old), and guests fetch the renewal from their agent every few hours,
+	// so a month leaves some three weeks for a control plane or an agent
+	// that is down.
+	HostCertValidity = 30 * 24 * time.Hour
 	// certBackdate covers clocks a little behind the control plane's (a
 	// guest just booted under emulation, a laptop).
 	certBackdate = time.Minute
@@ -285,12 +289,18 @@ func hasControl(s string) bool {
 
 // HostKeyAlias is the name `eitri ssh` gives a VM's host key (ssh's
 // HostKeyAlias and destination): a guest's host certificate names it.
-func HostKeyAlias(vmID string) string { return "eitri-" + vmID }
+func HostKeyAlias(vmID string) string { return sshcert.HostAlias(vmID) }
+
+// hostPrincipals are the names a guest's host certificate vouches for:
+// only names eitri gives out, the VM's id and its alias. Never the VM's
+// name: its owner chooses it and is root in the guest holding the
+// certificate, so a name copied from another VM's alias, or "localhost",
+// would be a certificate to pass as that host.
+func hostPrincipals(vmID string) []string { return []string{vmID, HostKeyAlias(vmID)} }
 
 // SignHostKey certifies a guest's host key for the host the VM is placed
-// on, with the names a client may connect to it by as principals: the VM's
-// id, its name, and HostKeyAlias(id), the alias `eitri ssh`
-// connects to.
+// on, for hostPrincipals, for HostCertValidity. Agents call it again to
+// renew.
 func (f *Fleet) SignHostKey(ctx context.Context, hostID string, r *eitriv1.SignHostKeyRequest) (*eitriv1.SignHostKeyResponse, error) {
 	if err := checkLen("vm_id", r.GetVmId(), maxIDLen); err != nil {
 		return nil, err
@@ -325,11 +335,12 @@ func (f *Fleet) SignHostKey(ctx context.Context, hostID string, r *eitriv1.SignH
 		return nil, err
 	}
 	now := f.now()
-	cert, err := ca.Sign(sshca.Host, pub, fmt.Sprintf("eitri guest %s (%s)", vm.Name, vm.ID),
-		[]string{vm.ID, vm.Name, HostKeyAlias(vm.ID)}, sshca.Validity{After: now.Add(-certBackdate), Before: now.Add(hostCertValidity)})
+	v := sshca.Validity{After: now.Add(-certBackdate), Before: now.Add(HostCertValidity)}
+	cert, err := ca.Sign(sshca.Host, pub, fmt.Sprintf("eitri guest %s (%s)", vm.Name, vm.ID), hostPrincipals(vm.ID), v)
 	if err != nil {
 		return nil, err
 	}
-	f.event(ctx, vm.ID, eventSSHHostCert, fmt.Sprintf("host key %s certified by the host CA: serial %d", ssh.FingerprintSHA256(pub), cert.Serial))
+	f.event(ctx, vm.ID, eventSSHHostCert, fmt.Sprintf("host key %s certified by the host CA as %s: serial %d, valid until %s",
+		ssh.FingerprintSHA256(pub), strings.Join(cert.ValidPrincipals, ", "), cert.Serial, v.Before.Format(time.RFC3339)))
 	return &eitriv1.SignHostKeyResponse{Certificate: sshca.AuthorizedKey(cert)}, nil
 }

@@ -1,7 +1,8 @@
 // Package sshca holds the control plane's two SSH certificate authorities:
 // the user CA, whose certificates let a person log into a guest for a few
 // minutes, and the host CA, whose certificates vouch for a guest's host key,
-// so one "@cert-authority" known_hosts line trusts every eitri guest. Both
+// so one "@cert-authority" known_hosts line trusts every eitri guest under
+// the alias eitri gives it (wire/sshcert.HostAlias), and no other name. Both
 // are ed25519 keys made on first start and kept in the data directory beside
 // the TLS material.
 //
@@ -31,6 +32,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/a73x/eitri/server/pki"
+	"github.com/a73x/eitri/wire/sshcert"
 )
 
 // Kind names one of the two authorities.
@@ -193,10 +195,12 @@ func AuthorizedKey(k ssh.PublicKey) string {
 	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k)))
 }
 
-// KnownHostsLine is the known_hosts line that trusts every host certificate
-// k signs, for any host name.
+// KnownHostsLine is the known_hosts line that trusts the host certificates
+// k signs for eitri's host aliases only. "*" would let the host CA vouch
+// for any name a certificate carried, so one mistaken principal would be a
+// certificate for somebody else's host.
 func KnownHostsLine(k ssh.PublicKey) string {
-	return "@cert-authority * " + AuthorizedKey(k)
+	return "@cert-authority " + sshcert.HostAliasPattern + " " + AuthorizedKey(k)
 }
 
 // Validity bounds a certificate.

@@ -3,6 +3,7 @@ package sshca_test
 import (
 	"crypto/ed25519"
 	"crypto/rand"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
+	"golang.org/x/crypto/ssh/knownhosts"
 
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/sshca/sshcatest"
@@ -67,6 +69,27 @@ func TestUserCertificateIsCheckedByValidityAndPrincipal(t *testing.T) {
 	assert.Error(t, err, "a certificate without principals is valid for everyone")
 }
 
+// A host certificate that names more than eitri's alias (a tenant's VM
+// name such as "localhost", as they once did) must not verify for those
+// names: the known_hosts line limits the host CA to eitri's aliases.
+func TestTheKnownHostsLineTrustsTheHostCAForEitriAliasesOnly(t *testing.T) {
+	a, err := sshca.LoadOrCreate(t.TempDir())
+	require.NoError(t, err)
+	now := time.Now()
+	cert, err := a.Sign(sshca.Host, newPub(t), "guest", []string{"vm-1", "eitri-vm-1", "localhost", "web"},
+		sshca.Validity{After: now.Add(-time.Minute), Before: now.Add(time.Hour)})
+	require.NoError(t, err)
+	path := filepath.Join(t.TempDir(), "known_hosts")
+	require.NoError(t, os.WriteFile(path, []byte(sshca.KnownHostsLine(a.PublicKey(sshca.Host))+"\n"), 0o600))
+	check, err := knownhosts.New(path)
+	require.NoError(t, err)
+	remote := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 22}
+	assert.NoError(t, check("eitri-vm-1:22", remote, cert), "the alias eitri ssh connects to")
+	for _, name := range []string{"localhost", "web", "vm-1"} {
+		assert.Error(t, check(name+":22", remote, cert), "the host CA vouches for no %s", name)
+	}
+}
+
 func TestSerialsDiffer(t *testing.T) {
 	seen := map[uint64]bool{}
 	for range 1000 {
@@ -104,7 +127,7 @@ func TestRotateKeepsThePreviousKeyTrusted(t *testing.T) {
 	trusted = b.Trusted(sshca.Host)
 	require.Len(t, trusted, 2)
 	assert.Equal(t, second.Marshal(), trusted[1].Marshal())
-	assert.Equal(t, "@cert-authority * "+sshca.AuthorizedKey(trusted[0]), sshca.KnownHostsLine(trusted[0]))
+	assert.Equal(t, "@cert-authority eitri-* "+sshca.AuthorizedKey(trusted[0]), sshca.KnownHostsLine(trusted[0]))
 }
 
 // login is sshd's check of a user certificate: signed by a trusted user CA

@@ -1,6 +1,7 @@
-// Package sshcert holds what the control plane (which signs SSH user
-// certificates) and the agent (whose seed tells a guest's sshd which ones to
-// accept) must agree on.
+// Package sshcert holds what the control plane (which signs SSH user and
+// host certificates), the agent (whose seed tells a guest's sshd which ones
+// to accept) and the CLI (which connects to guests by their alias) must
+// agree on.
 package sshcert
 
 // Principal is the one principal of a user certificate for loginUser on one
@@ -12,3 +13,17 @@ package sshcert
 func Principal(loginUser, vmID string) string {
 	return loginUser + "@" + vmID
 }
+
+// AliasPrefix starts every host alias. VM names may not start with it (nor
+// with "vm-", the ids' prefix): a name is the tenant's choice, and a name
+// shaped like another VM's alias would be a claim on its identity.
+const AliasPrefix = "eitri-"
+
+// HostAlias is the name a client connects to a VM by (ssh's HostKeyAlias),
+// and a principal of the guest's host certificate.
+func HostAlias(vmID string) string { return AliasPrefix + vmID }
+
+// HostAliasPattern is the known_hosts host pattern matching every
+// HostAlias and no name eitri does not give out: the @cert-authority line
+// trusts the host CA for these names only, never "*".
+const HostAliasPattern = AliasPrefix + "*"

@@ -13,3 +13,8 @@ func TestAPrincipalNamesTheUserAndTheVM(t *testing.T) {
 	assert.NotEqual(t, sshcert.Principal("eitri", "vm-1"), sshcert.Principal("eitri", "vm-2"),
 		"the same login user on two VMs needs two certificates")
 }
+
+func TestTheHostAliasIsWhatTheKnownHostsPatternCovers(t *testing.T) {
+	assert.Equal(t, "eitri-vm-1", sshcert.HostAlias("vm-1"))
+	assert.Equal(t, "eitri-*", sshcert.HostAliasPattern)
+}
