@@ -63,6 +63,10 @@ type Config struct {
 	// from the one before (the first included), from the goroutine that
 	// probed; probes never overlap, so calls never do.
 	OnAccelChange func(Accel)
+	// SerialLogMax bounds the disk a running guest's serial log takes: it
+	// is cut back to its newest bytes as it grows (seriallog.go). Default
+	// DefaultSerialLogMax.
+	SerialLogMax int64
 }
 
 // VM is what the backend needs to run one guest.
@@ -106,6 +110,8 @@ type Backend struct {
 	launched map[string]Accel
 	// serial holds the open console input connections (console.go).
 	serial serialConns
+	// copies holds the copies of serial output into the logs (seriallog.go).
+	copies serialCopies
 
 	// Probe bounds and the KVM device, fields so tests can change them.
 	kvmProbeTimeout, tcgProbeTimeout time.Duration
@@ -143,6 +149,9 @@ func New(cfg Config) (*Backend, error) {
 	}
 	if cfg.ShutdownGrace <= 0 {
 		cfg.ShutdownGrace = defaultShutdownGrace
+	}
+	if cfg.SerialLogMax <= 0 {
+		cfg.SerialLogMax = DefaultSerialLogMax
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
@@ -393,6 +402,7 @@ func (b *Backend) Start(ctx context.Context, vm VM) error {
 
 	if pid, ok := b.alive(vm.ID); ok {
 		b.log.Debug("vm already running", "id", vm.ID, "pid", pid)
+		b.adoptSerial(vm.ID, pid)
 		return nil
 	}
 	dir := b.VMDir(vm.ID)
@@ -436,8 +446,13 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 	_ = os.Remove(b.sockPath(vm.ID))
 	_ = os.Remove(b.serialSockPath(vm.ID))
 	_ = os.Remove(b.logPath(vm.ID))
+	b.settleSerial(vm.ID) // the previous boot's output is all in its log
 	if err := b.rotateSerial(vm.ID); err != nil {
 		b.log.Warn("cannot keep the previous serial log; the new boot overwrites it", "id", vm.ID, "err", err)
+	}
+	capture, err := b.prepareSerial(vm.ID)
+	if err != nil {
+		return fmt.Errorf("qemu: vm %s: serial log: %w", vm.ID, err)
 	}
 	kvm := accel.Name == accelKVM
 	kvmFault := func(out string, err error) error {
@@ -455,12 +470,16 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 	cmd.WaitDelay = 5 * time.Second
 	out, err := cmd.CombinedOutput()
 	reapDaemonizeParents()
+	// QEMU has opened the pipe, or never will: reading it now ends at once
+	// when it is gone.
+	b.runSerial(vm.ID, capture)
 	if err != nil {
 		text := strings.TrimSpace(string(out) + "\n" + b.qemuLog(vm.ID))
 		return kvmFault(text, fmt.Errorf("qemu: start vm %s: %w: %s", vm.ID, err, text))
 	}
 	pid, ok := b.alive(vm.ID)
 	if !ok {
+		b.settleSerial(vm.ID)
 		logText, serial := b.qemuLog(vm.ID), b.SerialTail(vm.ID, 20)
 		return kvmFault(logText+"\n"+serial,
 			fmt.Errorf("qemu: vm %s exited right after start: %s", vm.ID, strings.TrimSpace(logText+"\n"+serial)))
@@ -633,6 +652,7 @@ func (b *Backend) Adopt(ctx context.Context, id string) (bool, error) {
 		return false, fmt.Errorf("qemu: adopt vm %s (pid %d): %w", id, pid, err)
 	}
 	b.watch(id, pid)
+	b.adoptSerial(id, pid)
 	b.log.Info("adopted running vm", "id", id, "pid", pid, "status", st.Status)
 	return true, nil
 }
@@ -766,9 +786,11 @@ func (b *Backend) killLocked(ctx context.Context, id string, pid int) error {
 func (b *Backend) cleanRuntime(id string) {
 	b.unwatch(id)
 	b.forgetSerial(id)
+	b.settleSerial(id)
 	_ = os.Remove(b.pidPath(id))
 	_ = os.Remove(b.sockPath(id))
 	_ = os.Remove(b.serialSockPath(id))
+	_ = os.Remove(b.serialPipePath(id))
 }
 
 // waitGone polls until the process is no longer this VM's QEMU or d passes.
@@ -805,6 +827,7 @@ func (b *Backend) Destroy(ctx context.Context, id string) error {
 	l.life.Lock()
 	defer l.life.Unlock()
 	b.unwatch(id) // a QEMU that died unasked is reaped too
+	b.stopSerial(id)
 	if err := os.RemoveAll(b.VMDir(id)); err != nil {
 		return fmt.Errorf("qemu: destroy vm %s: %w", id, err)
 	}

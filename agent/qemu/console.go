@@ -16,11 +16,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The serial console. QEMU writes the guest's serial output to serial.log
-// (the chardev's logfile, so the log is complete whether or not anyone is
-// connected) and takes input on serial.sock, a unix socket it listens on.
-// Output is read from the log, never from the socket: a follower that falls
-// behind then costs the guest nothing. A connection to the socket is made
+// The serial console. QEMU writes the guest's serial output to the
+// chardev's logfile, which the agent keeps as serial.log (seriallog.go: the
+// log is complete whether or not anyone is connected, and bounded), and
+// takes input on serial.sock, a unix socket it listens on. Output is read
+// from the log, never from the socket: a follower that falls behind then
+// costs the guest nothing. A connection to the socket is made
 // only to type, and is drained while it is open, since QEMU would stall the
 // guest's UART on a full socket.
 
@@ -59,11 +60,11 @@ func (b *Backend) serialSockPath(id string) string {
 }
 
 // serialArgs is the serial port's chardev: a listening socket logging to
-// serial.log, or only the log when the socket path is too long for a unix
-// socket (the console is then read-only).
+// the serial pipe, or only the log when the socket path is too long for a
+// unix socket (the console is then read-only).
 func (b *Backend) serialArgs(id string) []string {
-	log := optEscape(b.serialPath(id))
-	chardev := "file,id=serial0,path=" + log
+	log := optEscape(b.serialPipePath(id))
+	chardev := "null,id=serial0,logfile=" + log
 	if sock := b.serialSockPath(id); len(sock) <= maxUnixPath {
 		chardev = "socket,id=serial0,path=" + optEscape(sock) + ",server=on,wait=off,logfile=" + log
 	}
@@ -138,10 +139,12 @@ type follower struct {
 	emit func(SerialChunk) error
 	buf  []byte
 
-	f       *os.File // nil while there is no log
-	boot    string
-	off     int64
-	newBoot bool // the next chunk starts a boot the reader did not know
+	f    *os.File // nil while there is no log
+	boot string
+	// base is where f's first byte sits in the boot's output (a log cut
+	// back to its newest bytes starts past 0); off is in that output.
+	base, off int64
+	newBoot   bool // the next chunk starts a boot the reader did not know
 }
 
 // bootID names a log file: its inode and birth time, so a new boot's log
@@ -159,8 +162,8 @@ func bootID(f *os.File) string {
 // boot, else at the last tail bytes (a resume of another boot is told it
 // is a new one). The first emit goes out from here.
 func (fl *follower) open(from SerialFrom, tail int64) error {
-	f, err := os.Open(fl.path)
-	if err != nil {
+	f, boot, base, ok := openSerialLog(fl.path)
+	if !ok {
 		// No log yet (the VM has not booted): say the stream is open.
 		return fl.emit(SerialChunk{})
 	}
@@ -169,16 +172,17 @@ func (fl *follower) open(from SerialFrom, tail int64) error {
 		f.Close()
 		return fl.emit(SerialChunk{})
 	}
-	fl.f, fl.boot = f, bootID(f)
+	fl.f, fl.boot, fl.base = f, boot, base
+	end := base + fi.Size()
 	switch {
 	case from.Boot != "" && from.Boot == fl.boot:
-		fl.off = min(max(from.Offset, 0), fi.Size())
+		fl.off = min(max(from.Offset, base), end)
 	case from.Boot != "":
-		fl.off, fl.newBoot = max(fi.Size()-MaxSerialTail, 0), true
+		fl.off, fl.newBoot = max(end-MaxSerialTail, base), true
 	default:
-		fl.off = max(fi.Size()-tail, 0)
+		fl.off = max(end-tail, base)
 	}
-	if fl.off == fi.Size() {
+	if fl.off == end {
 		return fl.emit(SerialChunk{Boot: fl.boot, Offset: fl.off, NewBoot: fl.takeNewBoot()})
 	}
 	return nil
@@ -196,7 +200,7 @@ func (fl *follower) drain() error {
 		return nil
 	}
 	for {
-		n, err := fl.f.ReadAt(fl.buf, fl.off)
+		n, err := fl.f.ReadAt(fl.buf, fl.off-fl.base)
 		if n > 0 {
 			data := append([]byte(nil), fl.buf[:n]...)
 			if err := fl.emit(SerialChunk{Data: data, Boot: fl.boot, Offset: fl.off, NewBoot: fl.takeNewBoot()}); err != nil {
@@ -211,7 +215,8 @@ func (fl *follower) drain() error {
 }
 
 // next notices a new boot: the log replaced by a new file (or first
-// made), or cut back in place.
+// made), or cut back in place; and a log of the same boot cut back to its
+// newest bytes, where the reader carries on.
 func (fl *follower) next() error {
 	cur, err := os.Stat(fl.path)
 	if err != nil {
@@ -219,24 +224,30 @@ func (fl *follower) next() error {
 	}
 	if fl.f != nil {
 		if open, err := fl.f.Stat(); err == nil && os.SameFile(open, cur) {
-			if open.Size() >= fl.off {
+			if fl.base+open.Size() >= fl.off {
 				return nil
 			}
-			fl.off, fl.newBoot = 0, true // cut back: the file was reused
+			fl.off, fl.newBoot = fl.base, true // cut back: the file was reused
 			return nil
 		}
-		// Replaced: what the old boot wrote last is read before leaving it.
+		// Replaced: what the old file holds last is read before leaving it.
 		if err := fl.drain(); err != nil {
 			return err
 		}
 	}
-	f, err := os.Open(fl.path)
-	if err != nil {
+	f, boot, base, ok := openSerialLog(fl.path)
+	if !ok {
 		return nil
 	}
 	had := fl.f != nil
 	fl.close()
-	fl.f, fl.boot, fl.off, fl.newBoot = f, bootID(f), 0, had
+	if had && boot == fl.boot {
+		// The same boot, cut back: on from the reader's offset, or from the
+		// oldest byte kept if it fell further behind.
+		fl.f, fl.base, fl.off = f, base, max(fl.off, base)
+		return nil
+	}
+	fl.f, fl.boot, fl.base, fl.off, fl.newBoot = f, boot, base, base, had
 	return nil
 }
 
@@ -254,8 +265,8 @@ type serialConns struct {
 }
 
 type serialConn struct {
-	mu   sync.Mutex // one writer at a time
-	conn net.Conn   // nil once closed
+	mu   writeLock // one writer at a time
+	conn net.Conn  // nil once closed
 	idle *time.Timer
 }
 
@@ -275,7 +286,9 @@ func (b *Backend) SerialInput(ctx context.Context, id string, data []byte) error
 		return ErrNoSerialInput
 	}
 	c := b.serialConn(id)
-	c.mu.Lock()
+	if err := c.mu.LockContext(ctx); err != nil {
+		return fmt.Errorf("console input: an earlier input to this vm is still being written (is the guest reading its console?): %w", err)
+	}
 	defer c.mu.Unlock()
 	// One retry: a kept connection may belong to a QEMU that has since
 	// been replaced by a new boot's.
@@ -283,15 +296,20 @@ func (b *Backend) SerialInput(ctx context.Context, id string, data []byte) error
 	for range 2 {
 		if c.conn == nil {
 			if err = c.dial(ctx, b.serialSockPath(id)); err != nil {
+				if ctx.Err() != nil {
+					err = ctx.Err()
+				}
 				break
 			}
 		}
 		c.idle.Reset(serialIdle)
-		_ = c.conn.SetWriteDeadline(time.Now().Add(serialWriteTimeout))
-		if _, err = c.conn.Write(data); err == nil {
+		if err = c.write(ctx, data); err == nil {
 			return nil
 		}
 		c.closeLocked()
+		if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+			return fmt.Errorf("console input: %w", err)
+		}
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			return fmt.Errorf("the guest is not reading its console: %w", err)
 		}
@@ -317,7 +335,7 @@ func (b *Backend) serialConn(id string) *serialConn {
 	}
 	c, ok := b.serial.by[id]
 	if !ok {
-		c = &serialConn{}
+		c = &serialConn{mu: make(writeLock, 1)}
 		c.idle = time.AfterFunc(serialIdle, func() {
 			c.mu.Lock()
 			c.closeLocked()

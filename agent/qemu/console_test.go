@@ -159,16 +159,16 @@ func TestSerialInputNeedsARunningVM(t *testing.T) {
 	assert.ErrorIs(t, b.FollowSerial(ctx, "../escape", SerialFrom{}, func(SerialChunk) error { return nil }), ErrUnknownVM)
 }
 
-func TestTheSerialPortListensForInputAndLogsAsBefore(t *testing.T) {
+func TestTheSerialPortListensForInputAndLogsToThePipeTheAgentReads(t *testing.T) {
 	b, id := serialBackend(t)
 	args := b.serialArgs(id)
 	require.Len(t, args, 4)
-	assert.Equal(t, "socket,id=serial0,path="+b.serialSockPath(id)+",server=on,wait=off,logfile="+b.serialPath(id), args[1])
+	assert.Equal(t, "socket,id=serial0,path="+b.serialSockPath(id)+",server=on,wait=off,logfile="+b.serialPipePath(id), args[1])
 	assert.Equal(t, []string{"-serial", "chardev:serial0"}, args[2:])
 
 	long, err := New(Config{Dir: filepath.Join(t.TempDir(), string(bytes.Repeat([]byte("d"), 100)))})
 	require.NoError(t, err)
-	assert.Equal(t, "file,id=serial0,path="+long.serialPath(id), long.serialArgs(id)[1],
+	assert.Equal(t, "null,id=serial0,logfile="+long.serialPipePath(id), long.serialArgs(id)[1],
 		"a socket path too long for a unix socket leaves the console read-only")
 }
 
@@ -184,11 +184,19 @@ func TestFollowSerialWithoutFollowingReturnsOnceCaughtUp(t *testing.T) {
 // line names the VM's pidfile), with extra arguments.
 func fakeQEMU(t *testing.T, b *Backend, id string, extra ...string) {
 	t.Helper()
-	args := append([]string{"-c", "sleep 60", "-pidfile", b.pidPath(id)}, extra...)
+	// "; :" keeps sh from exec'ing sleep in its place (dash does for a
+	// lone command), which would take the QEMU-like arguments out of the
+	// process's command line while the backend is checking them.
+	args := append([]string{"-c", "sleep 60; :", "-pidfile", b.pidPath(id)}, extra...)
 	cmd := exec.Command("sh", args...)
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
 	require.NoError(t, os.WriteFile(b.pidPath(id), []byte(strconv.Itoa(cmd.Process.Pid)), 0o600))
+	// Start returns once the exec is past its point of no return, but the
+	// kernel sets up the new command line a moment later: until then
+	// /proc/PID/cmdline is empty and the backend rightly sees no QEMU.
+	require.Eventually(t, func() bool { _, ok := b.alive(id); return ok }, 5*time.Second, time.Millisecond,
+		"the fake QEMU's command line never showed")
 }
 
 func TestInputToAQEMUWithoutTheSocketSaysWhy(t *testing.T) {

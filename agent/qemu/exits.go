@@ -112,6 +112,7 @@ func (b *Backend) Exited(id string) (Exit, bool) {
 	if !watched || b.isOurs(pid, id) {
 		return Exit{}, false
 	}
+	b.settleSerial(id)
 	x := Exit{Status: reap(pid), Detail: b.exitDetail(id), SerialTail: b.SerialTail(id, exitTailLines)}
 	b.mu.Lock()
 	delete(b.watched, id)
