@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -126,17 +127,51 @@ func (s agentService) Tunnel(ctx context.Context, st *connect.BidiStream[eitriv1
 	return shutdownErr(ctx)
 }
 
+// nameCallWithin bounds the wait for the first message of an answer
+// stream: until it names its call, the stream holds one of its host's
+// answer slots (fleet.OpenAnswer).
+const nameCallWithin = 15 * time.Second
+
 // answerOpening reads what opens every stream an agent answers a call on:
-// the host it comes from and a first message naming the call.
+// the host it comes from and a first message naming the call. The stream
+// is refused unread unless its host has a call waiting for it.
 func answerOpening[M interface{ GetCallId() string }](ctx context.Context, s agentService, h http.Header, receive func() (M, error), stream string) (string, M, error) {
 	var none M
 	hostID, err := s.hostOf(ctx, h)
 	if err != nil {
 		return "", none, err
 	}
-	first, err := receive()
+	done, err := s.f.OpenAnswer(hostID)
 	if err != nil {
-		return "", none, err
+		return "", none, s.toConnect(err)
+	}
+	defer done()
+	type received struct {
+		m   M
+		err error
+	}
+	got := make(chan received, 1)
+	go func() {
+		m, err := receive()
+		got <- received{m, err}
+	}()
+	t := time.NewTimer(nameCallWithin)
+	defer t.Stop()
+	var first M
+	select {
+	case r := <-got:
+		if r.err != nil {
+			return "", none, r.err
+		}
+		first = r.m
+	case <-t.C:
+		// Returning closes the stream, which ends the receive.
+		return "", none, connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("call_id: the first message on a %s stream names its call within %s", stream, nameCallWithin))
+	case <-ctx.Done():
+		if err := shutdownErr(ctx); err != nil {
+			return "", none, err
+		}
+		return "", none, connect.NewError(connect.CodeCanceled, ctx.Err())
 	}
 	if first.GetCallId() == "" {
 		return "", none, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("call_id: the first message on a %s stream names its call", stream))

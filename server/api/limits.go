@@ -33,6 +33,11 @@ const (
 	// MaxTunnelMessage: one tunnel frame, either stream's, carries at most
 	// fleet.MaxTunnelChunk bytes and a few fields.
 	MaxTunnelMessage = fleet.MaxTunnelChunk + 1<<10
+	// MaxConsoleMessage: one frame of an agent's Console stream, a chunk
+	// of serial output (fleet.MaxConsoleChunk) with its place in the log,
+	// or a short error. A host's answers are streamed chunk by chunk; an
+	// 8 MiB frame here would be buffered whole before anything checks it.
+	MaxConsoleMessage = fleet.MaxConsoleChunk + 1<<10
 )
 
 // EnvelopeSlack is what the wire adds around one message in a request body:
@@ -47,6 +52,8 @@ func MessageLimit(procedure string) int64 {
 		return MaxEnrollMessage
 	case procedure == eitriv1connect.AgentServiceTunnelProcedure, procedure == eitriv1connect.VMServiceOpenTunnelProcedure:
 		return MaxTunnelMessage
+	case procedure == eitriv1connect.AgentServiceConsoleProcedure:
+		return MaxConsoleMessage
 	case procedure == eitriv1connect.AgentServiceSignHostKeyProcedure:
 		// A VM id and one public key.
 		return MaxUserMessage

@@ -27,6 +27,13 @@ const (
 	// maxCallsPerHost bounds the console calls one host serves at once,
 	// whoever asked: the agent follows a log file for each.
 	maxCallsPerHost = 256
+	// MaxHostCallsPerUser is one user's share of those (consoles, inputs
+	// and tunnels together), so one user cannot take a host's every slot
+	// and leave nobody else a console.
+	MaxHostCallsPerUser = maxCallsPerHost / 4
+	// MaxConsoleChunk bounds the serial output in one message of an
+	// agent's Console stream (agents send at most 32 KiB at a time).
+	MaxConsoleChunk = 32 << 10
 	// callQueue is how many calls may wait for a host's Calls stream to
 	// take them.
 	callQueue = 64
@@ -47,8 +54,18 @@ type consoleHub struct {
 	lines   map[string]*CallLine    // host id → its agent's Calls stream
 	pending map[string]*pendingCall // call id → a call waiting or answered
 	active  map[string]int          // host id → calls in flight
+	byUser  map[userOnHost]int      // calls in flight, per user and host
 	input   map[string]*inputBucket // user id → its typing allowance
+	typing  map[string]bool         // vm id → an input call in flight
+	// unanswered counts each host's calls sent and not answered yet, and
+	// opening its answer streams not yet matched to a call: a host may
+	// open no more of those than it has calls to answer.
+	unanswered map[string]int
+	opening    map[string]int
 }
+
+// userOnHost keys one user's calls to one host.
+type userOnHost struct{ hostID, userID string }
 
 // CallLine is one host's Calls stream.
 type CallLine struct {
@@ -64,12 +81,17 @@ var errCallsReplaced = errors.New("replaced by a newer calls stream from the sam
 
 // OpenCalls registers a host's Calls stream, replacing an older one. A
 // stream from another agent process than the one holding the host's Sync
-// stream (a cloned disk) is refused, as Sync refuses it.
+// stream (a cloned disk) is refused, as Sync refuses it. Every agent that
+// takes calls names its process, so a stream that names none is refused
+// rather than let past that check.
 func (f *Fleet) OpenCalls(ctx context.Context, hostID, instance string) (*CallLine, error) {
+	if instance == "" {
+		return nil, invalid("instance_id", "required: the agent process's id, the one its Sync stream's hello carries")
+	}
 	f.mu.Lock()
 	s := f.sessions[hostID]
 	f.mu.Unlock()
-	if s != nil && s.instance != "" && instance != "" && s.instance != instance {
+	if s != nil && s.instance != "" && s.instance != instance {
 		return nil, errorf(Precondition, "another agent process holds this host's stream (a copy of its identity?); this one gets no calls")
 	}
 	lctx, cancel := context.WithCancelCause(ctx)
@@ -123,9 +145,9 @@ type pendingCall struct {
 	tunnel *tunnelPipes
 }
 
-// call sends a call to the VM's host and waits for the agent to answer it.
-// The caller reads the answer's frames and must call end.
-func (f *Fleet) call(ctx context.Context, hostID string, c *eitriv1.CallsResponse, tunnel *tunnelPipes) (*pendingCall, func(), error) {
+// call sends a call to the VM's host for p and waits for the agent to
+// answer it. The caller reads the answer's frames and must call end.
+func (f *Fleet) call(ctx context.Context, hostID string, p auth.Principal, c *eitriv1.CallsResponse, tunnel *tunnelPipes) (*pendingCall, func(), error) {
 	h := &f.consoles
 	c.Id = newID("call")
 	pc := &pendingCall{hostID: hostID, attached: make(chan struct{}), frames: make(chan frame, 4), gone: make(chan struct{}), tunnel: tunnel}
@@ -145,11 +167,18 @@ func (f *Fleet) call(ctx context.Context, hostID string, c *eitriv1.CallsRespons
 		h.mu.Unlock()
 		return nil, nil, errorf(Unavailable, "the vm's host serves %d consoles already; try again later", maxCallsPerHost)
 	}
+	mine := userOnHost{hostID, p.UserID}
+	if n := h.byUser[mine]; n >= MaxHostCallsPerUser {
+		h.mu.Unlock()
+		return nil, nil, errorf(Exhausted, "%s has %d consoles, console inputs and tunnels open on this vm's host already, the most one user may on one host; close one", p.Name, n)
+	}
 	if h.pending == nil {
-		h.pending, h.active = map[string]*pendingCall{}, map[string]int{}
+		h.pending, h.active, h.byUser, h.unanswered = map[string]*pendingCall{}, map[string]int{}, map[userOnHost]int{}, map[string]int{}
 	}
 	h.pending[c.Id] = pc
 	h.active[hostID]++
+	h.byUser[mine]++
+	h.unanswered[hostID]++
 	h.mu.Unlock()
 	end := func() {
 		pc.once.Do(func() { close(pc.gone) })
@@ -158,6 +187,14 @@ func (f *Fleet) call(ctx context.Context, hostID string, c *eitriv1.CallsRespons
 			delete(h.pending, c.Id)
 			if h.active[hostID]--; h.active[hostID] <= 0 {
 				delete(h.active, hostID)
+			}
+			if h.byUser[mine]--; h.byUser[mine] <= 0 {
+				delete(h.byUser, mine)
+			}
+			select {
+			case <-pc.attached:
+			default:
+				h.answered(hostID)
 			}
 		}
 		h.mu.Unlock()
@@ -216,7 +253,49 @@ func (h *consoleHub) attach(hostID, callID string, tunnel bool) (*pendingCall, e
 	default:
 	}
 	close(pc.attached)
+	h.answered(hostID)
 	return pc, nil
+}
+
+// answered says one of hostID's calls no longer waits for an answer. The
+// caller holds h.mu.
+func (h *consoleHub) answered(hostID string) {
+	if h.unanswered[hostID]--; h.unanswered[hostID] <= 0 {
+		delete(h.unanswered, hostID)
+	}
+}
+
+// OpenAnswer admits one of a host's answer streams (Console or Tunnel)
+// before a byte of it is read: a host answers only the calls it was sent,
+// so it may have no more streams naming their call at once than it has
+// calls waiting for an answer. done is called once the stream has named
+// its call, or failed to.
+func (f *Fleet) OpenAnswer(hostID string) (done func(), err error) {
+	h := &f.consoles
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	waiting, opening := h.unanswered[hostID], h.opening[hostID]
+	if waiting == 0 {
+		return nil, errorf(NotFound, "no call of this host's is waiting for an answer (it ended, or was never made)")
+	}
+	if opening >= waiting {
+		return nil, errorf(Exhausted, "answer streams: this host has %d calls waiting for an answer and %d streams opening to answer them already, "+
+			"no more than one stream per call", waiting, opening)
+	}
+	if h.opening == nil {
+		h.opening = map[string]int{}
+	}
+	h.opening[hostID]++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			h.mu.Lock()
+			defer h.mu.Unlock()
+			if h.opening[hostID]--; h.opening[hostID] <= 0 {
+				delete(h.opening, hostID)
+			}
+		})
+	}, nil
 }
 
 // frame is one message of an agent's answer, or (m nil) its end.
@@ -290,11 +369,11 @@ func (f *Fleet) StreamConsole(ctx context.Context, r *eitriv1.StreamConsoleReque
 	if r.GetTailBytes() > maxConsoleTail {
 		return invalid("tail_bytes", "at most %d", maxConsoleTail)
 	}
-	hostID, _, err := f.consoleVM(ctx, r.GetVmId())
+	hostID, p, err := f.consoleVM(ctx, r.GetVmId())
 	if err != nil {
 		return err
 	}
-	pc, end, err := f.call(ctx, hostID, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_ConsoleOutput{ConsoleOutput: &eitriv1.ConsoleOutputCall{
+	pc, end, err := f.call(ctx, hostID, p, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_ConsoleOutput{ConsoleOutput: &eitriv1.ConsoleOutputCall{
 		VmId: r.GetVmId(), Boot: r.GetBoot(), Offset: r.GetOffset(), TailBytes: r.GetTailBytes(), NoFollow: r.GetNoFollow(),
 	}}}, nil)
 	if err != nil {
@@ -323,7 +402,12 @@ func (f *Fleet) StreamConsole(ctx context.Context, r *eitriv1.StreamConsoleReque
 	}
 }
 
-// SendConsoleInput types data into the VM's serial console.
+// SendConsoleInput types data into the VM's serial console, one call at a
+// time per VM: a second call while one is out is refused at once
+// (ResourceExhausted, which clients take as "wait and send again").
+// Queueing it instead would hold a request per waiting caller behind a
+// guest that may never read, and keystrokes sent at once have no order to
+// keep anyway.
 func (f *Fleet) SendConsoleInput(ctx context.Context, r *eitriv1.SendConsoleInputRequest) error {
 	n := len(r.GetData())
 	if n == 0 {
@@ -336,12 +420,17 @@ func (f *Fleet) SendConsoleInput(ctx context.Context, r *eitriv1.SendConsoleInpu
 	if err != nil {
 		return err
 	}
+	done, err := f.consoles.startTyping(r.GetVmId())
+	if err != nil {
+		return err
+	}
+	defer done()
 	if err := f.consoles.allowInput(p.UserID, n, f.now()); err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, answerWithin)
 	defer cancel()
-	pc, end, err := f.call(ctx, hostID, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_ConsoleInput{ConsoleInput: &eitriv1.ConsoleInputCall{
+	pc, end, err := f.call(ctx, hostID, p, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_ConsoleInput{ConsoleInput: &eitriv1.ConsoleInputCall{
 		VmId: r.GetVmId(), Data: r.GetData(),
 	}}}, nil)
 	if err != nil {
@@ -365,6 +454,25 @@ func (f *Fleet) SendConsoleInput(ctx context.Context, r *eitriv1.SendConsoleInpu
 			}
 		}
 	}
+}
+
+// startTyping marks an input call to vmID in flight, refusing a second.
+func (h *consoleHub) startTyping(vmID string) (done func(), err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.typing[vmID] {
+		return nil, errorf(Exhausted, "console input: one call at a time per vm, and the last one to this vm has not been typed yet "+
+			"(is its guest reading its console?); send again once it returns")
+	}
+	if h.typing == nil {
+		h.typing = map[string]bool{}
+	}
+	h.typing[vmID] = true
+	return func() {
+		h.mu.Lock()
+		delete(h.typing, vmID)
+		h.mu.Unlock()
+	}, nil
 }
 
 // inputBucket is one user's console typing allowance, in bytes.

@@ -108,7 +108,7 @@ func (f *Fleet) OpenTunnel(ctx context.Context, recv func() (*eitriv1.OpenTunnel
 	defer release()
 
 	tp := &tunnelPipes{up: make(chan *eitriv1.TunnelResponse), down: make(chan tunnelFrame)}
-	pc, end, err := f.call(ctx, hostID, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_Tunnel{Tunnel: &eitriv1.TunnelCall{
+	pc, end, err := f.call(ctx, hostID, p, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_Tunnel{Tunnel: &eitriv1.TunnelCall{
 		VmId: vmID, Port: port,
 	}}}, tp)
 	if err != nil {
@@ -118,8 +118,7 @@ func (f *Fleet) OpenTunnel(ctx context.Context, recv func() (*eitriv1.OpenTunnel
 
 	t := &tunnelRun{f: f, ctx: ctx, tp: tp, gone: pc.gone, opened: f.now()}
 	err = t.relay(first, recv, send)
-	f.event(context.WithoutCancel(ctx), vmID, "tunnel", fmt.Sprintf("tunnel to port %d by %s, opened %s: %d bytes to the guest, %d bytes from it; %s",
-		port, p.Name, t.opened.UTC().Format(time.RFC3339), t.up.Load(), t.down.Load(), t.ended))
+	f.tunnelEnded(context.WithoutCancel(ctx), vmID, p, port, t, err)
 	return err
 }
 
