@@ -251,11 +251,22 @@ func newVMEventsCmd(a *app) *cobra.Command {
 		Args:              needArgs("a VM name or id"),
 		ValidArgsFunction: a.completeVMs,
 		RunE: a.onVM(func(ctx context.Context, c *client, id string) error {
-			r, err := c.vm.ListVMEvents(ctx, connect.NewRequest(&eitriv1.ListVMEventsRequest{VmId: id}))
-			if err != nil {
-				return apiError(err)
+			// Pages come newest first, each oldest first: read them all
+			// and put each before the one read last.
+			all := &eitriv1.ListVMEventsResponse{}
+			req := &eitriv1.ListVMEventsRequest{VmId: id, PageSize: 1000} // the largest page
+			for {
+				r, err := c.vm.ListVMEvents(ctx, connect.NewRequest(req))
+				if err != nil {
+					return apiError(err)
+				}
+				all.Events = append(r.Msg.Events, all.Events...)
+				if r.Msg.NextPageToken == "" {
+					break
+				}
+				req.PageToken = r.Msg.NextPageToken
 			}
-			return c.show(r.Msg, func(w io.Writer) { eventTable(w, r.Msg.Events...) })
+			return c.show(all, func(w io.Writer) { eventTable(w, all.Events...) })
 		}),
 	}
 }

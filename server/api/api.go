@@ -226,8 +226,8 @@ func (s vmService) RestoreVM(ctx context.Context, r *connect.Request[eitriv1.Res
 }
 
 func (s vmService) ListVMEvents(ctx context.Context, r *connect.Request[eitriv1.ListVMEventsRequest]) (*connect.Response[eitriv1.ListVMEventsResponse], error) {
-	evs, err := s.f.ListVMEvents(ctx, r.Msg.GetVmId())
-	return reply(s.handlers, &eitriv1.ListVMEventsResponse{Events: evs}, err)
+	out, err := s.f.ListVMEvents(ctx, r.Msg)
+	return reply(s.handlers, out, err)
 }
 
 func (s vmService) WatchVMs(ctx context.Context, r *connect.Request[eitriv1.WatchVMsRequest], out *connect.ServerStream[eitriv1.WatchVMsResponse]) error {

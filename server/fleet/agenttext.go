@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"strings"
 	"unicode/utf8"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
@@ -29,6 +30,28 @@ func clip(s string, n int) string {
 	return s[:cut] + "…"
 }
 
+// printable drops the control characters from an agent's text but
+// newlines and tabs: the rest of C0, DEL, and C1 (U+0080–U+009F, which
+// some terminals obey as escapes: U+009B is CSI, U+009D OSC). What a host
+// copies from a guest's console reaches the timeline, `eitri vm events` in
+// a terminal and every console; a guest tells none of them to move a
+// cursor, retitle a window or change colour.
+func printable(s string) string {
+	if strings.IndexFunc(s, control) < 0 {
+		return s
+	}
+	return strings.Map(func(r rune) rune {
+		if control(r) {
+			return -1
+		}
+		return r
+	}, s)
+}
+
+func control(r rune) bool {
+	return r < 0x20 && r != '\n' && r != '\t' || r >= 0x7f && r <= 0x9f
+}
+
 // clipFront is clip for text whose end matters most (a console's last
 // lines): it keeps the last n bytes, starting with "…".
 func clipFront(s string, n int) string {
@@ -48,32 +71,32 @@ func clipHello(h *eitriv1.Hello) {
 	h.Hostname = clip(h.GetHostname(), maxAgentShort)
 	h.Address = clip(h.GetAddress(), maxAgentShort)
 	h.Accelerator = clip(h.GetAccelerator(), maxAgentShort)
-	h.AcceleratorReason = clip(h.GetAcceleratorReason(), maxAgentLine)
+	h.AcceleratorReason = clip(printable(h.GetAcceleratorReason()), maxAgentLine)
 	h.InstanceId = clip(h.GetInstanceId(), maxAgentShort)
 }
 
 // clipReport bounds the free text of a report in place.
 func clipReport(r *eitriv1.ActualStateReport) {
 	r.Accelerator = clip(r.GetAccelerator(), maxAgentShort)
-	r.AcceleratorReason = clip(r.GetAcceleratorReason(), maxAgentLine)
+	r.AcceleratorReason = clip(printable(r.GetAcceleratorReason()), maxAgentLine)
 	for _, v := range r.GetVms() {
 		v.Power = clip(v.GetPower(), maxAgentShort)
 		v.Phase = clip(v.GetPhase(), maxAgentShort)
 		v.Ip = clip(v.GetIp(), maxAgentShort)
-		v.StatusDetail = clip(v.GetStatusDetail(), maxAgentLine)
-		v.LastError = clip(v.GetLastError(), maxAgentError)
+		v.StatusDetail = clip(printable(v.GetStatusDetail()), maxAgentLine)
+		v.LastError = clip(printable(v.GetLastError()), maxAgentError)
 		v.SshHostPubkey = clip(v.GetSshHostPubkey(), maxAgentPubkey)
 		v.LoginUser = clip(v.GetLoginUser(), maxAgentShort)
 		v.ReadySignal = clip(v.GetReadySignal(), maxAgentShort)
 		if x := v.GetLastExit(); x != nil {
-			x.Reason = clip(x.GetReason(), maxAgentLine)
-			x.SerialTail = clipFront(x.GetSerialTail(), maxAgentError)
+			x.Reason = clip(printable(x.GetReason()), maxAgentLine)
+			x.SerialTail = clipFront(printable(x.GetSerialTail()), maxAgentError)
 		}
 		boundProgress(v.GetProgress())
 	}
 	for _, e := range r.GetExposures() {
 		e.State = clip(e.GetState(), maxAgentShort)
-		e.Reason = clip(e.GetReason(), maxAgentLine)
+		e.Reason = clip(printable(e.GetReason()), maxAgentLine)
 	}
 }
 

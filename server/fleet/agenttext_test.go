@@ -106,3 +106,34 @@ func TestAHostilesProgressIsBounded(t *testing.T) {
 		})
 	}
 }
+
+func TestAnAgentsTextLosesEveryControlCharacterButNewlinesAndTabs(t *testing.T) {
+	for _, c := range []struct{ name, in, want string }{
+		{"plain text is left alone", "booting, attempt 2 → é", "booting, attempt 2 → é"},
+		{"newlines and tabs stay", "line 1\n\tline 2", "line 1\n\tline 2"},
+		{"C0 goes: escape, bell, carriage return, NUL", "a\x1b[2Jb\x07c\r\nd\x00e", "a[2Jbc\nde"},
+		{"DEL goes", "a\x7fb", "ab"},
+		{"C1 goes: CSI, OSC, ST, NEL and both ends of the range", "a\u009b2Jb\u009d0;title\u009cc\u0085d\u0080e\u009ff", "a2Jb0;titlecdef"},
+		{"the first character past C1 stays", "a\u00a0b", "a\u00a0b"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			assert.Equal(t, c.want, printable(c.in))
+		})
+	}
+
+	csi := "\u009b2J\u009d0;pwned\u0007"
+	r := &eitriv1.ActualStateReport{
+		AcceleratorReason: "kvm" + csi,
+		Vms: []*eitriv1.ActualVM{{VmId: "vm-1", StatusDetail: "booting" + csi, LastError: "failed" + csi,
+			LastExit: &eitriv1.GuestExit{Reason: "exited" + csi, SerialTail: "line 1\n" + csi + "line 2"}}},
+		Exposures: []*eitriv1.ExposureActual{{Id: "x-1", Reason: "refused" + csi}},
+	}
+	clipReport(r)
+	v := r.Vms[0]
+	for _, s := range []string{r.AcceleratorReason, v.StatusDetail, v.LastError, v.LastExit.Reason, v.LastExit.SerialTail, r.Exposures[0].Reason} {
+		assert.NotContains(t, s, "\u009b")
+		assert.NotContains(t, s, "\u009d")
+		assert.NotContains(t, s, "\a")
+	}
+	assert.Equal(t, "line 1\n2J0;pwnedline 2", v.LastExit.SerialTail)
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/url"
 	"regexp"
+	"strings"
 	"time"
 
 	"google.golang.org/protobuf/proto"
@@ -15,6 +16,7 @@ import (
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/sshcert"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -41,6 +43,25 @@ func checkLen(field, v string, max int) error {
 	return nil
 }
 
+// checkVMName accepts a DNS label that cannot be taken for a name eitri
+// gives out: a VM's id ("vm-..."), a host alias ("eitri-...", which
+// `eitri ssh` connects by and host certificates name), or "localhost".
+// Whoever names a VM is root in it; a name shaped like another VM's id or
+// alias is a claim on that VM's identity.
+func checkVMName(name string) error {
+	switch {
+	case !dnsLabel.MatchString(name):
+		return invalid("name", "%q is not a DNS label (lowercase letters, digits and '-', 1-63 characters, no leading or trailing '-')", name)
+	case strings.HasPrefix(name, "vm-"):
+		return invalid("name", "%q starts with \"vm-\", which VM ids do; choose another name", name)
+	case strings.HasPrefix(name, sshcert.AliasPrefix):
+		return invalid("name", "%q starts with %q, which eitri's host aliases do; choose another name", name, sshcert.AliasPrefix)
+	case name == "localhost":
+		return invalid("name", "%q names every machine to itself; choose another name", name)
+	}
+	return nil
+}
+
 func validateVM(r *eitriv1.CreateVMRequest) error {
 	for _, c := range []struct {
 		field, v string
@@ -57,9 +78,10 @@ func validateVM(r *eitriv1.CreateVMRequest) error {
 			return err
 		}
 	}
+	if err := checkVMName(r.GetName()); err != nil {
+		return err
+	}
 	switch {
-	case !dnsLabel.MatchString(r.GetName()):
-		return invalid("name", "%q is not a DNS label (lowercase letters, digits and '-', 1-63 characters, no leading or trailing '-')", r.GetName())
 	case r.GetImageUrl() == "":
 		return invalid("image_url", "required")
 	}
@@ -391,22 +413,6 @@ func (f *Fleet) tooLateToRestore(v store.VM, now time.Time) error {
 	}
 	return errorf(Precondition, "vm %s is destroyed at %s (restores close %s before); it cannot be restored",
 		v.ID, v.DestroyAt.Format("2006-01-02 15:04:05 MST"), f.cfg.RestoreMargin)
-}
-
-// ListVMEvents returns a VM's timeline.
-func (f *Fleet) ListVMEvents(ctx context.Context, id string) ([]*eitriv1.VMEvent, error) {
-	if _, _, err := f.visible(ctx, id); err != nil {
-		return nil, err
-	}
-	evs, err := f.st.ListVMEvents(ctx, id)
-	if err != nil {
-		return nil, err
-	}
-	out := make([]*eitriv1.VMEvent, len(evs))
-	for i, e := range evs {
-		out[i] = &eitriv1.VMEvent{At: timestamppb.New(e.At), Kind: e.Kind, Message: e.Message}
-	}
-	return out, nil
 }
 
 func (f *Fleet) event(ctx context.Context, vmID, kind, msg string) {

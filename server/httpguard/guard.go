@@ -146,11 +146,16 @@ func asConnectError(err error) *connect.Error {
 }
 
 // refuse answers without reading the body: on an RPC route in the caller's
-// protocol, elsewhere in the JSON shape the other routes use. An HTTP/1 connection is closed after the
-// answer, so the server does not read the unread body to reuse it.
+// protocol, elsewhere in the JSON shape the other routes use. An HTTP/1
+// connection is closed right after the answer. "Connection: close" alone
+// does not do it: once the handler returns, net/http still reads up to
+// 256 KiB of an unread body (to find its end), at whatever pace the sender
+// trickles it, before it closes. A read deadline already past makes that
+// read fail at once. (HTTP/2 resets the stream after the answer.)
 func refuse(w http.ResponseWriter, r *http.Request, rule Rule, errw *connect.ErrorWriter, err *connect.Error) {
 	if r.ProtoMajor == 1 {
 		w.Header().Set("Connection", "close")
+		_ = http.NewResponseController(w).SetReadDeadline(time.Now())
 	}
 	if rule.RPC {
 		_ = errw.Write(w, r, err)

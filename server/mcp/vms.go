@@ -9,6 +9,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/fleet"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -70,9 +71,11 @@ type VMIDIn struct {
 	ID string `json:"id" jsonschema:"the VM's id, e.g. vm-k3j5x7q2m4n6p2r5 (vm_list shows them)"`
 }
 
-// VMEventsIn names the VM whose timeline to read.
+// VMEventsIn names the VM whose timeline to read, and which page.
 type VMEventsIn struct {
-	VMID string `json:"vm_id" jsonschema:"the VM's id, e.g. vm-k3j5x7q2m4n6p2r5"`
+	VMID      string `json:"vm_id" jsonschema:"the VM's id, e.g. vm-k3j5x7q2m4n6p2r5"`
+	PageSize  int32  `json:"page_size,omitempty" jsonschema:"the most events to return: 0 or unset is 100, at most 1000"`
+	PageToken string `json:"page_token,omitempty" jsonschema:"unset for the newest events; next_page_token of the last call for the ones before them"`
 }
 
 // VMEvent is one entry of a VM's timeline.
@@ -82,9 +85,10 @@ type VMEvent struct {
 	Message string `json:"message"`
 }
 
-// VMEventsOut is the timeline, oldest first.
+// VMEventsOut is a page of the timeline, oldest first.
 type VMEventsOut struct {
-	Events []VMEvent `json:"events"`
+	Events        []VMEvent `json:"events"`
+	NextPageToken string    `json:"next_page_token,omitempty" jsonschema:"pass as page_token for the older events; absent when there are none"`
 }
 
 var vmIDSchema = schemaFor[VMIDIn](func(p map[string]*jsonschema.Schema) { idProp(p["id"], exampleVMID) })
@@ -140,8 +144,12 @@ func (t *tools) registerVMs(s *mcp.Server) {
 	addTool(t, s, &mcp.Tool{
 		Name: "vm_events",
 		Description: "A VM's timeline, oldest first: created, status changes, power requests, exits of the " +
-			"guest (with its console's last lines), deletes, restores, retries and exposures.",
-		InputSchema: schemaFor[VMEventsIn](func(p map[string]*jsonschema.Schema) { idProp(p["vm_id"], exampleVMID) }),
+			"guest (with its console's last lines), deletes, restores, retries, exposures and tunnels. It comes " +
+			"a page at a time, the newest first: next_page_token, passed back as page_token, reads the events before.",
+		InputSchema: schemaFor[VMEventsIn](func(p map[string]*jsonschema.Schema) {
+			idProp(p["vm_id"], exampleVMID)
+			between(p["page_size"], 0, fleet.MaxVMEventsPage)
+		}),
 	}, t.vmEvents)
 }
 
@@ -166,11 +174,12 @@ func (t *tools) vmGet(ctx context.Context, _ *mcp.CallToolRequest, in VMIDIn) (V
 }
 
 func (t *tools) vmEvents(ctx context.Context, _ *mcp.CallToolRequest, in VMEventsIn) (VMEventsOut, error) {
-	evs, err := t.f.ListVMEvents(ctx, in.VMID)
+	r, err := t.f.ListVMEvents(ctx, &eitriv1.ListVMEventsRequest{VmId: in.VMID, PageSize: in.PageSize, PageToken: in.PageToken})
 	if err != nil {
 		return VMEventsOut{}, err
 	}
-	out := VMEventsOut{Events: make([]VMEvent, len(evs))}
+	evs := r.GetEvents()
+	out := VMEventsOut{Events: make([]VMEvent, len(evs)), NextPageToken: r.GetNextPageToken()}
 	for i, e := range evs {
 		out.Events[i] = VMEvent{At: rfc3339(e.GetAt()), Kind: e.GetKind(), Message: e.GetMessage()}
 	}

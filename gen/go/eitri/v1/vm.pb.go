@@ -1133,8 +1133,15 @@ func (x *VMEvent) GetMessage() string {
 }
 
 type ListVMEventsRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	VmId          string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
+	// The most events to return: 0 is 100, more than 1,000 is 1,000, and a
+	// negative size is InvalidArgument.
+	PageSize int32 `protobuf:"varint,2,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	// Empty for the newest page; otherwise a next_page_token of an earlier
+	// reply for this VM, for the events before that page. A token no reply
+	// gave is InvalidArgument.
+	PageToken     string `protobuf:"bytes,3,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1176,9 +1183,26 @@ func (x *ListVMEventsRequest) GetVmId() string {
 	return ""
 }
 
+func (x *ListVMEventsRequest) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *ListVMEventsRequest) GetPageToken() string {
+	if x != nil {
+		return x.PageToken
+	}
+	return ""
+}
+
 type ListVMEventsResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Events        []*VMEvent             `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Oldest first.
+	Events []*VMEvent `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
+	// Reads the page of older events; empty when there are none.
+	NextPageToken string `protobuf:"bytes,2,opt,name=next_page_token,json=nextPageToken,proto3" json:"next_page_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1218,6 +1242,13 @@ func (x *ListVMEventsResponse) GetEvents() []*VMEvent {
 		return x.Events
 	}
 	return nil
+}
+
+func (x *ListVMEventsResponse) GetNextPageToken() string {
+	if x != nil {
+		return x.NextPageToken
+	}
+	return ""
 }
 
 type WatchVMsRequest struct {
@@ -2327,11 +2358,15 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\aVMEvent\x12*\n" +
 	"\x02at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x12\n" +
 	"\x04kind\x18\x02 \x01(\tR\x04kind\x12\x18\n" +
-	"\amessage\x18\x03 \x01(\tR\amessage\"*\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"f\n" +
 	"\x13ListVMEventsRequest\x12\x13\n" +
-	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\"A\n" +
+	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x1b\n" +
+	"\tpage_size\x18\x02 \x01(\x05R\bpageSize\x12\x1d\n" +
+	"\n" +
+	"page_token\x18\x03 \x01(\tR\tpageToken\"i\n" +
 	"\x14ListVMEventsResponse\x12)\n" +
-	"\x06events\x18\x01 \x03(\v2\x11.eitri.v1.VMEventR\x06events\"&\n" +
+	"\x06events\x18\x01 \x03(\v2\x11.eitri.v1.VMEventR\x06events\x12&\n" +
+	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"&\n" +
 	"\x0fWatchVMsRequest\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\"(\n" +
 	"\x06VMList\x12\x1e\n" +

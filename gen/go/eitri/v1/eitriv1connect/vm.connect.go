@@ -88,7 +88,9 @@ type VMServiceClient interface {
 	// over the create (or the restarts) that failed, at once.
 	// FailedPrecondition unless the VM is failed.
 	RetryVM(context.Context, *connect.Request[v1.RetryVMRequest]) (*connect.Response[v1.RetryVMResponse], error)
-	// ListVMEvents is the VM's timeline, oldest first.
+	// ListVMEvents is the VM's timeline, a page at a time: the first page is
+	// the newest events, and next_page_token reads the page before it. Each
+	// page lists its events oldest first. A VM keeps its newest 1,000 events.
 	ListVMEvents(context.Context, *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error)
 	// ListOrphanedVMs lists VMs that hosts hold but will not take this control
 	// plane's word on: rows it lost (restored from an older backup, or its
@@ -359,7 +361,9 @@ type VMServiceHandler interface {
 	// over the create (or the restarts) that failed, at once.
 	// FailedPrecondition unless the VM is failed.
 	RetryVM(context.Context, *connect.Request[v1.RetryVMRequest]) (*connect.Response[v1.RetryVMResponse], error)
-	// ListVMEvents is the VM's timeline, oldest first.
+	// ListVMEvents is the VM's timeline, a page at a time: the first page is
+	// the newest events, and next_page_token reads the page before it. Each
+	// page lists its events oldest first. A VM keeps its newest 1,000 events.
 	ListVMEvents(context.Context, *connect.Request[v1.ListVMEventsRequest]) (*connect.Response[v1.ListVMEventsResponse], error)
 	// ListOrphanedVMs lists VMs that hosts hold but will not take this control
 	// plane's word on: rows it lost (restored from an older backup, or its

@@ -548,6 +548,23 @@ export declare type ListVMEventsRequest = Message<"eitri.v1.ListVMEventsRequest"
    * @generated from field: string vm_id = 1;
    */
   vmId: string;
+
+  /**
+   * The most events to return: 0 is 100, more than 1,000 is 1,000, and a
+   * negative size is InvalidArgument.
+   *
+   * @generated from field: int32 page_size = 2;
+   */
+  pageSize: number;
+
+  /**
+   * Empty for the newest page; otherwise a next_page_token of an earlier
+   * reply for this VM, for the events before that page. A token no reply
+   * gave is InvalidArgument.
+   *
+   * @generated from field: string page_token = 3;
+   */
+  pageToken: string;
 };
 
 /**
@@ -561,9 +578,18 @@ export declare const ListVMEventsRequestSchema: GenMessage<ListVMEventsRequest>;
  */
 export declare type ListVMEventsResponse = Message<"eitri.v1.ListVMEventsResponse"> & {
   /**
+   * Oldest first.
+   *
    * @generated from field: repeated eitri.v1.VMEvent events = 1;
    */
   events: VMEvent[];
+
+  /**
+   * Reads the page of older events; empty when there are none.
+   *
+   * @generated from field: string next_page_token = 2;
+   */
+  nextPageToken: string;
 };
 
 /**
@@ -1139,7 +1165,9 @@ export declare const VMService: GenService<{
     output: typeof RetryVMResponseSchema;
   },
   /**
-   * ListVMEvents is the VM's timeline, oldest first.
+   * ListVMEvents is the VM's timeline, a page at a time: the first page is
+   * the newest events, and next_page_token reads the page before it. Each
+   * page lists its events oldest first. A VM keeps its newest 1,000 events.
    *
    * @generated from rpc eitri.v1.VMService.ListVMEvents
    */
