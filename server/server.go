@@ -75,8 +75,13 @@ type Server struct {
 	Fingerprint string
 	handler     http.Handler
 	tls         *tls.Config
-	log         *slog.Logger
-	idle        time.Duration
+	// follow lives as long as the server: the other replicas are followed
+	// under it (fleet.FollowReplicas), and Close ends it.
+	follow     context.Context
+	stopFollow context.CancelFunc
+	followed   chan struct{}
+	log        *slog.Logger
+	idle       time.Duration
 }
 
 // New opens the store, prepares TLS and builds the handler.
@@ -119,6 +124,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		cfg.Log.Info("store on PostgreSQL", "db", store.Redact(db))
 	}
 	s.Store = st
+	s.follow, s.stopFollow = context.WithCancel(context.WithoutCancel(ctx))
 	s.Fleet = fleet.New(fleet.Config{
 		PublicURL: cfg.PublicURL, CertFingerprint: s.Fingerprint,
 		DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
@@ -127,9 +133,12 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		SSHCA:             ca,
 	}, st)
 	if s.AdminToken, err = s.Fleet.Bootstrap(ctx, cfg.DataDir); err != nil {
+		s.stopFollow()
 		st.Close()
 		return nil, fmt.Errorf("create the first admin: %w", err)
 	}
+	s.followed = make(chan struct{})
+	go func() { defer close(s.followed); s.Fleet.FollowReplicas(s.follow) }()
 
 	r := chi.NewRouter()
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
@@ -346,4 +355,8 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 }
 
 // Close releases the store.
-func (s *Server) Close() error { return s.Store.Close() }
+func (s *Server) Close() error {
+	s.stopFollow()
+	<-s.followed
+	return s.Store.Close()
+}

@@ -42,6 +42,18 @@ func (f *Fleet) refuseDuplicate(ctx context.Context, hostID string, hello *eitri
 		f.mu.Unlock()
 		return nil
 	}
+	curPeer, curSince := cur.peer, cur.since
+	f.mu.Unlock()
+	f.noteDuplicate(ctx, hostID, inst, peer, curPeer, now)
+	return errorf(Precondition, "host %s already has an agent connected (from %s since %s); two agents share this host's identity. "+
+		"If this machine is a copy of that host (a cloned disk), stop this agent, delete its data dir and enroll it with a new join token "+
+		"(eitri host join-token). If that agent is gone, this one is let in once its connection times out (within 30 s).",
+		hostID, curPeer, curSince.UTC().Format(time.RFC3339))
+}
+
+// noteDuplicate records a refused second agent for the host's conditions.
+func (f *Fleet) noteDuplicate(ctx context.Context, hostID, inst, peer, curPeer string, now time.Time) {
+	f.mu.Lock()
 	d := f.dups[hostID]
 	fresh := d == nil || now.Sub(d.last) > duplicateFor
 	if fresh {
@@ -55,17 +67,12 @@ func (f *Fleet) refuseDuplicate(ctx context.Context, hostID string, hello *eitri
 		d.expire.Reset(duplicateFor)
 	}
 	d.instance, d.peer, d.last = inst, peer, now
-	curPeer, curSince := cur.peer, cur.since
 	f.mu.Unlock()
 
 	if fresh {
 		f.log.Warn("refused a second agent with this host's identity", "host", hostID, "peer", peer, "connected_peer", curPeer)
 		f.publishHost(ctx, hostID)
 	}
-	return errorf(Precondition, "host %s already has an agent connected (from %s since %s); two agents share this host's identity. "+
-		"If this machine is a copy of that host (a cloned disk), stop this agent, delete its data dir and enroll it with a new join token "+
-		"(eitri host join-token). If that agent is gone, this one is let in once its connection times out (within 30 s).",
-		hostID, curPeer, curSince.UTC().Format(time.RFC3339))
 }
 
 // conditions lists what is wrong with hostID right now.

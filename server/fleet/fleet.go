@@ -150,7 +150,11 @@ type Fleet struct {
 	consoles consoleHub  // console calls relayed by hosts (console.go)
 	tunnels  tunnelCount // open tunnels by user (tunnel.go)
 
+	tunnelEvents tunnelEvents // tunnels the VMs' timelines heard of (tunnelevents.go)
+
 	userCerts certLimits // SSH certificates per user (sshcerts.go)
+
+	replicas replicas // the other replicas sharing the database (replicas.go)
 }
 
 // New returns a fleet over st.
@@ -188,6 +192,7 @@ func New(cfg Config, st *store.Store) *Fleet {
 		touched:   make(map[string]time.Time),
 		dups:      make(map[string]*duplicate),
 		reserved:  builtinReserved(cfg.PublicURL),
+		replicas:  replicas{flush: make(chan struct{}, 1)},
 	}
 }
 

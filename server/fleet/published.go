@@ -45,6 +45,19 @@ func (p *published) vm(id string) (store.VM, bool) {
 	return vm, ok
 }
 
+// vmsNotIn returns the published VMs whose ids keep lacks.
+func (p *published) vmsNotIn(keep map[string]bool) []store.VM {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []store.VM
+	for id, vm := range p.vms {
+		if !keep[id] {
+			out = append(out, vm)
+		}
+	}
+	return out
+}
+
 func (p *published) dropVM(id string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()

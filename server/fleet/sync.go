@@ -22,11 +22,14 @@ type Session struct {
 	hostID   string
 	conn     uint64
 	instance string // the agent process's random id; empty from older agents
-	peer     string
-	since    time.Time
-	ctx      context.Context
-	cancel   context.CancelCauseFunc
-	kicks    chan struct{}
+	// claim is the stream's conn number in the fleet-wide claim on its
+	// host (host_live); 0 on SQLite.
+	claim  int64
+	peer   string
+	since  time.Time
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	kicks  chan struct{}
 	// nextDestroy: the earliest destroy_at the last snapshot did not yet
 	// order, zero when none (f.mu). The sweep compares the clock with it.
 	nextDestroy time.Time
@@ -44,6 +47,11 @@ func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.H
 	if err := f.refuseDuplicate(ctx, hostID, hello, peer, now); err != nil {
 		return nil, err
 	}
+	// With replicas: one stream per host in the whole fleet.
+	claim, err := f.claimHost(ctx, hostID, hello, peer)
+	if err != nil {
+		return nil, err
+	}
 	// Before the first snapshot goes out: an agent ahead of this control
 	// plane must never be sent a generation it already saw.
 	f.fenceForward(ctx, hostID, hello.GetControlPlaneId(), hello.GetAppliedEpoch(), hello.GetAppliedGeneration())
@@ -54,7 +62,7 @@ func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.H
 		f.log.Warn("record host hello", "host", hostID, "err", err)
 	}
 	sctx, cancel := context.WithCancelCause(ctx)
-	s := &Session{f: f, hostID: hostID, instance: hello.GetInstanceId(), peer: peer, since: now,
+	s := &Session{f: f, hostID: hostID, instance: hello.GetInstanceId(), claim: claim, peer: peer, since: now,
 		ctx: sctx, cancel: cancel, kicks: make(chan struct{}, 1)}
 	s.kicks <- struct{}{}
 
@@ -89,6 +97,7 @@ func (s *Session) Close() {
 	d, ok := f.reg.Disconnect(s.hostID, s.conn)
 	f.mu.Unlock()
 	s.cancel(context.Canceled)
+	f.releaseHost(context.WithoutCancel(s.ctx), s)
 	if ok {
 		ctx := context.WithoutCancel(s.ctx)
 		_ = f.st.TouchHost(ctx, s.hostID, f.now())
@@ -210,6 +219,7 @@ func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
 		f.forgetDestroyed(ctx, s.hostID, id)
 	}
 	f.publishDiff(ctx, s.hostID, d)
+	f.shareReport(s)
 
 	f.mu.Lock()
 	last := f.touched[s.hostID]

@@ -84,10 +84,14 @@ func (s *Store) ChangeBounds(ctx context.Context) (oldest, newest int64, err err
 	return lo.Int64, hi.Int64, err
 }
 
-// PruneChanges drops changes recorded before the cutoff. Any replica may
-// run it (deleting twice is harmless); a follower that far behind resyncs.
-func (s *Store) PruneChanges(ctx context.Context, before time.Time) (int64, error) {
-	res, err := s.db.ExecContext(ctx, `DELETE FROM changes WHERE at < $1`, nanos(before))
+// PruneChanges drops changes recorded longer ago than keep, by the
+// database's clock (the one that stamped them). Any replica may run it
+// (deleting twice is harmless); a follower that far behind resyncs.
+func (s *Store) PruneChanges(ctx context.Context, keep time.Duration) (int64, error) {
+	if !s.pg {
+		return 0, nil
+	}
+	res, err := s.db.ExecContext(ctx, `DELETE FROM changes WHERE at < `+dbNow+` - $1`, keep.Nanoseconds())
 	if err != nil {
 		return 0, err
 	}
@@ -115,7 +119,9 @@ func (s *Store) Listen(ctx context.Context, channel string) <-chan struct{} {
 		default:
 		}
 	}
+	s.listeners.Add(1)
 	go func() {
+		defer s.listeners.Done()
 		for ctx.Err() == nil {
 			err := s.listenOnce(ctx, channel, poke)
 			if ctx.Err() != nil {

@@ -62,7 +62,7 @@ func TestTheChangeFeedRecordsEveryWriteWithItsReplica(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, got[0].Rev, oldest)
 	assert.Equal(t, got[len(got)-1].Rev, newest)
-	n, err := a.PruneChanges(ctx, time.Now().Add(time.Minute))
+	n, err := a.PruneChanges(ctx, 0)
 	require.NoError(t, err)
 	assert.EqualValues(t, len(got), n)
 	rest, err := b.Changes(ctx, 0, 100)

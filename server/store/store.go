@@ -27,6 +27,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -73,6 +74,9 @@ type Store struct {
 	pgcfg *pgx.ConnConfig
 	// replica names this process in the change feed (changes.origin).
 	replica string
+	// listeners: Listen's goroutines, waited for by Close so no
+	// connection outlives the store.
+	listeners sync.WaitGroup
 }
 
 // Open opens the database db names and applies any pending migrations: a
@@ -137,8 +141,11 @@ func (s *Store) start(ctx context.Context, shown string) error {
 	return nil
 }
 
-// Close closes the database.
-func (s *Store) Close() error { return s.db.Close() }
+// Close closes the database, once every Listen has ended with its context.
+func (s *Store) Close() error {
+	s.listeners.Wait() // they end with their contexts
+	return s.db.Close()
+}
 
 type migration struct {
 	version int

@@ -1,0 +1,181 @@
+package main
+
+import (
+	"context"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/store/pgtest"
+	"github.com/a73x/eitri/wire/vmstate"
+)
+
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+
+// replica is one eitri server process's worth of control plane on a shared
+// PostgreSQL, served over h2c on loopback.
+type replica struct {
+	srv  *server.Server
+	url  string
+	stop func()
+}
+
+func startReplica(t *testing.T, db string) *replica {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	url := "http://" + ln.Addr().String()
+	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), DB: db, Plaintext: true, PublicURL: url})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = srv.Serve(ctx, ln); close(done) }()
+	r := &replica{srv: srv, url: url}
+	stopped := false
+	r.stop = func() {
+		if !stopped {
+			stopped = true
+			cancel()
+			<-done
+			srv.Close()
+		}
+	}
+	t.Cleanup(r.stop)
+	return r
+}
+
+func (r *replica) as(t *testing.T, token string) context.Context {
+	t.Helper()
+	p, err := r.srv.Fleet.Resolve(context.Background(), token)
+	require.NoError(t, err)
+	return auth.WithPrincipal(context.Background(), p)
+}
+
+// TestReplicasOnOnePostgreSQLAreOneFleet runs two replicas and one agent:
+// what is written through one replica reaches the other's watchers and the
+// agent's stream on the other, what the agent narrates through one is seen
+// on the other within the second, a second agent with the host's identity
+// is refused on either, and when the agent's replica goes away the agent
+// is back through the other.
+func TestReplicasOnOnePostgreSQLAreOneFleet(t *testing.T) {
+	db := pgtest.DSN(t)
+	a := startReplica(t, db)
+	b := startReplica(t, db)
+	token := a.srv.AdminToken
+	require.NotEmpty(t, token)
+	onA, onB := a.as(t, token), b.as(t, token)
+
+	// The agent enrolls through b, knowing both.
+	jt, err := b.srv.Fleet.CreateJoinToken(onB, time.Minute)
+	require.NoError(t, err)
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err)
+	id.ServerURLs = []string{b.url, a.url}
+	src := &source{}
+	agentCtx, stopAgent := context.WithCancel(context.Background())
+	defer stopAgent()
+	runAgent := func(ctx context.Context, id syncclient.Identity, instance string, src *source) {
+		_ = syncclient.Run(ctx, syncclient.Config{
+			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
+			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+			Hello: func() *eitriv1.Hello {
+				return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg", InstanceId: instance}
+			},
+		})
+	}
+	go runAgent(agentCtx, id, "agent-1", src)
+
+	connectedOn := func(r *replica, ctx context.Context) func() bool {
+		return func() bool {
+			h, err := r.srv.Fleet.GetHost(ctx, id.HostID)
+			return err == nil && h.Connected && h.Capacity.GetVcpus() == 4
+		}
+	}
+	require.Eventually(t, connectedOn(b, onB), 10*time.Second, 10*time.Millisecond, "the agent is on b")
+	require.Eventually(t, connectedOn(a, onA), 10*time.Second, 10*time.Millisecond, "a shows what b's host said")
+
+	// A watcher on a; a VM created through a, on the host b holds.
+	w, _, err := a.srv.Fleet.WatchVMs(onA, "")
+	require.NoError(t, err)
+	defer w.Close()
+	vm, err := a.srv.Fleet.CreateVM(onA, &eitriv1.CreateVMRequest{
+		Name: "web-1", ImageUrl: "http://x/y.raw", ImageSha256: "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+		Vcpus: 1, MemMb: 256, DiskGb: 1,
+	})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return len(src.last().GetVms()) == 1 }, 10*time.Second, 10*time.Millisecond,
+		"the desired change made through a reached the agent's stream on b")
+
+	// The agent narrates through b; a's watcher hears every step, in order.
+	steps := []string{"downloading image", "preparing root disk", "booting"}
+	seen := make(chan string, 100)
+	watchCtx, stopWatch := context.WithCancel(context.Background())
+	defer stopWatch()
+	go func() {
+		for {
+			evs, err := w.Next(watchCtx)
+			if err != nil {
+				return
+			}
+			for _, ev := range evs {
+				if ev.ID == vm.Id && ev.Obj != nil && ev.Obj.StatusDetail != "" {
+					seen <- ev.Obj.StatusDetail
+				}
+			}
+		}
+	}()
+	for _, step := range steps {
+		src.mu.Lock()
+		src.vms = []*eitriv1.ActualVM{{VmId: vm.Id, Power: vmstate.PowerStopped, Phase: vmstate.PhaseCreating, StatusDetail: step}}
+		src.mu.Unlock()
+		deadline := time.After(5 * time.Second)
+	wait:
+		for {
+			select {
+			case got := <-seen:
+				if got == step {
+					break wait
+				}
+				assert.Contains(t, steps, got)
+			case <-deadline:
+				t.Fatalf("a's watcher never heard %q", step)
+			}
+		}
+	}
+
+	// A second agent process with the host's identity is refused through
+	// a, though a holds no stream of the host itself.
+	imposter := &source{}
+	impCtx, stopImp := context.WithCancel(context.Background())
+	solo := id
+	solo.ServerURLs = []string{a.url}
+	go runAgent(impCtx, solo, "agent-2", imposter)
+	require.Eventually(t, func() bool {
+		h, err := a.srv.Fleet.GetHost(onA, id.HostID)
+		return err == nil && len(h.Conditions) > 0 && h.Conditions[0].Type == "duplicate_agent"
+	}, 5*time.Second, 20*time.Millisecond, "the refused imposter shows on the host")
+	assert.Nil(t, imposter.last(), "the imposter never got a snapshot")
+	stopImp()
+
+	// b goes away: the agent is back through a, and a's view follows it.
+	b.stop()
+	require.Eventually(t, func() bool {
+		v, err := a.srv.Fleet.GetVM(onA, vm.Id)
+		return err == nil && v.StatusDetail == "booting"
+	}, 15*time.Second, 20*time.Millisecond)
+	require.Eventually(t, connectedOn(a, onA), 15*time.Second, 20*time.Millisecond, "the agent is back, through a")
+	_, err = a.srv.Fleet.SetPower(onA, vm.Id, vmstate.PowerStopped)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		vms := src.last().GetVms()
+		return len(vms) == 1 && vms[0].GetPowerState() == vmstate.PowerStopped
+	}, 10*time.Second, 10*time.Millisecond, "a's own stream now carries the desired state")
+}
