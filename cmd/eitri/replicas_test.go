@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/fleet"
 	"github.com/a73x/eitri/server/store/pgtest"
 	"github.com/a73x/eitri/wire/vmstate"
 )
@@ -178,4 +180,82 @@ func TestReplicasOnOnePostgreSQLAreOneFleet(t *testing.T) {
 		vms := src.last().GetVms()
 		return len(vms) == 1 && vms[0].GetPowerState() == vmstate.PowerStopped
 	}, 10*time.Second, 10*time.Millisecond, "a's own stream now carries the desired state")
+}
+
+// TestTwoReplicasAskedForTheLastVMAQuotaAllowsAdmitExactlyOne races a create
+// through each of two replicas, 50 times, when the caller's quota has room
+// for one more VM: one gets it, the other the quota error, every time.
+func TestTwoReplicasAskedForTheLastVMAQuotaAllowsAdmitExactlyOne(t *testing.T) {
+	db := pgtest.DSN(t)
+	a := startReplica(t, db)
+	b := startReplica(t, db)
+	onA, onB := a.as(t, a.srv.AdminToken), b.as(t, a.srv.AdminToken)
+	jt, err := a.srv.Fleet.CreateJoinToken(onA, time.Minute)
+	require.NoError(t, err)
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err)
+	agentCtx, stopAgent := context.WithCancel(context.Background())
+	defer stopAgent()
+	go func() {
+		_ = syncclient.Run(agentCtx, syncclient.Config{
+			Identity: id, Source: &source{}, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
+			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+			Hello: func() *eitriv1.Hello {
+				return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg", InstanceId: "agent-1"}
+			},
+		})
+	}()
+	for _, r := range []*replica{a, b} {
+		ctx := r.as(t, a.srv.AdminToken)
+		require.Eventually(t, func() bool {
+			h, err := r.srv.Fleet.GetHost(ctx, id.HostID)
+			return err == nil && h.Connected && h.Capacity.GetVcpus() == 4
+		}, 10*time.Second, 10*time.Millisecond, "both replicas can place on the host")
+	}
+	one := int64(1)
+	_, err = a.srv.Fleet.SetQuota(onA, &eitriv1.SetQuotaRequest{Limits: &eitriv1.QuotaLimits{Vms: &one}})
+	require.NoError(t, err)
+
+	for round := range 50 {
+		type result struct {
+			vm  *eitriv1.VM
+			err error
+		}
+		results := make(chan result, 2)
+		start := make(chan struct{})
+		for i, r := range []*replica{a, b} {
+			ctx := []context.Context{onA, onB}[i]
+			go func() {
+				<-start
+				vm, err := r.srv.Fleet.CreateVM(ctx, &eitriv1.CreateVMRequest{
+					Name: fmt.Sprintf("r%d-%d", round, i), ImageUrl: "http://x/y.raw",
+					ImageSha256: "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+					Vcpus:       1, MemMb: 64, DiskGb: 1,
+				})
+				results <- result{vm, err}
+			}()
+		}
+		close(start)
+		var won *eitriv1.VM
+		refused := 0
+		for range 2 {
+			r := <-results
+			switch {
+			case r.err == nil:
+				require.Nil(t, won, "round %d: both replicas admitted the last VM", round)
+				won = r.vm
+			case fleet.KindOf(r.err) == fleet.Exhausted:
+				assert.Contains(t, r.err.Error(), "quota: vms")
+				refused++
+			default:
+				t.Fatalf("round %d: %v", round, r.err)
+			}
+		}
+		require.NotNil(t, won, "round %d: neither replica admitted it", round)
+		require.Equal(t, 1, refused, "round %d", round)
+		// Deleting gives the VM (and its vCPU and memory) back for the
+		// next round.
+		_, err := a.srv.Fleet.DeleteVM(onA, won.Id)
+		require.NoError(t, err)
+	}
 }

@@ -63,7 +63,7 @@ func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureReq
 	}
 	f.quota.admit.Lock()
 	defer f.quota.admit.Unlock()
-	if err := f.admitQuota(ctx, p, Usage{Exposures: 1}); err != nil {
+	if err := f.admitQuota(ctx, f.st, p, Usage{Exposures: 1}); err != nil {
 		return nil, err
 	}
 	if port == 0 {

@@ -175,7 +175,7 @@ func (f *Fleet) DecommissionHost(ctx context.Context, id string) error {
 }
 
 func (f *Fleet) hostView(ctx context.Context, h store.Host) (*eitriv1.Host, error) {
-	alloc, err := f.allocated(ctx, h.ID)
+	alloc, err := f.allocated(ctx, f.st, h.ID)
 	if err != nil {
 		return nil, err
 	}

@@ -54,10 +54,21 @@ func vmHolds(v store.VM) (vcpus, memMB, diskGB int64) {
 	return int64(v.VCPUs), v.MemMB, v.DiskGB
 }
 
+// reader reads what admission checks: the store, or a store.Reader inside
+// the write transaction that must find the check still true at commit
+// (another replica may be admitting the last slot at the same instant).
+type reader interface {
+	ListVMs(ctx context.Context, ownerID string) ([]store.VM, error)
+	ListVMsByHost(ctx context.Context, hostID string) ([]store.VM, error)
+	CountExposuresByOwner(ctx context.Context, ownerID string) (int64, error)
+	QuotaDefaults(ctx context.Context) (store.Limits, error)
+	UserQuota(ctx context.Context, userID string) (store.Limits, error)
+}
+
 // usage counts what the user holds now.
-func (f *Fleet) usage(ctx context.Context, userID string) (Usage, error) {
+func (f *Fleet) usage(ctx context.Context, rd reader, userID string) (Usage, error) {
 	var u Usage
-	vms, err := f.st.ListVMs(ctx, userID)
+	vms, err := rd.ListVMs(ctx, userID)
 	if err != nil {
 		return u, err
 	}
@@ -70,7 +81,7 @@ func (f *Fleet) usage(ctx context.Context, userID string) (Usage, error) {
 		u.MemMB += m
 		u.DiskGB += d
 	}
-	if u.Exposures, err = f.st.CountExposuresByOwner(ctx, userID); err != nil {
+	if u.Exposures, err = rd.CountExposuresByOwner(ctx, userID); err != nil {
 		return u, err
 	}
 	f.quota.mu.Lock()
@@ -81,11 +92,11 @@ func (f *Fleet) usage(ctx context.Context, userID string) (Usage, error) {
 
 // limits returns what binds the user (every field), its own limits and the
 // defaults (every field).
-func (f *Fleet) limits(ctx context.Context, userID string) (eff Usage, own, defaults store.Limits, err error) {
-	if defaults, err = f.st.QuotaDefaults(ctx); err != nil {
+func (f *Fleet) limits(ctx context.Context, rd reader, userID string) (eff Usage, own, defaults store.Limits, err error) {
+	if defaults, err = rd.QuotaDefaults(ctx); err != nil {
 		return
 	}
-	if own, err = f.st.UserQuota(ctx, userID); err != nil {
+	if own, err = rd.UserQuota(ctx, userID); err != nil {
 		return
 	}
 	eff = BuiltinQuota
@@ -108,12 +119,12 @@ func limitFields(l *store.Limits) []**int64 {
 
 // admitQuota refuses a request that would take the user past a limit; need
 // is what the request adds. The caller holds f.quota.admit.
-func (f *Fleet) admitQuota(ctx context.Context, p auth.Principal, need Usage) error {
-	eff, _, _, err := f.limits(ctx, p.UserID)
+func (f *Fleet) admitQuota(ctx context.Context, rd reader, p auth.Principal, need Usage) error {
+	eff, _, _, err := f.limits(ctx, rd, p.UserID)
 	if err != nil {
 		return err
 	}
-	have, err := f.usage(ctx, p.UserID)
+	have, err := f.usage(ctx, rd, p.UserID)
 	if err != nil {
 		return err
 	}
@@ -146,7 +157,7 @@ func (f *Fleet) OpenStream(ctx context.Context) (release func(), err error) {
 	if !ok || p.UserID == "" {
 		return func() {}, nil
 	}
-	eff, _, _, err := f.limits(ctx, p.UserID)
+	eff, _, _, err := f.limits(ctx, f.st, p.UserID)
 	if err != nil {
 		return nil, err
 	}
@@ -209,11 +220,11 @@ func (f *Fleet) GetQuota(ctx context.Context, userName string) (*eitriv1.Quota, 
 }
 
 func (f *Fleet) quotaView(ctx context.Context, u store.User) (*eitriv1.Quota, error) {
-	eff, own, defaults, err := f.limits(ctx, u.ID)
+	eff, own, defaults, err := f.limits(ctx, f.st, u.ID)
 	if err != nil {
 		return nil, err
 	}
-	use, err := f.usage(ctx, u.ID)
+	use, err := f.usage(ctx, f.st, u.ID)
 	if err != nil {
 		return nil, err
 	}

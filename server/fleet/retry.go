@@ -39,10 +39,10 @@ func (f *Fleet) RetryVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 	want := cur
 	want.Status = vmstate.LifecyclePending
 	c, m, d := vmHolds(want)
-	if err := f.admitQuota(ctx, auth.Principal{UserID: owner.ID, Name: owner.Name}, Usage{VCPUs: c, MemMB: m, DiskGB: d}); err != nil {
+	if err := f.admitQuota(ctx, f.st, auth.Principal{UserID: owner.ID, Name: owner.Name}, Usage{VCPUs: c, MemMB: m, DiskGB: d}); err != nil {
 		return nil, err
 	}
-	if _, why := f.room(ctx, cur.HostID, c, m, d); why != "" {
+	if _, why := f.room(ctx, f.st, cur.HostID, c, m, d); why != "" {
 		where := cur.HostID
 		if h, err := f.st.HostByID(ctx, cur.HostID); err == nil {
 			where = h.Name

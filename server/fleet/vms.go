@@ -123,7 +123,8 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 	}
 	f.quota.admit.Lock()
 	defer f.quota.admit.Unlock()
-	if err := f.admitQuota(ctx, p, Usage{VMs: 1, VCPUs: int64(r.GetVcpus()), MemMB: r.GetMemMb(), DiskGB: r.GetDiskGb()}); err != nil {
+	need := Usage{VMs: 1, VCPUs: int64(r.GetVcpus()), MemMB: r.GetMemMb(), DiskGB: r.GetDiskGb()}
+	if err := f.admitQuota(ctx, f.st, p, need); err != nil {
 		return nil, err
 	}
 	hostID, err := f.place(ctx, r)
@@ -142,7 +143,19 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 		PowerState: power, Status: vmstate.LifecyclePending, SSHAuthorizedKey: r.GetSshAuthorizedKey(),
 		CreatedAt: now, UpdatedAt: now,
 	}
-	if err := f.st.CreateVM(ctx, vm); err != nil {
+	// The checks above, again inside the insert's transaction: with other
+	// replicas on the same database, f.quota.admit does not stop them
+	// taking the last slot in between, and the transaction does.
+	admit := func(ctx context.Context, rd store.Reader) error {
+		if err := f.admitQuota(ctx, rd, p, need); err != nil {
+			return err
+		}
+		if _, why := f.room(ctx, rd, hostID, need.VCPUs, need.MemMB, need.DiskGB); why != "" {
+			return errorf(Precondition, "host %s %s", hostID, why)
+		}
+		return nil
+	}
+	if err := f.st.CreateVMAdmitted(ctx, vm, admit); err != nil {
 		if errors.Is(err, store.ErrConflict) {
 			return nil, errorf(Conflict, "name: you already have a VM named %q", vm.Name)
 		}
@@ -161,7 +174,7 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 // free memory (then vCPUs) that fits.
 func (f *Fleet) place(ctx context.Context, r *eitriv1.CreateVMRequest) (string, error) {
 	fits := func(h store.Host) ([3]int64, string) {
-		return f.room(ctx, h.ID, int64(r.GetVcpus()), r.GetMemMb(), r.GetDiskGb())
+		return f.room(ctx, f.st, h.ID, int64(r.GetVcpus()), r.GetMemMb(), r.GetDiskGb())
 	}
 	if id := r.GetHostId(); id != "" {
 		h, err := f.st.HostByID(ctx, id)
@@ -198,7 +211,7 @@ func (f *Fleet) place(ctx context.Context, r *eitriv1.CreateVMRequest) (string, 
 // room says whether a connected host has vcpus, memMB and diskGB free
 // beyond what is allocated there, and what it has free; why is "" when it
 // fits, else what a person reads after the host's name.
-func (f *Fleet) room(ctx context.Context, hostID string, vcpus, memMB, diskGB int64) (free [3]int64, why string) {
+func (f *Fleet) room(ctx context.Context, rd reader, hostID string, vcpus, memMB, diskGB int64) (free [3]int64, why string) {
 	live, ok := f.reg.Host(hostID)
 	if !ok {
 		return free, "is not connected"
@@ -207,7 +220,7 @@ func (f *Fleet) room(ctx context.Context, hostID string, vcpus, memMB, diskGB in
 	if c == nil {
 		return free, "has not reported its capacity yet"
 	}
-	a, err := f.allocated(ctx, hostID)
+	a, err := f.allocated(ctx, rd, hostID)
 	if err != nil {
 		return free, err.Error()
 	}
@@ -225,8 +238,8 @@ func (f *Fleet) room(ctx context.Context, hostID string, vcpus, memMB, diskGB in
 
 // allocated sums what the host's VMs hold (see vmHolds): a failed create
 // and a deleted VM's stopped guest give their share back.
-func (f *Fleet) allocated(ctx context.Context, hostID string) (*eitriv1.Allocated, error) {
-	vms, err := f.st.ListVMsByHost(ctx, hostID)
+func (f *Fleet) allocated(ctx context.Context, rd reader, hostID string) (*eitriv1.Allocated, error) {
+	vms, err := rd.ListVMsByHost(ctx, hostID)
 	if err != nil {
 		return nil, err
 	}
@@ -369,11 +382,11 @@ func (f *Fleet) RestoreVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 		c, m, _ := vmHolds(restored)
 		// The owner's quota, not the caller's: an admin restoring a user's
 		// VM gives it back to that user.
-		if err := f.admitQuota(ctx, auth.Principal{UserID: owner.ID, Name: owner.Name}, Usage{VMs: 1, VCPUs: c, MemMB: m}); err != nil {
+		if err := f.admitQuota(ctx, f.st, auth.Principal{UserID: owner.ID, Name: owner.Name}, Usage{VMs: 1, VCPUs: c, MemMB: m}); err != nil {
 			return nil, err
 		}
 		if c > 0 || m > 0 {
-			if _, why := f.room(ctx, cur.HostID, c, m, 0); why != "" {
+			if _, why := f.room(ctx, f.st, cur.HostID, c, m, 0); why != "" {
 				where := cur.HostID
 				if h, err := f.st.HostByID(ctx, cur.HostID); err == nil {
 					where = h.Name
