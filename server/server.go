@@ -93,25 +93,6 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil, err
 	}
 	s := &Server{log: cfg.Log, idle: cmp.Or(cfg.IdleTimeout, DefaultIdleTimeout)}
-	if !cfg.Plaintext {
-		var cert tls.Certificate
-		var err error
-		if cfg.TLSCert != "" {
-			cert, err = pki.Load(cfg.TLSCert, cfg.TLSKey)
-		} else {
-			cert, err = pki.LoadOrCreate(filepath.Join(cfg.DataDir, "tls"), cfg.TLSHosts)
-		}
-		if err != nil {
-			return nil, err
-		}
-		s.Fingerprint = pki.Fingerprint(cert.Certificate[0])
-		s.tls = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2", "http/1.1"}}
-	}
-	// The SSH CAs sit beside the TLS material, made on first start.
-	ca, err := sshca.LoadOrCreate(filepath.Join(cfg.DataDir, "ssh"))
-	if err != nil {
-		return nil, err
-	}
 	db := cfg.DB
 	if db == "" {
 		db = filepath.Join(cfg.DataDir, "eitri.db")
@@ -125,17 +106,59 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	s.Store = st
 	s.follow, s.stopFollow = context.WithCancel(context.WithoutCancel(ctx))
-	s.Fleet = fleet.New(fleet.Config{
-		PublicURL: cfg.PublicURL, CertFingerprint: s.Fingerprint,
-		DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
-		RestoreMargin: cfg.RestoreMargin, DestroySweep: cfg.DestroySweep, Now: cfg.Now,
-		MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,
-		SSHCA:             ca,
-	}, st)
-	if s.AdminToken, err = s.Fleet.Bootstrap(ctx, cfg.DataDir); err != nil {
+	// One replica at a time: the first to start on an empty database makes
+	// the secrets and the first admin, and the others take them.
+	err = st.Exclusive(ctx, func() error {
+		sec := secrets{st: st, dir: cfg.DataDir, tls: !cfg.Plaintext && cfg.TLSCert == ""}
+		if err := sec.pull(ctx); err != nil {
+			return err
+		}
+		if !cfg.Plaintext {
+			var cert tls.Certificate
+			var err error
+			if cfg.TLSCert != "" {
+				cert, err = pki.Load(cfg.TLSCert, cfg.TLSKey)
+			} else {
+				cert, err = pki.LoadOrCreate(filepath.Join(cfg.DataDir, "tls"), cfg.TLSHosts)
+			}
+			if err != nil {
+				return err
+			}
+			s.Fingerprint = pki.Fingerprint(cert.Certificate[0])
+			s.tls = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2", "http/1.1"}}
+			sec.warnMissingNames(cert, cfg.TLSHosts, cfg.Log)
+		}
+		// The SSH CAs sit beside the TLS material, made on first start.
+		ca, err := sshca.LoadOrCreate(filepath.Join(cfg.DataDir, "ssh"))
+		if err != nil {
+			return err
+		}
+		if err := sec.push(ctx); err != nil {
+			return err
+		}
+		s.Fleet = fleet.New(fleet.Config{
+			PublicURL: cfg.PublicURL, CertFingerprint: s.Fingerprint,
+			DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
+			RestoreMargin: cfg.RestoreMargin, DestroySweep: cfg.DestroySweep, Now: cfg.Now,
+			MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,
+			SSHCA:             ca,
+			SecretsChanged:    sec.push,
+			OthersChangedSecrets: func(ctx context.Context) error {
+				if err := sec.pull(ctx); err != nil {
+					return err
+				}
+				return ca.Reload()
+			},
+		}, st)
+		if s.AdminToken, err = s.Fleet.Bootstrap(ctx, cfg.DataDir); err != nil {
+			return fmt.Errorf("create the first admin: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
 		s.stopFollow()
 		st.Close()
-		return nil, fmt.Errorf("create the first admin: %w", err)
+		return nil, err
 	}
 	s.followed = make(chan struct{})
 	go func() { defer close(s.followed); s.Fleet.FollowReplicas(s.follow) }()

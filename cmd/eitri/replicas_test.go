@@ -259,3 +259,58 @@ func TestTwoReplicasAskedForTheLastVMAQuotaAllowsAdmitExactlyOne(t *testing.T) {
 		require.NoError(t, err)
 	}
 }
+
+// TestReplicasShareOneIdentity starts two TLS replicas at once on an empty
+// database, each with its own data dir: one makes the first admin, both
+// present the same certificate (what agents and the CLI pin) and the same
+// SSH CAs, and a CA rotated through one is what the other trusts soon
+// after.
+func TestReplicasShareOneIdentity(t *testing.T) {
+	db := pgtest.DSN(t)
+	type started struct {
+		srv *server.Server
+		err error
+	}
+	starts := make(chan started, 2)
+	for range 2 {
+		go func() {
+			srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), DB: db, PublicURL: "https://127.0.0.1:7443"})
+			starts <- started{srv, err}
+		}()
+	}
+	var srvs []*server.Server
+	for range 2 {
+		s := <-starts
+		require.NoError(t, s.err)
+		t.Cleanup(func() { s.srv.Close() })
+		srvs = append(srvs, s.srv)
+	}
+	a, b := srvs[0], srvs[1]
+	if a.AdminToken == "" {
+		a, b = b, a
+	}
+	require.NotEmpty(t, a.AdminToken, "one replica made the first admin")
+	assert.Empty(t, b.AdminToken, "and only one")
+	assert.Equal(t, a.Fingerprint, b.Fingerprint, "both present one certificate")
+
+	pa, err := a.Fleet.Resolve(context.Background(), a.AdminToken)
+	require.NoError(t, err)
+	pb, err := b.Fleet.Resolve(context.Background(), a.AdminToken)
+	require.NoError(t, err, "the admin's token works on either")
+	onA, onB := auth.WithPrincipal(context.Background(), pa), auth.WithPrincipal(context.Background(), pb)
+	keysA, err := a.Fleet.SSHCAKeys(onA)
+	require.NoError(t, err)
+	keysB, err := b.Fleet.SSHCAKeys(onB)
+	require.NoError(t, err)
+	assert.Equal(t, keysA.GetUserCaKeys()[0].GetPublicKey(), keysB.GetUserCaKeys()[0].GetPublicKey())
+	assert.Equal(t, keysA.GetHostCaKeys()[0].GetPublicKey(), keysB.GetHostCaKeys()[0].GetPublicKey())
+
+	rotated, err := a.Fleet.RotateSSHCA(onA, "user")
+	require.NoError(t, err)
+	newKey := rotated.GetUserCaKeys()[0].GetPublicKey()
+	require.NotEqual(t, keysA.GetUserCaKeys()[0].GetPublicKey(), newKey)
+	require.Eventually(t, func() bool {
+		k, err := b.Fleet.SSHCAKeys(onB)
+		return err == nil && k.GetUserCaKeys()[0].GetPublicKey() == newKey
+	}, 10*time.Second, 20*time.Millisecond, "b takes the key a rotated to")
+}

@@ -116,6 +116,10 @@ type Config struct {
 	// SSHCA signs users' and guests' SSH keys; nil: no certificates, and
 	// guests trust no CA.
 	SSHCA *sshca.Authority
+	// SecretsChanged is told after this replica rotated a CA, to share it
+	// with the other replicas; OthersChangedSecrets after another replica
+	// did, to take it. Nil: one control plane, nothing to share.
+	SecretsChanged, OthersChangedSecrets func(context.Context) error
 	// MaxTunnelsPerUser caps each user's open tunnels (default
 	// DefaultMaxTunnelsPerUser).
 	MaxTunnelsPerUser int

@@ -302,6 +302,23 @@ func (fl *follower) apply(ctx context.Context, c store.Change) {
 			f.publishExposure(ctx, c.ID)
 		}
 		f.kick(c.HostID)
+	case store.ChangeSecret:
+		if f.cfg.OthersChangedSecrets != nil {
+			if err := f.cfg.OthersChangedSecrets(ctx); err != nil {
+				f.log.Error("take the SSH CA another replica rotated", "err", err)
+			} else {
+				f.log.Info("took the SSH CA another replica rotated", "secret", c.ID)
+			}
+		}
+		// Guests seeded from now on trust the new user CA key.
+		f.mu.Lock()
+		for id := range f.sessions {
+			select {
+			case f.sessions[id].kicks <- struct{}{}:
+			default:
+			}
+		}
+		f.mu.Unlock()
 	case store.ChangeHost:
 		fl.hosts[c.ID] = !c.Removed
 		if c.Removed {

@@ -129,6 +129,13 @@ func (f *Fleet) RotateSSHCA(ctx context.Context, which string) (*eitriv1.GetSSHC
 	if err := ca.Rotate(k); err != nil {
 		return nil, err
 	}
+	if f.cfg.SecretsChanged != nil {
+		if err := f.cfg.SecretsChanged(ctx); err != nil {
+			// This replica signs with the new key; the others would not
+			// trust what it signs until they have it.
+			return nil, fmt.Errorf("share the rotated CA with the other replicas: %w", err)
+		}
+	}
 	f.log.Info("SSH CA rotated", "ca", which, "by", p.Name, "key", ssh.FingerprintSHA256(ca.PublicKey(k)))
 	if k == sshca.User {
 		// Guests still to be seeded trust the new key too.

@@ -169,6 +169,23 @@ func (a *Authority) Rotate(k Kind) error {
 	return nil
 }
 
+// Reload reads both CAs from the directory again: another replica rotated
+// one and the shared files now hold its new key.
+func (a *Authority) Reload() error {
+	keys := map[Kind]*keyset{}
+	for _, k := range []Kind{User, Host} {
+		ks, err := load(a.dir, k)
+		if err != nil {
+			return fmt.Errorf("ssh %s CA: %w", k, err)
+		}
+		keys[k] = ks
+	}
+	a.mu.Lock()
+	a.keys = keys
+	a.mu.Unlock()
+	return nil
+}
+
 // PublicKey is k's current key.
 func (a *Authority) PublicKey(k Kind) ssh.PublicKey {
 	a.mu.RLock()
