@@ -40,6 +40,9 @@ type Config struct {
 	// PublicURL is what agents dial (goes into join tokens). Defaults from
 	// the listen address.
 	PublicURL string
+	// AdvertiseURL is this replica's own URL as agents reach it (several
+	// replicas): see fleet.Config.AdvertiseURL.
+	AdvertiseURL string
 	// Plaintext serves h2c instead of TLS; for loopback dev mode only.
 	Plaintext bool
 	// TLSCert/TLSKey replace the self-made certificate.
@@ -137,7 +140,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 			return err
 		}
 		s.Fleet = fleet.New(fleet.Config{
-			PublicURL: cfg.PublicURL, CertFingerprint: s.Fingerprint,
+			PublicURL: cfg.PublicURL, AdvertiseURL: cfg.AdvertiseURL, CertFingerprint: s.Fingerprint,
 			DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
 			RestoreMargin: cfg.RestoreMargin, DestroySweep: cfg.DestroySweep, Now: cfg.Now,
 			MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,

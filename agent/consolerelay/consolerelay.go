@@ -12,6 +12,9 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -62,7 +65,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	client := eitriv1connect.NewAgentServiceClient(cfg.Client, cfg.Identity.ServerURL,
 		connect.WithInterceptors(connclient.Bearer(cfg.Identity.Credential)))
-	r := &relay{client: client, serial: cfg.Serial, guests: cfg.Guests, log: cfg.Log, slots: make(chan struct{}, maxCalls)}
+	r := &relay{client: client, ident: cfg.Identity, serial: cfg.Serial, guests: cfg.Guests, log: cfg.Log, slots: make(chan struct{}, maxCalls)}
 	backoff := cfg.MinBackoff
 	for {
 		healthy, err := r.listen(ctx, cfg.InstanceID)
@@ -90,10 +93,15 @@ func Run(ctx context.Context, cfg Config) error {
 
 type relay struct {
 	client eitriv1connect.AgentServiceClient
-	serial Serial
-	guests GuestAddr
-	log    *slog.Logger
-	slots  chan struct{}
+	ident  syncclient.Identity
+	// replicas: clients to the other control-plane replicas calls came
+	// from, by URL (see api).
+	mu       sync.Mutex
+	replicas map[string]eitriv1connect.AgentServiceClient
+	serial   Serial
+	guests   GuestAddr
+	log      *slog.Logger
+	slots    chan struct{}
 }
 
 // listen runs one Calls stream; healthy reports that it was up: it
@@ -121,8 +129,8 @@ func (r *relay) listen(ctx context.Context, instance string) (healthy bool, err 
 		// A call outlives this stream's loss: its own stream carries it.
 		go func() {
 			defer func() { <-r.slots }()
-			if t := c.GetTunnel(); t != nil {
-				r.tunnel(context.WithoutCancel(ctx), c.GetId(), t)
+			if c.GetTunnel() != nil {
+				r.tunnel(context.WithoutCancel(ctx), c)
 				return
 			}
 			r.answer(context.WithoutCancel(ctx), c)
@@ -131,12 +139,48 @@ func (r *relay) listen(ctx context.Context, instance string) (healthy bool, err 
 	return healthy, st.Err()
 }
 
+// api is where c's answer goes: its own control plane's, or the replica
+// that made the call (answer_url), when this agent may trust that URL with
+// its credential: over TLS pinned to the control plane's certificate
+// (which only a replica holds), or a URL it enrolled with. Anything else
+// is answered on the Calls stream's own connection, where a replica that
+// did not make the call refuses it.
+func (r *relay) api(c *eitriv1.CallsResponse) eitriv1connect.AgentServiceClient {
+	u := c.GetAnswerUrl()
+	if u == "" {
+		return r.client
+	}
+	// A client of its own even for one of the agent's URLs: the shared
+	// client fails over between them and could carry the answer to
+	// another replica than the one waiting for it.
+	known := slices.Contains(r.ident.URLs(), u)
+	if !known && (r.ident.Fingerprint == "" || !strings.HasPrefix(u, "https://")) {
+		r.log.Warn("a call names a control plane to answer at that this agent does not trust; answering on its own stream", "url", u)
+		return r.client
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if api, ok := r.replicas[u]; ok {
+		return api
+	}
+	hc, base, err := connclient.Replicas(r.ident.Fingerprint, []string{u})
+	if err != nil {
+		return r.client
+	}
+	api := eitriv1connect.NewAgentServiceClient(hc, base, connect.WithInterceptors(connclient.Bearer(r.ident.Credential)))
+	if r.replicas == nil {
+		r.replicas = map[string]eitriv1connect.AgentServiceClient{}
+	}
+	r.replicas[u] = api
+	return api
+}
+
 // answerStream is one call's Console stream.
 type answerStream = connect.BidiStreamForClient[eitriv1.ConsoleRequest, eitriv1.ConsoleResponse]
 
-func (r *relay) open(ctx context.Context, callID string) (*answerStream, error) {
-	st := r.client.Console(ctx)
-	if err := st.Send(&eitriv1.ConsoleRequest{CallId: callID}); err != nil {
+func (r *relay) open(ctx context.Context, c *eitriv1.CallsResponse) (*answerStream, error) {
+	st := r.api(c).Console(ctx)
+	if err := st.Send(&eitriv1.ConsoleRequest{CallId: c.GetId()}); err != nil {
 		return nil, err
 	}
 	return st, nil
@@ -146,10 +190,10 @@ func (r *relay) refuse(ctx context.Context, c *eitriv1.CallsResponse, why string
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if c.GetTunnel() != nil {
-		r.refuseTunnel(ctx, c.GetId(), "unavailable", why)
+		r.refuseTunnel(ctx, c, "unavailable", why)
 		return
 	}
-	st, err := r.open(ctx, c.GetId())
+	st, err := r.open(ctx, c)
 	if err != nil {
 		return
 	}
@@ -163,7 +207,7 @@ func (r *relay) refuse(ctx context.Context, c *eitriv1.CallsResponse, why string
 func (r *relay) answer(ctx context.Context, c *eitriv1.CallsResponse) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	st, err := r.open(ctx, c.GetId())
+	st, err := r.open(ctx, c)
 	if err != nil {
 		r.log.Debug("cannot answer a console call", "call", c.GetId(), "err", err)
 		return

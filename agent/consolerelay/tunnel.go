@@ -29,9 +29,9 @@ type tunnelSender interface {
 	Send(*eitriv1.TunnelRequest) error
 }
 
-func (r *relay) refuseTunnel(ctx context.Context, callID, code, why string) {
-	st := r.client.Tunnel(ctx)
-	if err := st.Send(&eitriv1.TunnelRequest{CallId: callID}); err != nil {
+func (r *relay) refuseTunnel(ctx context.Context, c *eitriv1.CallsResponse, code, why string) {
+	st := r.api(c).Tunnel(ctx)
+	if err := st.Send(&eitriv1.TunnelRequest{CallId: c.GetId()}); err != nil {
 		return
 	}
 	_ = st.Send(&eitriv1.TunnelRequest{ErrorCode: code, Error: why})
@@ -46,15 +46,16 @@ func (r *relay) refuseTunnel(ctx context.Context, callID, code, why string) {
 // EOF is sent as eof, the control plane's eof shuts the guest connection
 // for writing. One frame is in flight each way, so a side that stops
 // reading stops the other side's reads (TCP and HTTP/2 windows push back).
-func (r *relay) tunnel(ctx context.Context, callID string, call *eitriv1.TunnelCall) {
+func (r *relay) tunnel(ctx context.Context, c *eitriv1.CallsResponse) {
+	callID, call := c.GetId(), c.GetTunnel()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	conn, code, why := r.dialGuest(ctx, call)
 	if conn == nil {
-		r.refuseTunnel(ctx, callID, code, why)
+		r.refuseTunnel(ctx, c, code, why)
 		return
 	}
-	st := r.client.Tunnel(ctx)
+	st := r.api(c).Tunnel(ctx)
 	defer func() { _ = st.CloseResponse() }()
 	if err := st.Send(&eitriv1.TunnelRequest{CallId: callID}); err != nil {
 		conn.Close()

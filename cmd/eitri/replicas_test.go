@@ -5,18 +5,25 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/a73x/eitri/agent/consolerelay"
+	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/fleet"
 	"github.com/a73x/eitri/server/store/pgtest"
+	"github.com/a73x/eitri/wire/connclient"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -32,26 +39,43 @@ type replica struct {
 
 func startReplica(t *testing.T, db string) *replica {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	url := "http://" + ln.Addr().String()
-	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), DB: db, Plaintext: true, PublicURL: url})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { _ = srv.Serve(ctx, ln); close(done) }()
-	r := &replica{srv: srv, url: url}
-	stopped := false
-	r.stop = func() {
-		if !stopped {
-			stopped = true
-			cancel()
-			<-done
-			srv.Close()
-		}
+	return startReplicas(t, db, 1)[0]
+}
+
+// startReplicas starts n replicas, each advertising its own URL and
+// naming all of theirs in join tokens.
+func startReplicas(t *testing.T, db string, n int) []*replica {
+	t.Helper()
+	var lns []net.Listener
+	var urls []string
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		lns = append(lns, ln)
+		urls = append(urls, "http://"+ln.Addr().String())
 	}
-	t.Cleanup(r.stop)
-	return r
+	var out []*replica
+	for i, ln := range lns {
+		srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), DB: db, Plaintext: true,
+			PublicURL: strings.Join(urls, ","), AdvertiseURL: urls[i]})
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { _ = srv.Serve(ctx, ln); close(done) }()
+		r := &replica{srv: srv, url: urls[i]}
+		stopped := false
+		r.stop = func() {
+			if !stopped {
+				stopped = true
+				cancel()
+				<-done
+				srv.Close()
+			}
+		}
+		t.Cleanup(r.stop)
+		out = append(out, r)
+	}
+	return out
 }
 
 func (r *replica) as(t *testing.T, token string) context.Context {
@@ -313,4 +337,60 @@ func TestReplicasShareOneIdentity(t *testing.T) {
 		k, err := b.Fleet.SSHCAKeys(onB)
 		return err == nil && k.GetUserCaKeys()[0].GetPublicKey() == newKey
 	}, 10*time.Second, 20*time.Millisecond, "b takes the key a rotated to")
+}
+
+// TestAConsoleReachesAHostHeldByAnotherReplica streams a VM's
+// serial console through a replica that does not hold the VM's host: the
+// call goes to the holder through the database, and the agent answers at
+// the replica that asked.
+func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
+	db := pgtest.DSN(t)
+	rs := startReplicas(t, db, 2)
+	a, b := rs[0], rs[1]
+	onB := b.as(t, a.srv.AdminToken)
+	jt, err := b.srv.Fleet.CreateJoinToken(onB, time.Minute)
+	require.NoError(t, err)
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err)
+	id.ServerURLs = []string{b.url} // the agent's streams are on b
+	qb, err := qemu.New(qemu.Config{Dir: t.TempDir()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	hc := id.HTTPClient()
+	go func() {
+		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: &source{}, ReportEvery: 10 * time.Millisecond, Client: hc,
+			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-1"} }})
+	}()
+	id.ServerURLs = []string{b.url, a.url} // it may answer at either
+	go func() {
+		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: "agent-1", Serial: qb})
+	}()
+	onA := a.as(t, a.srv.AdminToken)
+	require.Eventually(t, func() bool {
+		h, err := a.srv.Fleet.GetHost(onA, id.HostID)
+		return err == nil && h.Connected && h.Capacity != nil
+	}, 10*time.Second, 10*time.Millisecond)
+
+	vm, err := a.srv.Fleet.CreateVM(onA, &eitriv1.CreateVMRequest{Name: "con", HostId: id.HostID,
+		ImageUrl: "http://images.test/g.raw", ImageSha256: strings.Repeat("ab", 32), Vcpus: 1, MemMb: 256, DiskGb: 1})
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(qb.VMDir(vm.Id), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(qb.VMDir(vm.Id), "serial.log"), []byte("booting on b's host\n"), 0o600))
+
+	vms := eitriv1connect.NewVMServiceClient(connclient.HTTPClient(""), a.url, connect.WithInterceptors(connclient.Bearer(a.srv.AdminToken)))
+	var got []byte
+	require.Eventually(t, func() bool {
+		st, err := vms.StreamConsole(ctx, connect.NewRequest(&eitriv1.StreamConsoleRequest{VmId: vm.Id, NoFollow: true}))
+		if err != nil {
+			return false
+		}
+		defer st.Close()
+		got = got[:0]
+		for st.Receive() {
+			got = append(got, st.Msg().GetData()...)
+		}
+		return st.Err() == nil && len(got) > 0
+	}, 15*time.Second, 50*time.Millisecond, "a's console call reaches the host b holds")
+	assert.Equal(t, "booting on b's host\n", string(got))
 }

@@ -53,7 +53,7 @@ func (c *cpFlags) register(fs *pflag.FlagSet, d cpDefaults) {
 type serverFlags struct {
 	cpFlags
 	db                        string
-	publicURL                 string
+	publicURL, advertiseURL   string
 	tlsCert, tlsKey, tlsHosts string
 }
 
@@ -74,7 +74,8 @@ func newServerCmd() *cobra.Command {
 	// The default is read at run time, not shown here: --help would print
 	// a password kept in EITRI_DB.
 	fs.StringVar(&f.db, "db", "", "PostgreSQL that replicas share, as postgres://USER@HOST/DB?sslmode=verify-full (default $EITRI_DB, else SQLite in --data-dir); keep a password in EITRI_DB, PGPASSWORD or ~/.pgpass, not on the command line")
-	fs.StringVar(&f.publicURL, "public-url", "", "URL agents dial (default https://<hostname>:<port>)")
+	fs.StringVar(&f.publicURL, "public-url", "", "URL agents dial, or every replica's and the load balancer's, comma-separated (default https://<hostname>:<port>)")
+	fs.StringVar(&f.advertiseURL, "advertise-url", "", "with --db: this replica's own URL as agents reach it, where a host another replica holds answers this one's consoles and tunnels (default https://<hostname>:<port>)")
 	fs.StringVar(&f.tlsCert, "tls-cert", "", "serving certificate (PEM); default: a self-made CA and certificate")
 	fs.StringVar(&f.tlsKey, "tls-key", "", "key for --tls-cert")
 	fs.StringVar(&f.tlsHosts, "tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
@@ -95,17 +96,22 @@ func runServer(ctx context.Context, f serverFlags) error {
 	if err != nil {
 		return err
 	}
+	hn, _ := os.Hostname()
+	own := "https://" + net.JoinHostPort(hn, portOf(ln.Addr()))
 	pub := f.publicURL
 	if pub == "" {
-		hn, _ := os.Hostname()
-		pub = "https://" + net.JoinHostPort(hn, portOf(ln.Addr()))
+		pub = own
+	}
+	advertise := f.advertiseURL
+	if advertise == "" && db != "" {
+		advertise = own
 	}
 	var hosts []string
 	if f.tlsHosts != "" {
 		hosts = strings.Split(f.tlsHosts, ",")
 	}
 	srv, err := server.New(ctx, server.Config{
-		DataDir: f.dataDir, DB: db, PublicURL: pub, TLSCert: f.tlsCert, TLSKey: f.tlsKey, TLSHosts: hosts,
+		DataDir: f.dataDir, DB: db, PublicURL: pub, AdvertiseURL: advertise, TLSCert: f.tlsCert, TLSKey: f.tlsKey, TLSHosts: hosts,
 		DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max, Console: consoleHandler(), Log: log,
 	})
 	if err != nil {

@@ -153,6 +153,7 @@ func (f *Fleet) call(ctx context.Context, hostID string, p auth.Principal, c *ei
 	pc := &pendingCall{hostID: hostID, attached: make(chan struct{}), frames: make(chan frame, 4), gone: make(chan struct{}), tunnel: tunnel}
 	h.mu.Lock()
 	line := h.lines[hostID]
+	remote := false
 	if line == nil {
 		h.mu.Unlock()
 		f.mu.Lock()
@@ -161,7 +162,17 @@ func (f *Fleet) call(ctx context.Context, hostID string, p auth.Principal, c *ei
 		if connected {
 			return nil, nil, errorf(Unavailable, "the vm's host does not relay consoles (its agent is older than this control plane, or reconnecting); try again shortly")
 		}
-		return nil, nil, errorf(Unavailable, "the vm's host is not connected; its console comes back with it")
+		if !f.heldElsewhere(hostID) {
+			return nil, nil, errorf(Unavailable, "the vm's host is not connected; its console comes back with it")
+		}
+		if f.cfg.AdvertiseURL == "" {
+			return nil, nil, errorf(Unavailable, "the vm's host is connected to another control-plane replica, and this one has no --advertise-url for the host to answer at; try through another replica")
+		}
+		// Another replica holds the host's Calls stream: the call goes to
+		// it through the database, and the agent answers here.
+		remote = true
+		c.AnswerUrl = f.cfg.AdvertiseURL
+		h.mu.Lock()
 	}
 	if h.active[hostID] >= maxCallsPerHost {
 		h.mu.Unlock()
@@ -181,6 +192,9 @@ func (f *Fleet) call(ctx context.Context, hostID string, p auth.Principal, c *ei
 	h.unanswered[hostID]++
 	h.mu.Unlock()
 	end := func() {
+		if remote {
+			_ = f.st.DropCall(context.WithoutCancel(ctx), c.Id)
+		}
 		pc.once.Do(func() { close(pc.gone) })
 		h.mu.Lock()
 		if h.pending[c.Id] == pc {
@@ -199,11 +213,20 @@ func (f *Fleet) call(ctx context.Context, hostID string, p auth.Principal, c *ei
 		}
 		h.mu.Unlock()
 	}
-	select {
-	case line.calls <- c:
-	default:
-		end()
-		return nil, nil, errorf(Unavailable, "the vm's host is not taking console calls fast enough; try again shortly")
+	var lineGone <-chan struct{} // nil for a remote host: the wait is bounded below
+	if remote {
+		if err := f.postCall(ctx, hostID, c); err != nil {
+			end()
+			return nil, nil, err
+		}
+	} else {
+		lineGone = line.ctx.Done()
+		select {
+		case line.calls <- c:
+		default:
+			end()
+			return nil, nil, errorf(Unavailable, "the vm's host is not taking console calls fast enough; try again shortly")
+		}
 	}
 	t := time.NewTimer(answerWithin)
 	defer t.Stop()
@@ -213,7 +236,7 @@ func (f *Fleet) call(ctx context.Context, hostID string, p auth.Principal, c *ei
 	case <-ctx.Done():
 		end()
 		return nil, nil, ctx.Err()
-	case <-line.ctx.Done():
+	case <-lineGone:
 		end()
 		return nil, nil, errorf(Unavailable, "the vm's host went away before it answered; try again")
 	case <-t.C:

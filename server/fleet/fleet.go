@@ -95,6 +95,10 @@ func KindOf(err error) Kind {
 
 // Config tunes the fleet.
 type Config struct {
+	// AdvertiseURL is this replica's own URL, as agents reach it: a host
+	// whose stream another replica holds answers this one's console and
+	// tunnel calls there. Empty: only hosts held here get consoles here.
+	AdvertiseURL string
 	// PublicURL is what agents dial; it goes into join tokens. Several
 	// replicas (or load balancers) are a comma-separated list, the first
 	// the one an old agent dials.

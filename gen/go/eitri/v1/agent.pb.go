@@ -1654,7 +1654,13 @@ type CallsResponse struct {
 	//	*CallsResponse_ConsoleOutput
 	//	*CallsResponse_ConsoleInput
 	//	*CallsResponse_Tunnel
-	Call          isCallsResponse_Call `protobuf_oneof:"call"`
+	Call isCallsResponse_Call `protobuf_oneof:"call"`
+	// Where to open the answer stream: the control-plane replica the call
+	// came from, when it is not the one holding this Calls stream (several
+	// replicas). Empty: this stream's own control plane. An agent answers
+	// there only over TLS pinned to the control plane's certificate, or at
+	// one of the URLs it enrolled with.
+	AnswerUrl     string `protobuf:"bytes,5,opt,name=answer_url,json=answerUrl,proto3" json:"answer_url,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1728,6 +1734,13 @@ func (x *CallsResponse) GetTunnel() *TunnelCall {
 		}
 	}
 	return nil
+}
+
+func (x *CallsResponse) GetAnswerUrl() string {
+	if x != nil {
+		return x.AnswerUrl
+	}
+	return ""
 }
 
 type isCallsResponse_Call interface {
@@ -2475,12 +2488,14 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x04urls\x18\x04 \x03(\tR\x04urls\"/\n" +
 	"\fCallsRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
-	"instanceId\"\xe0\x01\n" +
+	"instanceId\"\xff\x01\n" +
 	"\rCallsResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12D\n" +
 	"\x0econsole_output\x18\x02 \x01(\v2\x1b.eitri.v1.ConsoleOutputCallH\x00R\rconsoleOutput\x12A\n" +
 	"\rconsole_input\x18\x03 \x01(\v2\x1a.eitri.v1.ConsoleInputCallH\x00R\fconsoleInput\x12.\n" +
-	"\x06tunnel\x18\x04 \x01(\v2\x14.eitri.v1.TunnelCallH\x00R\x06tunnelB\x06\n" +
+	"\x06tunnel\x18\x04 \x01(\v2\x14.eitri.v1.TunnelCallH\x00R\x06tunnel\x12\x1d\n" +
+	"\n" +
+	"answer_url\x18\x05 \x01(\tR\tanswerUrlB\x06\n" +
 	"\x04call\"\x90\x01\n" +
 	"\x11ConsoleOutputCall\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +

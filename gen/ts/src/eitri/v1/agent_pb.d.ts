@@ -983,6 +983,17 @@ export declare type CallsResponse = Message<"eitri.v1.CallsResponse"> & {
     value: TunnelCall;
     case: "tunnel";
   } | { case: undefined; value?: undefined };
+
+  /**
+   * Where to open the answer stream: the control-plane replica the call
+   * came from, when it is not the one holding this Calls stream (several
+   * replicas). Empty: this stream's own control plane. An agent answers
+   * there only over TLS pinned to the control plane's certificate, or at
+   * one of the URLs it enrolled with.
+   *
+   * @generated from field: string answer_url = 5;
+   */
+  answerUrl: string;
 };
 
 /**
