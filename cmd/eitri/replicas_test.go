@@ -394,3 +394,41 @@ func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
 	}, 15*time.Second, 50*time.Millisecond, "a's console call reaches the host b holds")
 	assert.Equal(t, "booting on b's host\n", string(got))
 }
+
+// TestAReplicaThatLostAHostSendsItNothingMore opens a host's stream on a,
+// lets the same agent process take it to b (as after a's freeze or a cut
+// link), and asks a's stale session for a snapshot: it is refused, and the
+// session ends, whatever a's memory still says.
+func TestAReplicaThatLostAHostSendsItNothingMore(t *testing.T) {
+	db := pgtest.DSN(t)
+	rs := startReplicas(t, db, 2)
+	a, b := rs[0], rs[1]
+	onA := a.as(t, a.srv.AdminToken)
+	jt, err := a.srv.Fleet.CreateJoinToken(onA, time.Minute)
+	require.NoError(t, err)
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(t, err)
+	hello := func() *eitriv1.Hello { return &eitriv1.Hello{HostId: id.HostID, AgentVersion: "test", InstanceId: "agent-1"} }
+
+	ctx := context.Background()
+	old, err := a.srv.Fleet.OpenSession(ctx, id.HostID, hello(), "10.0.0.1:1")
+	require.NoError(t, err)
+	_, err = old.Snapshot(ctx)
+	require.NoError(t, err, "a holds the host")
+
+	moved, err := b.srv.Fleet.OpenSession(ctx, id.HostID, hello(), "10.0.0.1:2")
+	require.NoError(t, err, "the same agent process takes its host to b")
+	defer moved.Close()
+	_, err = old.Snapshot(ctx)
+	require.ErrorIs(t, err, fleet.ErrReplaced)
+	select {
+	case <-old.Context().Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("a's stale session did not end")
+	}
+	_, err = moved.Snapshot(ctx)
+	require.NoError(t, err, "b serves the host")
+	old.Close()
+	_, err = moved.Snapshot(ctx)
+	require.NoError(t, err, "a's late close did not release b's claim")
+}

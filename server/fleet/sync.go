@@ -126,6 +126,18 @@ func (f *Fleet) kick(hostID string) {
 // destroy_at: the agent's clock never decides it.
 func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, error) {
 	f := s.f
+	if s.claim != 0 {
+		// Fenced by the claim: a replica that lost the host (frozen past
+		// its claim, or the agent moved) sends it nothing more.
+		held, err := f.st.HoldsHost(ctx, s.hostID, s.claim)
+		if err != nil {
+			return nil, err
+		}
+		if !held {
+			s.cancel(ErrReplaced)
+			return nil, ErrReplaced
+		}
+	}
 	vms, err := f.st.ListVMsByHost(ctx, s.hostID)
 	if err != nil {
 		return nil, err

@@ -69,6 +69,17 @@ func (s *Store) ClaimHost(ctx context.Context, hostID, instance string, hello []
 	return conn, err
 }
 
+// HoldsHost says whether this replica still holds hostID's stream conn:
+// nobody took the host over, and the claim has not lapsed. What a replica
+// sends a host is fenced by it, so one that was frozen or cut off and
+// comes back never acts for a host another replica now serves.
+func (s *Store) HoldsHost(ctx context.Context, hostID string, conn int64) (bool, error) {
+	var ok bool
+	err := s.db.QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM host_live WHERE host_id = $1 AND replica = $2 AND conn = $3
+		AND connected AND expires_at >= `+dbNow+`)`, hostID, s.replica, conn).Scan(&ok)
+	return ok, err
+}
+
 // LiveReport is a report to publish for a host this replica holds.
 type LiveReport struct {
 	HostID string
