@@ -408,7 +408,9 @@ func TestAReplicaThatLostAHostSendsItNothingMore(t *testing.T) {
 	require.NoError(t, err)
 	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
 	require.NoError(t, err)
-	hello := func() *eitriv1.Hello { return &eitriv1.Hello{HostId: id.HostID, AgentVersion: "test", InstanceId: "agent-1"} }
+	hello := func() *eitriv1.Hello {
+		return &eitriv1.Hello{HostId: id.HostID, AgentVersion: "test", InstanceId: "agent-1"}
+	}
 
 	ctx := context.Background()
 	old, err := a.srv.Fleet.OpenSession(ctx, id.HostID, hello(), "10.0.0.1:1")
