@@ -429,6 +429,8 @@ var readmeNotRun = map[string]string{
 	"eitri host join-token":                  "installs and starts an agent under systemd",
 	"sqlite3 /var/lib/eitri":                 "backs up /var/lib/eitri of an installed control plane",
 	"npm pack /path/to/eitri":                "installs packages into the directory it runs in; make test's gen/ts node test uses the same package with connect-node",
+	"sudo -u postgres createuser":            "creates a role and a database in the machine's own PostgreSQL (server/store/pgtest runs a PostgreSQL of its own for the tests)",
+	"cat > /etc/default/eitri-server":        "configures and starts an installed control plane under systemd (cmd/eitri's replica tests run replicas on PostgreSQL)",
 }
 
 func TestREADMERuns(t *testing.T) {
