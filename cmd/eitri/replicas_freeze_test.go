@@ -1,0 +1,161 @@
+package main
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/agent/syncclient"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/server/store/pgtest"
+	"github.com/a73x/eitri/wire/connclient"
+)
+
+// freeAddr is a loopback address nothing listens on (for a process to
+// take).
+func freeAddr(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// TestAFrozenReplicaComesBackWithoutActingForHostsItLost freezes (SIGSTOP)
+// the replica holding a host's stream until the agent has moved to the
+// other replica and the frozen one's claim has lapsed, then resumes it: the
+// agent stays where it is, never gets a snapshot older than one it had,
+// and a change made through the resumed replica reaches it through the
+// database.
+func TestAFrozenReplicaComesBackWithoutActingForHostsItLost(t *testing.T) {
+	bin := os.Getenv("EITRI_BIN")
+	if bin == "" {
+		t.Skip("EITRI_BIN is not set: build the binary with `make build` and point EITRI_BIN at bin/eitri (make test does)")
+	}
+	db := pgtest.DSN(t)
+	addrs := []string{freeAddr(t), freeAddr(t)}
+	urls := []string{"https://" + addrs[0], "https://" + addrs[1]}
+	logs := t.TempDir()
+	start := func(i int) (*exec.Cmd, string) {
+		dir := t.TempDir()
+		log := filepath.Join(logs, []string{"a.log", "b.log"}[i])
+		lf, err := os.Create(log)
+		require.NoError(t, err)
+		defer lf.Close()
+		cmd := exec.Command(bin, "server", "--db", db, "--data-dir", dir, "--listen", addrs[i], "--tls-hosts", "127.0.0.1",
+			"--public-url", strings.Join(urls, ","), "--advertise-url", urls[i])
+		cmd.Stdout, cmd.Stderr = lf, lf
+		require.NoError(t, cmd.Start())
+		t.Cleanup(func() {
+			_ = cmd.Process.Signal(syscall.SIGCONT)
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			if t.Failed() {
+				b, _ := os.ReadFile(log)
+				t.Logf("%s:\n%s", log, b)
+			}
+		})
+		var fp string
+		require.Eventually(t, func() bool {
+			var err error
+			if fp, err = fingerprint(addrs[i]); err != nil {
+				return false
+			}
+			resp, err := connclient.HTTPClient(fp).Get(urls[i] + "/healthz")
+			if err != nil {
+				return false
+			}
+			resp.Body.Close()
+			return resp.StatusCode == http.StatusOK
+		}, 30*time.Second, 50*time.Millisecond, "replica %d serves", i)
+		return cmd, dir
+	}
+	a, dirA := start(0)
+	_, _ = start(1)
+	fp, err := fingerprint(addrs[1])
+	require.NoError(t, err)
+	fpA, err := fingerprint(addrs[0])
+	require.NoError(t, err)
+	require.Equal(t, fpA, fp, "the replicas share one certificate")
+	tok, err := os.ReadFile(filepath.Join(dirA, "admin.token"))
+	require.NoError(t, err)
+	bearer := connect.WithInterceptors(connclient.Bearer(strings.TrimSpace(string(tok))))
+	hc := connclient.HTTPClient(fp)
+	hostsA := eitriv1connect.NewHostServiceClient(hc, urls[0], bearer)
+	hostsB := eitriv1connect.NewHostServiceClient(hc, urls[1], bearer)
+	vmsA := eitriv1connect.NewVMServiceClient(hc, urls[0], bearer)
+	ctx := context.Background()
+
+	jt, err := hostsA.CreateJoinToken(ctx, connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
+	require.NoError(t, err)
+	id, err := syncclient.Enroll(ctx, jt.Msg.Token, "h1", "test")
+	require.NoError(t, err)
+	require.Equal(t, urls, id.URLs(), "the token names both replicas, a's first")
+	src := &source{}
+	agentCtx, stopAgent := context.WithCancel(ctx)
+	defer stopAgent()
+	go func() {
+		_ = syncclient.Run(agentCtx, syncclient.Config{Identity: id, Source: src, ReportEvery: 50 * time.Millisecond,
+			MinBackoff: 100 * time.Millisecond, MaxBackoff: time.Second,
+			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-1"} }})
+	}()
+	connectedOn := func(c eitriv1connect.HostServiceClient) bool {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		h, err := c.GetHost(ctx, connect.NewRequest(&eitriv1.GetHostRequest{Id: id.HostID}))
+		return err == nil && h.Msg.Host.Connected
+	}
+	require.Eventually(t, func() bool { return connectedOn(hostsB) && src.last() != nil }, 20*time.Second, 50*time.Millisecond,
+		"the agent is on a, and b shows it")
+	logB := filepath.Join(logs, "b.log")
+	connectsB := func() int { b, _ := os.ReadFile(logB); return strings.Count(string(b), "host connected") }
+	before := connectsB()
+
+	// Freeze a, and keep it frozen until the agent is on b and a's claim
+	// has lapsed (15 s unrenewed) — in all, at least 30 s.
+	require.NoError(t, a.Process.Signal(syscall.SIGSTOP))
+	frozen := time.Now()
+	require.Eventually(t, func() bool { return connectsB() > before }, 60*time.Second, 100*time.Millisecond,
+		"the agent moved to b while a is frozen")
+	if d := 30*time.Second - time.Since(frozen); d > 0 {
+		time.Sleep(d) // the scenario: a stays frozen this long
+	}
+	gens := func() []uint64 {
+		src.mu.Lock()
+		defer src.mu.Unlock()
+		var out []uint64
+		for _, s := range src.snaps {
+			out = append(out, s.GetGeneration())
+		}
+		return out
+	}
+	require.NoError(t, a.Process.Signal(syscall.SIGCONT))
+
+	// Resumed, a serves again, shows the host connected (through b), and a
+	// change made through it reaches the agent on b.
+	require.Eventually(t, func() bool { return connectedOn(hostsA) }, 20*time.Second, 100*time.Millisecond,
+		"the resumed a shows the host b holds")
+	vm, err := vmsA.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{Name: "after-freeze", HostId: id.HostID,
+		ImageUrl: "http://images.test/g.raw", ImageSha256: strings.Repeat("ab", 32), Vcpus: 1, MemMb: 256, DiskGb: 1}))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		last := src.last()
+		return len(last.GetVms()) == 1 && last.GetVms()[0].GetVmId() == vm.Msg.Vm.Id
+	}, 15*time.Second, 50*time.Millisecond, "a's change reached the agent through b")
+	assert.Equal(t, before+1, connectsB(), "the agent stayed on b")
+	seen := gens()
+	for i := 1; i < len(seen); i++ {
+		assert.Greater(t, seen[i], seen[i-1], "snapshot %d is older than one before it (a stale snapshot): %v", i, seen)
+	}
+}
