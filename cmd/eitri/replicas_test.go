@@ -340,7 +340,7 @@ func TestReplicasShareOneIdentity(t *testing.T) {
 }
 
 // TestAConsoleReachesAHostHeldByAnotherReplica streams a VM's
-// serial console through a replica that does not hold the VM's host: the
+// serial console, and then a tunnel, through a replica that does not hold the VM's host: the
 // call goes to the holder through the database, and the agent answers at
 // the replica that asked.
 func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
@@ -355,6 +355,7 @@ func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
 	id.ServerURLs = []string{b.url} // the agent's streams are on b
 	qb, err := qemu.New(qemu.Config{Dir: t.TempDir()})
 	require.NoError(t, err)
+	guest := &loopGuest{running: map[string]bool{}}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	hc := id.HTTPClient()
@@ -364,7 +365,7 @@ func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
 	}()
 	id.ServerURLs = []string{b.url, a.url} // it may answer at either
 	go func() {
-		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: "agent-1", Serial: qb})
+		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: "agent-1", Serial: qb, Guests: guest.addr})
 	}()
 	onA := a.as(t, a.srv.AdminToken)
 	require.Eventually(t, func() bool {
@@ -393,6 +394,18 @@ func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
 		return st.Err() == nil && len(got) > 0
 	}, 15*time.Second, 50*time.Millisecond, "a's console call reaches the host b holds")
 	assert.Equal(t, "booting on b's host\n", string(got))
+
+	// A tunnel (what eitri ssh rides) the same way.
+	guest.run(vm.Id, true)
+	echo := serveTCP(t, echoUntilEOF)
+	st, err := openTunnel(ctx, vms, &eitriv1.OpenTunnelRequest{VmId: vm.Id, Port: echo, Data: []byte("hello ")})
+	require.NoError(t, err)
+	require.NoError(t, st.Send(&eitriv1.OpenTunnelRequest{Data: []byte("guest")}))
+	require.NoError(t, st.CloseRequest())
+	out, eof, err := readTunnel(st)
+	require.NoError(t, err)
+	assert.Equal(t, "hello guest[11 bytes]", out, "bytes crossed both ways through a and the agent on b")
+	assert.True(t, eof)
 }
 
 // TestAReplicaThatLostAHostSendsItNothingMore opens a host's stream on a,
