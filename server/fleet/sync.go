@@ -10,6 +10,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/registry"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/server/watch"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -220,17 +221,21 @@ func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
 	// What people need after the host goes away (its last status, address,
 	// error and host key) is kept durably; narration and counters are not,
 	// so a report that only narrates costs no store transaction.
+	written := map[string]store.VM{}
 	for _, id := range d.Durable {
 		row, _ := f.reg.VM(s.hostID, id)
 		if row == nil {
 			continue
 		}
-		f.persistRow(ctx, s.hostID, row)
+		if vm, ok := f.persistRow(ctx, s.hostID, row); ok {
+			written[id] = vm
+		}
 	}
 	for _, id := range rep.GetDestroyed() {
 		f.forgetDestroyed(ctx, s.hostID, id)
+		delete(written, id)
 	}
-	f.publishDiff(ctx, s.hostID, d)
+	f.publishWritten(ctx, s.hostID, d, written)
 	f.shareReport(s)
 
 	f.mu.Lock()
@@ -270,10 +275,12 @@ func absorb(v *store.VM, row *eitriv1.ActualVM) {
 	}
 }
 
-func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.ActualVM) {
+// persistRow writes what a report row says of a VM's durable fields, and
+// returns the row as written (ok false when there was none to write).
+func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.ActualVM) (written store.VM, ok bool) {
 	var from, to string
 	var exits uint64 // unexpected exits not yet recorded as events
-	_, changed, err := f.st.UpdateVM(ctx, row.GetVmId(), func(v *store.VM) error {
+	written, changed, err := f.st.UpdateVM(ctx, row.GetVmId(), func(v *store.VM) error {
 		if v.HostID != hostID {
 			return errNotMine
 		}
@@ -293,7 +300,7 @@ func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.Actu
 		if !errors.Is(err, errNotMine) && !errors.Is(err, store.ErrNotFound) {
 			f.log.Warn("persist reported vm", "vm", row.GetVmId(), "err", err)
 		}
-		return
+		return store.VM{}, false
 	}
 	if exits > 0 {
 		f.event(ctx, row.GetVmId(), "exited", exitWords(row.GetLastExit(), exits))
@@ -308,6 +315,7 @@ func (f *Fleet) persistRow(ctx context.Context, hostID string, row *eitriv1.Actu
 		}
 		f.event(ctx, row.GetVmId(), "status", msg)
 	}
+	return written, true
 }
 
 // exitWords is the event for a guest that ended unasked: how, and what its
@@ -352,12 +360,21 @@ func (f *Fleet) forgetDestroyed(ctx context.Context, hostID, id string) {
 }
 
 func (f *Fleet) publishDiff(ctx context.Context, hostID string, d registry.Diff) {
+	f.publishWritten(ctx, hostID, d, nil)
+}
+
+// publishWritten is publishDiff for a report whose durable rows were just
+// written: those are published as written, not read back by id.
+func (f *Fleet) publishWritten(ctx context.Context, hostID string, d registry.Diff, written map[string]store.VM) {
 	durable := make(map[string]bool, len(d.Durable))
 	for _, id := range d.Durable {
 		durable[id] = true
 	}
 	for _, id := range d.VMs {
-		if durable[id] {
+		if vm, ok := written[id]; ok {
+			f.published.putVM(vm)
+			f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Owner: vm.OwnerID, Obj: f.vmView(vm)})
+		} else if durable[id] {
 			f.publishVM(ctx, id)
 		} else {
 			f.publishLiveVM(ctx, id)
