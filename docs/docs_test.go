@@ -431,6 +431,7 @@ var readmeNotRun = map[string]string{
 	"npm pack /path/to/eitri":                "installs packages into the directory it runs in; make test's gen/ts node test uses the same package with connect-node",
 	"sudo -u postgres createuser":            "creates a role and a database in the machine's own PostgreSQL (server/store/pgtest runs a PostgreSQL of its own for the tests)",
 	"cat > /etc/default/eitri-server":        "configures and starts an installed control plane under systemd (cmd/eitri's replica tests run replicas on PostgreSQL)",
+	"systemctl stop eitri-server":            "moves an installed control plane's database (cmd/eitri's migrate-db tests run the same command on a fleet of their own)",
 }
 
 func TestREADMERuns(t *testing.T) {

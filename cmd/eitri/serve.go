@@ -79,6 +79,7 @@ func newServerCmd() *cobra.Command {
 	fs.StringVar(&f.tlsCert, "tls-cert", "", "serving certificate (PEM); default: a self-made CA and certificate")
 	fs.StringVar(&f.tlsKey, "tls-key", "", "key for --tls-cert")
 	fs.StringVar(&f.tlsHosts, "tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
+	cmd.AddCommand(newMigrateDBCmd())
 	return cmd
 }
 
