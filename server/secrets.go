@@ -30,16 +30,8 @@ type secrets struct {
 	tls bool
 }
 
-// sharedFiles are the shared secrets, as paths under the data dir, and
-// their modes.
-var sharedFiles = map[string]os.FileMode{
-	"tls/ca.crt": 0o644, "tls/ca.key": 0o600, "tls/server.crt": 0o644, "tls/server.key": 0o600,
-	"ssh/user_ca": 0o600, "ssh/user_ca.pub": 0o644, "ssh/user_ca.previous.pub": 0o644,
-	"ssh/host_ca": 0o600, "ssh/host_ca.pub": 0o644, "ssh/host_ca.previous.pub": 0o644,
-}
-
 func (s secrets) shared(name string) bool {
-	_, ok := sharedFiles[name]
+	_, ok := store.SecretFiles[name]
 	return ok && (s.tls || !strings.HasPrefix(name, "tls/"))
 }
 
@@ -62,7 +54,7 @@ func (s secrets) pull(ctx context.Context) error {
 		if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 			return err
 		}
-		if err := pki.WriteDurable(path, sharedFiles[name], data); err != nil {
+		if err := pki.WriteDurable(path, store.SecretFiles[name], data); err != nil {
 			return err
 		}
 	}
@@ -74,7 +66,7 @@ func (s secrets) push(ctx context.Context) error {
 		return nil
 	}
 	out := map[string][]byte{}
-	for name := range sharedFiles {
+	for name := range store.SecretFiles {
 		if !s.shared(name) {
 			continue
 		}

@@ -14,15 +14,6 @@ import (
 	"github.com/a73x/eitri/server/store"
 )
 
-// sharedSecretFiles are the data dir's files that replicas share through
-// the database, by the names server/secrets.go keeps them under (a test
-// holds the two lists together).
-var sharedSecretFiles = []string{
-	"tls/ca.crt", "tls/ca.key", "tls/server.crt", "tls/server.key",
-	"ssh/user_ca", "ssh/user_ca.pub", "ssh/user_ca.previous.pub",
-	"ssh/host_ca", "ssh/host_ca.pub", "ssh/host_ca.previous.pub",
-}
-
 type migrateDBFlags struct {
 	from, to string
 }
@@ -89,7 +80,7 @@ func runMigrateDB(ctx context.Context, f migrateDBFlags, out io.Writer) error {
 		dbPath, dataDir = filepath.Join(f.from, "eitri.db"), f.from
 	}
 	secrets := map[string][]byte{}
-	for _, name := range sharedSecretFiles {
+	for name := range store.SecretFiles {
 		b, err := os.ReadFile(filepath.Join(dataDir, filepath.FromSlash(name)))
 		if errors.Is(err, fs.ErrNotExist) {
 			continue

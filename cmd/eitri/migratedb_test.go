@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
@@ -25,6 +26,7 @@ import (
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/store/pgtest"
 	"github.com/a73x/eitri/wire/connclient"
 )
@@ -203,8 +205,8 @@ func TestMigrateDBCarriesEveryFileReplicasShare(t *testing.T) {
 		names = append(names, name)
 	}
 	slices.Sort(names)
-	assert.Equal(t, slices.Sorted(slices.Values(sharedSecretFiles)), names,
-		"sharedSecretFiles (migratedb.go) and sharedFiles (server/secrets.go) differ")
+	assert.Equal(t, slices.Sorted(maps.Keys(store.SecretFiles)), names,
+		"a replica shares exactly the files store.SecretFiles names")
 }
 
 func TestMigrateDBRefusesWhatItCannotCopyWithoutEchoingAPassword(t *testing.T) {

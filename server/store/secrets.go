@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"os"
 )
 
 // Secrets: what every replica must present alike — the TLS CA and serving
@@ -12,6 +13,16 @@ import (
 // holds the same. The control plane keeps using them as files in its data
 // dir; these calls carry the files to and from the database. A SQLite
 // control plane's files are the only copy.
+
+// SecretFiles are the secrets replicas share, by their paths under a
+// control plane's data dir (where pki and sshca keep them), with the modes
+// they are written with. The one list: server/secrets.go carries them to
+// and from the database, migrate-db copies them from a SQLite data dir.
+var SecretFiles = map[string]os.FileMode{
+	"tls/ca.crt": 0o644, "tls/ca.key": 0o600, "tls/server.crt": 0o644, "tls/server.key": 0o600,
+	"ssh/user_ca": 0o600, "ssh/user_ca.pub": 0o644, "ssh/user_ca.previous.pub": 0o644,
+	"ssh/host_ca": 0o600, "ssh/host_ca.pub": 0o644, "ssh/host_ca.previous.pub": 0o644,
+}
 
 // ChangeSecret is the change feed's kind for a secret written by another
 // replica (a CA rotation).
