@@ -55,14 +55,8 @@ func TestTheCLIReachesReplicasThroughTheShippedHAProxyConfig(t *testing.T) {
 	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), PublicURL: "https://" + frontAddr})
 	require.NoError(t, err)
 	t.Cleanup(func() { srv.Close() })
-	serve := func(ln net.Listener) (stop func()) {
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { _ = srv.Serve(ctx, ln); close(done) }()
-		return func() { cancel(); <-done }
-	}
-	stopA := serve(lnA)
-	t.Cleanup(serve(lnB))
+	stopA := serveOn(srv, lnA)
+	t.Cleanup(serveOn(srv, lnB))
 
 	b, err := os.ReadFile(shippedHAProxy)
 	require.NoError(t, err)

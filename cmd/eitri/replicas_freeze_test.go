@@ -105,11 +105,7 @@ func TestAFrozenReplicaComesBackWithoutActingForHostsItLost(t *testing.T) {
 	src := &source{}
 	agentCtx, stopAgent := context.WithCancel(ctx)
 	defer stopAgent()
-	go func() {
-		_ = syncclient.Run(agentCtx, syncclient.Config{Identity: id, Source: src, ReportEvery: 50 * time.Millisecond,
-			MinBackoff: 100 * time.Millisecond, MaxBackoff: time.Second,
-			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-1"} }})
-	}()
+	startAgentStream(agentCtx, id, src, "agent-1")
 	connectedOn := func(c eitriv1connect.HostServiceClient) bool {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()

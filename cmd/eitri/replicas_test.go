@@ -108,16 +108,7 @@ func TestReplicasOnOnePostgreSQLAreOneFleet(t *testing.T) {
 	src := &source{}
 	agentCtx, stopAgent := context.WithCancel(context.Background())
 	defer stopAgent()
-	runAgent := func(ctx context.Context, id syncclient.Identity, instance string, src *source) {
-		_ = syncclient.Run(ctx, syncclient.Config{
-			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
-			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-			Hello: func() *eitriv1.Hello {
-				return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg", InstanceId: instance}
-			},
-		})
-	}
-	go runAgent(agentCtx, id, "agent-1", src)
+	startAgentStream(agentCtx, id, src, "agent-1")
 
 	connectedOn := func(r *replica, ctx context.Context) func() bool {
 		return func() bool {
@@ -183,7 +174,7 @@ func TestReplicasOnOnePostgreSQLAreOneFleet(t *testing.T) {
 	impCtx, stopImp := context.WithCancel(context.Background())
 	solo := id
 	solo.ServerURLs = []string{a.url}
-	go runAgent(impCtx, solo, "agent-2", imposter)
+	startAgentStream(impCtx, solo, imposter, "agent-2")
 	require.Eventually(t, func() bool {
 		h, err := a.srv.Fleet.GetHost(onA, id.HostID)
 		return err == nil && len(h.Conditions) > 0 && h.Conditions[0].Type == "duplicate_agent"
@@ -220,15 +211,7 @@ func TestTwoReplicasAskedForTheLastVMAQuotaAllowsAdmitExactlyOne(t *testing.T) {
 	require.NoError(t, err)
 	agentCtx, stopAgent := context.WithCancel(context.Background())
 	defer stopAgent()
-	go func() {
-		_ = syncclient.Run(agentCtx, syncclient.Config{
-			Identity: id, Source: &source{}, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
-			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-			Hello: func() *eitriv1.Hello {
-				return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg", InstanceId: "agent-1"}
-			},
-		})
-	}()
+	startAgentStream(agentCtx, id, &source{}, "agent-1")
 	for _, r := range []*replica{a, b} {
 		ctx := r.as(t, a.srv.AdminToken)
 		require.Eventually(t, func() bool {

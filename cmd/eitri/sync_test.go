@@ -263,14 +263,8 @@ func TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem(t *testing.T) {
 	srv, err := server.New(context.Background(), server.Config{DataDir: dir, PublicURL: deadURL + "," + urlA + "," + urlB})
 	require.NoError(t, err)
 	t.Cleanup(func() { srv.Close() })
-	serve := func(ln net.Listener) (stop func()) {
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { _ = srv.Serve(ctx, ln); close(done) }()
-		return func() { cancel(); <-done }
-	}
-	stopA := serve(lnA)
-	t.Cleanup(serve(lnB))
+	stopA := serveOn(srv, lnA)
+	t.Cleanup(serveOn(srv, lnB))
 	cp := &controlPlane{t: t, dir: dir, srv: srv}
 
 	jt, err := srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
@@ -282,13 +276,7 @@ func TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem(t *testing.T) {
 	src := &source{}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go func() {
-		_ = syncclient.Run(ctx, syncclient.Config{
-			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
-			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg"} },
-		})
-	}()
+	startAgentStream(ctx, id, src, "")
 	connected := func() bool {
 		h, err := srv.Fleet.GetHost(cp.admin(), id.HostID)
 		return err == nil && h.Connected
@@ -305,4 +293,28 @@ func TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem(t *testing.T) {
 	// more snapshot is the stream re-opened, through B (A is gone).
 	require.Eventually(t, func() bool { return snaps() > before && connected() }, 15*time.Second, 10*time.Millisecond,
 		"the agent is back through B")
+}
+
+// startAgentStream runs a quick agent's Sync stream for id with src until ctx
+// ends: the agent process named instance ("" as older agents), reporting
+// every 20 ms.
+func startAgentStream(ctx context.Context, id syncclient.Identity, src syncclient.Source, instance string) {
+	go func() {
+		_ = syncclient.Run(ctx, syncclient.Config{
+			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
+			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+			Hello: func() *eitriv1.Hello {
+				return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg", InstanceId: instance}
+			},
+		})
+	}()
+}
+
+// serveOn serves srv on ln until stop: one more address of the same
+// control plane, as a replica with the same identity looks to a client.
+func serveOn(srv *server.Server, ln net.Listener) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = srv.Serve(ctx, ln); close(done) }()
+	return func() { cancel(); <-done }
 }
