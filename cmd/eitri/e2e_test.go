@@ -313,40 +313,7 @@ func TestDevModeRunsARealVMEndToEnd(t *testing.T) {
 		}
 	}
 	t.Logf("narration seen: %q", details)
-	// The create's steps in the order the agent takes them. Watchers get
-	// the latest state of each VM, coalesced, so a step that lasts only
-	// milliseconds (the seed, the certificate) may be passed over; what is
-	// seen must still come in this order, and the long steps must be seen.
-	steps := []struct {
-		is       func(string) bool
-		required bool
-	}{
-		{is: func(d string) bool { return d == "waiting for a create slot on this host" }},
-		{is: func(d string) bool { return strings.HasPrefix(d, "downloading image") && !strings.Contains(d, "/") }},
-		{is: func(d string) bool {
-			return strings.HasPrefix(d, "downloading image ") && strings.Contains(d, "/") && strings.HasSuffix(d, " MiB")
-		}, required: true},
-		{is: func(d string) bool { return d == "preparing root disk" }},
-		{is: func(d string) bool { return d == "certifying the SSH host key" }},
-		{is: func(d string) bool { return d == "building the cloud-init seed" }},
-		{is: func(d string) bool { return d == "booting" }, required: true},
-	}
-	at, seen := 0, map[int]bool{}
-	for _, d := range details {
-		for j := range steps {
-			if steps[j].is(d) {
-				assert.GreaterOrEqual(t, j, at, "%q came after a later step: %q", d, details)
-				at = j
-				seen[j] = true
-				break
-			}
-		}
-	}
-	for j, st := range steps {
-		if st.required {
-			assert.True(t, seen[j], "step %d of the create is narrated: %q", j, details)
-		}
-	}
+	assertNarratedInOrder(t, details, createNarration)
 
 	// The guest answers on its address with its own name.
 	get := func() (string, error) {
@@ -604,4 +571,51 @@ func isoFile(t *testing.T, path, name string) string {
 	_, files := seedtest.Read(t, path)
 	require.Contains(t, files, name, "%s has no %s", path, name)
 	return files[name]
+}
+
+// narrationStep is one step of what an agent narrates, as watchers see it.
+type narrationStep struct {
+	is       func(string) bool
+	required bool
+}
+
+// createNarration is a create's steps in the order the agent takes them,
+// up to the guest's boot. Watchers get the latest state of each VM,
+// coalesced, so a step that lasts only milliseconds (the seed, the
+// certificate) may be passed over; what is seen must still come in this
+// order, and the long steps (the download with its sizes, booting) must be
+// seen.
+var createNarration = []narrationStep{
+	{is: func(d string) bool { return d == "waiting for a create slot on this host" }},
+	{is: func(d string) bool { return strings.HasPrefix(d, "downloading image") && !strings.Contains(d, "/") }},
+	{is: func(d string) bool {
+		return strings.HasPrefix(d, "downloading image ") && strings.Contains(d, "/") && strings.HasSuffix(d, " MiB")
+	}, required: true},
+	{is: func(d string) bool { return d == "preparing root disk" }},
+	{is: func(d string) bool { return d == "certifying the SSH host key" }},
+	{is: func(d string) bool { return d == "building the cloud-init seed" }},
+	{is: func(d string) bool { return d == "booting" }, required: true},
+}
+
+// assertNarratedInOrder checks that the details seen (in arrival order)
+// come in the order of steps, and that the required steps were seen;
+// details no step names are passed over.
+func assertNarratedInOrder(t *testing.T, details []string, steps []narrationStep) {
+	t.Helper()
+	at, seen := 0, map[int]bool{}
+	for _, d := range details {
+		for j := range steps {
+			if steps[j].is(d) {
+				assert.GreaterOrEqual(t, j, at, "%q came after a later step: %q", d, details)
+				at = j
+				seen[j] = true
+				break
+			}
+		}
+	}
+	for j, st := range steps {
+		if st.required {
+			assert.True(t, seen[j], "step %d of the narration is seen: %q", j, details)
+		}
+	}
 }

@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -51,8 +52,15 @@ const (
 )
 
 func TestFleetOfTwoHostsOnALANSurvivesKillsOutagesAndAnImposter(t *testing.T) {
+	fleetTest(t, 10*time.Minute, "a control plane and two agents, each in its own network namespace", runFleet)
+}
+
+// fleetTest runs body (a fleet run at base) inside a network namespace of
+// its own, once what it needs is there; the sweep after it removes what the
+// run left, even when the inner test was killed.
+func fleetTest(t *testing.T, timeout time.Duration, what string, body func(t *testing.T, base string)) {
 	if netnstest.Inside(t) {
-		runFleet(t, os.Getenv(fleetBaseEnv))
+		body(t, os.Getenv(fleetBaseEnv))
 		return
 	}
 	if os.Geteuid() != 0 {
@@ -82,8 +90,13 @@ func TestFleetOfTwoHostsOnALANSurvivesKillsOutagesAndAnImposter(t *testing.T) {
 	require.NoError(t, os.MkdirAll(base, 0o755))
 	t.Setenv(fleetBaseEnv, base)
 	t.Cleanup(func() { sweepFleet(t, base) })
-	netnstest.Run(t, 10*time.Minute, "a control plane and two agents, each in its own network namespace", func(*testing.T) {})
+	netnstest.Run(t, timeout, what, func(*testing.T) {})
 }
+
+// elsewhereFile, in base, lists directories outside base that the run made
+// (PostgreSQL's, which must be where its own user can reach), one a line,
+// for the sweep.
+const elsewhereFile = "elsewhere"
 
 // agentNS is the network namespace of one host of the run at base.
 func agentNS(base, host string) string { return filepath.Base(base) + "-" + host }
@@ -106,11 +119,16 @@ func sweepFleet(t *testing.T, base string) {
 		}
 	}
 	// Processes of this run name its base directory on their command line
-	// (--data-dir, QEMU's disk and socket paths); nothing else does.
+	// (--data-dir, QEMU's disk and socket paths), or a directory it made
+	// elsewhere; nothing else does.
+	roots := []string{base}
+	if b, err := os.ReadFile(filepath.Join(base, elsewhereFile)); err == nil {
+		roots = append(roots, strings.Fields(string(b))...)
+	}
 	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
 	for _, p := range procs {
 		cmdline, err := os.ReadFile(p)
-		if err != nil || !bytes.Contains(cmdline, []byte(base+"/")) {
+		if err != nil || !slices.ContainsFunc(roots, func(r string) bool { return bytes.Contains(cmdline, []byte(r+"/")) }) {
 			continue
 		}
 		if pid, err := strconv.Atoi(filepath.Base(filepath.Dir(p))); err == nil && pid != os.Getpid() {
@@ -119,6 +137,9 @@ func sweepFleet(t *testing.T, base string) {
 		}
 	}
 	time.Sleep(200 * time.Millisecond) // let killed QEMUs let go of their disks
+	for _, dir := range roots[1:] {
+		assert.NoError(t, os.RemoveAll(dir))
+	}
 	for _, h := range []string{"a", "b"} {
 		_, err := os.Stat(filepath.Join("/run/netns", agentNS(base, h)))
 		assert.True(t, os.IsNotExist(err), "namespace %s left behind", agentNS(base, h))
@@ -144,6 +165,7 @@ type fleetRun struct {
 	imageURL   string
 	imageSum   string
 	accelFlags []string
+	agentUsage string // eitri agent -h
 
 	mu    sync.Mutex
 	procs []*proc
@@ -344,39 +366,65 @@ func fingerprint(addr string) (string, error) {
 // certificate and its admin token.
 func (f *fleetRun) startServer(t *testing.T, name, dir string) (p *proc, fp, token string) {
 	t.Helper()
-	p = f.start(t, name, "", f.serverArgs(dir)...)
-	waitUntil(t, 30*time.Second, name+" serves TLS on "+cpIP+":"+cpPort, func() (bool, string) {
+	p, fp = f.startServing(t, name, cpIP+":"+cpPort, f.serverArgs(dir)...)
+	b, err := os.ReadFile(filepath.Join(dir, "admin.token"))
+	require.NoError(t, err, "the control plane writes its admin token to <data-dir>/admin.token")
+	return p, fp, strings.TrimSpace(string(b))
+}
+
+// startServing starts `eitri server args` and returns once it serves TLS
+// and /healthz at addr, with the fingerprint of its certificate.
+func (f *fleetRun) startServing(t *testing.T, name, addr string, args ...string) (p *proc, fp string) {
+	t.Helper()
+	p = f.start(t, name, "", args...)
+	return p, waitServing(t, p, addr)
+}
+
+// waitServing waits until the server p serves TLS and /healthz at addr,
+// and returns the fingerprint of its certificate.
+func waitServing(t *testing.T, p *proc, addr string) (fp string) {
+	t.Helper()
+	name := p.name
+	waitUntil(t, 30*time.Second, name+" serves TLS on "+addr, func() (bool, string) {
 		if p.exited() {
 			t.Fatalf("%s exited: %v; log %s:\n%s", name, p.err, p.log, tail(p.log, 30))
 		}
 		var err error
-		if fp, err = fingerprint(cpIP + ":" + cpPort); err != nil {
+		if fp, err = fingerprint(addr); err != nil {
 			return false, err.Error()
 		}
-		resp, err := connclient.HTTPClient(fp).Get(cpURL + "/healthz")
+		resp, err := connclient.HTTPClient(fp).Get("https://" + addr + "/healthz")
 		if err != nil {
 			return false, err.Error()
 		}
 		resp.Body.Close()
 		return resp.StatusCode == http.StatusOK, resp.Status
 	})
-	b, err := os.ReadFile(filepath.Join(dir, "admin.token"))
-	require.NoError(t, err, "the control plane writes its admin token to <data-dir>/admin.token")
-	return p, fp, strings.TrimSpace(string(b))
+	return fp
 }
 
-func (f *fleetRun) hostClient() eitriv1connect.HostServiceClient {
-	return eitriv1connect.NewHostServiceClient(f.hc, cpURL, f.auth)
+func (f *fleetRun) hostClient() eitriv1connect.HostServiceClient { return f.hostClientAt(cpURL) }
+
+func (f *fleetRun) hostClientAt(url string) eitriv1connect.HostServiceClient {
+	return eitriv1connect.NewHostServiceClient(f.hc, url, f.auth)
 }
 
 func (f *fleetRun) joinToken(t *testing.T) string {
 	t.Helper()
-	r, err := f.hostClient().CreateJoinToken(context.Background(), connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
+	return f.joinTokenFrom(t, cpURL, []string{cpURL})
+}
+
+// joinTokenFrom mints a join token through the control plane at url; it
+// must name urls (--public-url), the first the one agents dial first.
+func (f *fleetRun) joinTokenFrom(t *testing.T, url string, urls []string) string {
+	t.Helper()
+	r, err := f.hostClientAt(url).CreateJoinToken(context.Background(), connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
 	require.NoError(t, err)
 	jt, err := jointoken.Decode(r.Msg.Token)
 	require.NoError(t, err)
 	assert.Equal(t, f.fp, jt.GetCertFingerprint(), "the join token carries the fingerprint of the certificate the control plane presents")
-	assert.Equal(t, cpURL, jt.GetUrl(), "the join token carries --public-url")
+	assert.Equal(t, urls[0], jt.GetUrl(), "the join token carries --public-url")
+	assert.Equal(t, urls, jointoken.URLs(jt), "the join token carries --public-url")
 	return r.Msg.Token
 }
 
@@ -472,7 +520,10 @@ func alive(pid int) bool {
 
 var pinRefused = regexp.MustCompile(`(?i)certificate[^\n]*(pin)`)
 
-func runFleet(t *testing.T, base string) {
+// newFleetRun sets up a run at base: the LAN, the image server, and the
+// cleanup that kills every process the run started (logging their last
+// words when the test failed).
+func newFleetRun(t *testing.T, base string) *fleetRun {
 	require.NotEmpty(t, base, fleetBaseEnv+" is set by the outer test")
 	f := &fleetRun{bin: os.Getenv("EITRI_BIN"), base: base, logs: filepath.Join(base, "logs")}
 	require.NoError(t, os.MkdirAll(f.logs, 0o755))
@@ -498,10 +549,16 @@ func runFleet(t *testing.T, base string) {
 	f.lan(t)
 	f.serveImage(t)
 	usage, _ := exec.Command(f.bin, "agent", "-h").CombinedOutput()
-	hasAccel := bytes.Contains(usage, []byte("-accel"))
-	if hasAccel {
+	f.agentUsage = string(usage)
+	if strings.Contains(f.agentUsage, "-accel") {
 		f.accelFlags = []string{"--accel", "auto"}
 	}
+	return f
+}
+
+func runFleet(t *testing.T, base string) {
+	f := newFleetRun(t, base)
+	usage, hasAccel := f.agentUsage, len(f.accelFlags) > 0
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -857,12 +914,17 @@ func followHosts(ctx context.Context, c eitriv1connect.HostServiceClient) *table
 		})
 }
 
-func followVMs(ctx context.Context, c eitriv1connect.VMServiceClient) *table[*eitriv1.VM] {
+// followVMs follows the VMs; note, if given, is shown every message as
+// it arrives.
+func followVMs(ctx context.Context, c eitriv1connect.VMServiceClient, note ...func(*eitriv1.WatchVMsResponse)) *table[*eitriv1.VM] {
 	return follow(ctx, (*eitriv1.VM).GetId,
 		func(ctx context.Context) (*connect.ServerStreamForClient[eitriv1.WatchVMsResponse], error) {
 			return c.WatchVMs(ctx, connect.NewRequest(&eitriv1.WatchVMsRequest{}))
 		},
 		func(m *eitriv1.WatchVMsResponse) ([]*eitriv1.VM, bool, *eitriv1.VM, string) {
+			for _, n := range note {
+				n(m)
+			}
 			if s := m.GetSnapshot(); s != nil {
 				return s.GetVms(), true, nil, ""
 			}

@@ -48,6 +48,10 @@ type Server struct {
 	cmd  *exec.Cmd
 	done chan struct{} // closed when the postmaster has exited
 	exit error
+	// How the postmaster is run, for Restart.
+	bin  string
+	env  []string
+	cred *syscall.Credential
 	// admin is a pool on the "postgres" database, for CREATE/DROP DATABASE.
 	admin *sql.DB
 	n     atomic.Int64 // names databases
@@ -199,56 +203,82 @@ func Start() (*Server, error) {
 	// A free port only names the socket file, so any number not in use by
 	// another socket in this (private) directory does.
 	srv.Port = 5432
-	logPath := filepath.Join(dir, "postgres.log")
-	logf, err := os.Create(logPath)
+	srv.bin, srv.env, srv.cred = bin, env, cred
+	if err := srv.run(); err != nil {
+		if srv.cmd != nil {
+			srv.Stop()
+		} else {
+			os.RemoveAll(dir)
+		}
+		return nil, err
+	}
+	return srv, nil
+}
+
+// run starts the postmaster on the cluster in s.Dir and waits until it
+// answers.
+func (s *Server) run() error {
+	logPath := filepath.Join(s.Dir, "postgres.log")
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	if err != nil {
-		return fail(err)
+		return err
 	}
 	defer logf.Close()
-	srv.cmd = exec.Command(filepath.Join(bin, "postgres"), "-D", data,
-		"-k", dir, "-p", strconv.Itoa(srv.Port),
+	cmd := exec.Command(filepath.Join(s.bin, "postgres"), "-D", filepath.Join(s.Dir, "data"),
+		"-k", s.Dir, "-p", strconv.Itoa(s.Port),
 		"-c", "listen_addresses=",
 		"-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
 		"-c", "max_connections=300", "-c", "log_min_messages=warning")
-	srv.cmd.Env, srv.cmd.Dir = env, dir
-	srv.cmd.Stdout, srv.cmd.Stderr = logf, logf
+	cmd.Env, cmd.Dir = s.env, s.Dir
+	cmd.Stdout, cmd.Stderr = logf, logf
 	// SIGQUIT (immediate shutdown) when the test binary dies without
 	// stopping it; set after the credentials change, which would clear it.
-	srv.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred, Pdeathsig: syscall.SIGQUIT, Setpgid: true}
-	if err := srv.cmd.Start(); err != nil {
-		return fail(err)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: s.cred, Pdeathsig: syscall.SIGQUIT, Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return err
 	}
+	done := make(chan struct{})
+	s.cmd, s.done = cmd, done
 	go func() {
-		srv.exit = srv.cmd.Wait()
-		close(srv.done)
+		s.exit = cmd.Wait()
+		close(done)
 	}()
 
-	srv.admin, err = sql.Open("pgx", srv.DSN("postgres"))
-	if err != nil {
-		srv.Stop()
-		return nil, err
+	if s.admin == nil {
+		if s.admin, err = sql.Open("pgx", s.DSN("postgres")); err != nil {
+			return err
+		}
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		err = srv.admin.PingContext(ctx)
+		err = s.admin.PingContext(ctx)
 		cancel()
 		if err == nil {
-			return srv, nil
+			return nil
 		}
 		select {
-		case <-srv.done:
+		case <-done:
 			log, _ := os.ReadFile(logPath)
-			os.RemoveAll(dir)
-			return nil, fmt.Errorf("postgres exited (%v):\n%s", srv.exit, log)
+			return fmt.Errorf("postgres exited (%v):\n%s", s.exit, log)
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
 			log, _ := os.ReadFile(logPath)
-			srv.Stop()
-			return nil, fmt.Errorf("postgres not ready after a minute: %v\n%s", err, log)
+			return fmt.Errorf("postgres not ready after a minute: %v\n%s", err, log)
 		}
 	}
+}
+
+// Restart shuts the server down (fast: every session is ended, as when a
+// database server restarts under its clients) and starts it again on the
+// same data and socket; what was committed is kept. Clients reconnect on
+// their own, or not: that is what a caller tests.
+func (s *Server) Restart() error {
+	if err := s.shutdown(); err != nil {
+		return err
+	}
+	return s.run()
 }
 
 // DSN is the URL of the named database, over the server's socket.
@@ -285,18 +315,28 @@ func (s *Server) Stop() error {
 	if s.admin != nil {
 		s.admin.Close()
 	}
-	var err error
-	if s.cmd != nil && s.cmd.Process != nil {
-		_ = s.cmd.Process.Signal(syscall.SIGINT)
-		select {
-		case <-s.done:
-		case <-time.After(15 * time.Second):
-			_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
-			<-s.done
-			err = errors.New("postgres did not stop in 15s; killed")
-		}
+	return errors.Join(s.shutdown(), os.RemoveAll(s.Dir))
+}
+
+// shutdown stops the postmaster (fast shutdown) and waits for it.
+func (s *Server) shutdown() error {
+	if s.cmd == nil || s.cmd.Process == nil {
+		return nil
 	}
-	return errors.Join(err, os.RemoveAll(s.Dir))
+	select {
+	case <-s.done:
+		return nil // already gone
+	default:
+	}
+	_ = s.cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case <-s.done:
+		return nil
+	case <-time.After(15 * time.Second):
+		_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+		<-s.done
+		return errors.New("postgres did not stop in 15s; killed")
+	}
 }
 
 func quoteIdent(s string) string {

@@ -3,8 +3,10 @@ package pgtest
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -41,4 +43,27 @@ func TestTheServerTradesDurabilityForSpeed(t *testing.T) {
 	var v string
 	require.NoError(t, db.QueryRowContext(context.Background(), `SHOW fsync`).Scan(&v))
 	assert.Equal(t, "off", v, "a test's data dies with it")
+}
+
+func TestARestartedServerKeepsItsDataAndSocket(t *testing.T) {
+	srv, err := Start()
+	if errors.Is(err, ErrNoPostgres) {
+		t.Skipf("PostgreSQL is not installed: %s", InstallHint)
+	}
+	require.NoError(t, err)
+	defer srv.Stop()
+	name, err := srv.CreateDatabase(context.Background(), "")
+	require.NoError(t, err)
+	db, err := sql.Open("pgx", srv.DSN(name))
+	require.NoError(t, err)
+	defer db.Close()
+	_, err = db.ExecContext(context.Background(), `CREATE TABLE mark (x INT); INSERT INTO mark VALUES (7)`)
+	require.NoError(t, err)
+
+	require.NoError(t, srv.Restart())
+	var x int
+	require.Eventually(t, func() bool {
+		return db.QueryRowContext(context.Background(), `SELECT x FROM mark`).Scan(&x) == nil
+	}, 10*time.Second, 50*time.Millisecond, "the pool reconnects to the restarted server")
+	assert.Equal(t, 7, x, "what was committed before the restart is kept")
 }
