@@ -102,3 +102,10 @@ bench:
 bench-scale:
 	$(GO) build -o $(BIN) ./cmd/eitri
 	$(GO) run ./bench/scale -bin $(BIN) -hosts $${HOSTS:-200} -vms $${VMS:-20} -watchers $${WATCHERS:-1000} -for $${FOR:-20s}
+
+# One replica on SQLite, then REPLICAS replicas on one throwaway PostgreSQL
+# (Debian's postgresql package), same load, side by side (issue 23).
+.PHONY: bench-scale-replicas
+bench-scale-replicas:
+	$(GO) build -o $(BIN) ./cmd/eitri
+	$(GO) run ./bench/scale -bin $(BIN) -compare -db postgres -replicas $${REPLICAS:-3} -hosts $${HOSTS:-200} -vms $${VMS:-20} -watchers $${WATCHERS:-300} -for $${FOR:-20s} -floor=false

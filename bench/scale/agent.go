@@ -15,6 +15,7 @@ import (
 // is a syncclient.Source, so the real stream code carries its reports.
 type simHost struct {
 	id      string
+	home    int // the replica its stream goes to
 	tracks  *tracks
 	changed chan struct{}
 	reports *atomic.Int64
@@ -36,8 +37,8 @@ type stamp struct {
 	seq       uint64
 }
 
-func newSimHost(id string, t *tracks, reports *atomic.Int64) *simHost {
-	return &simHost{id: id, tracks: t, reports: reports, changed: make(chan struct{}, 1),
+func newSimHost(id string, home int, t *tracks, reports *atomic.Int64) *simHost {
+	return &simHost{id: id, home: home, tracks: t, reports: reports, changed: make(chan struct{}, 1),
 		detail: map[string]string{}, active: map[string]int64{}}
 }
 
@@ -84,7 +85,7 @@ func (h *simHost) Fill(rep *eitriv1.ActualStateReport) {
 		// The change leaves now: its clock starts here.
 		now := time.Now()
 		for _, s := range h.unstamped {
-			h.tracks.sent(s.kind, s.obj, s.seq, now)
+			h.tracks.sent(s.kind, s.obj, s.seq, now, h.home)
 		}
 		h.unstamped = h.unstamped[:0]
 		h.reports.Add(1)

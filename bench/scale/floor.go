@@ -80,7 +80,7 @@ func floor(ctx context.Context, c config, echo io.Writer) error {
 		}
 		steps[i] = h.step
 	}
-	_, err = measure(ctx, c, target{title: floorTitle, who: "floor server", srv: s, url: s.url, tr: tr, steps: steps, reports: &reports})
+	_, err = measure(ctx, c, target{title: floorTitle, who: "floor server", srvs: []*server{s}, urls: []string{s.url}, tr: tr, steps: steps, reports: &reports})
 	return err
 }
 
@@ -101,8 +101,8 @@ func (h *floorHost) step() {
 	detail := fmt.Sprintf("downloading image … %d%% (#%d)", h.seq%100, h.seq)
 	// The changes leave now: their clocks start here, as at a report.
 	now := time.Now()
-	h.tracks.sent("vms", vm, h.seq, now)
-	h.tracks.sent("exposures", h.exp, h.seq, now)
+	h.tracks.sent("vms", vm, h.seq, now, 0)
+	h.tracks.sent("exposures", h.exp, h.seq, now, 0)
 	// A failed write shows as latest state not delivered.
 	_, _ = fmt.Fprintf(h.conn, "v %s %s\ne %s %d\n", vm, detail, h.exp, h.seq)
 	h.reports.Add(1)

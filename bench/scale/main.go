@@ -31,13 +31,27 @@
 //     change rate to the same number of receivers: the floor without a
 //     network.
 //
-//     make build && go run ./bench/scale -hosts 200 -vms 20 -watchers 1000
-//     make bench-scale
+// With -replicas N -db postgres (issue 23) the control plane is N replicas
+// of `eitri server` on one throwaway PostgreSQL (pgtest's, in a temp dir,
+// as an unprivileged user): replica 1 starts first and makes the fleet's
+// identity, the others take it from the database. Host i streams to
+// replica i mod N only, its VMs are created through the next replica, and
+// watcher i watches through replica i mod N. Each block then adds the
+// latency and delivered share for watchers on a replica other than the
+// agent's, each replica's CPU, PostgreSQL's CPU (all its processes), and
+// the control plane's and database's CPU per change made. -compare first
+// measures one replica on SQLite with the same load and prints both side
+// by side.
+//
+//	make build && go run ./bench/scale -hosts 200 -vms 20 -watchers 1000
+//	make bench-scale
+//	make bench-scale-replicas
 package main
 
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -45,12 +59,14 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"text/tabwriter"
 	"time"
 
 	"connectrpc.com/connect"
@@ -67,7 +83,17 @@ type config struct {
 	hosts, vms, watchers int
 	every, dur, drain    time.Duration
 	verbose, floor       bool
+	// replicas on db ("sqlite" or "postgres"); compare measures one
+	// replica on SQLite first, with the same load.
+	replicas int
+	db       string
+	compare  bool
+	dbprobe  bool
 }
+
+// multi: the run is about databases and replicas, so each block says what
+// the replicas and their database cost and what crossed replicas.
+func (c config) multi() bool { return c.compare || c.replicas > 1 || c.db != "sqlite" }
 
 func main() {
 	var c config
@@ -80,8 +106,23 @@ func main() {
 	flag.DurationVar(&c.drain, "drain", 10*time.Second, "how long after the last change to wait for the latest state to arrive")
 	flag.BoolVar(&c.verbose, "v", false, "show the server's output")
 	flag.BoolVar(&c.floor, "floor", true, "then measure the floor server (bare net/http HTTP/2 + TLS, same pacing) with the same load and watchers")
+	flag.IntVar(&c.replicas, "replicas", 1, "control-plane replicas sharing one database (more than one needs -db postgres); agents and watchers are spread over them")
+	flag.StringVar(&c.db, "db", "sqlite", "the control plane's database: sqlite (in its data dir) or postgres (a throwaway cluster of Debian's PostgreSQL, fsync off)")
+	flag.BoolVar(&c.compare, "compare", false, "first measure 1 replica on SQLite with the same load, then -replicas on -db, and print both side by side")
+	flag.BoolVar(&c.dbprobe, "dbprobe", false, "with PostgreSQL, also time each change from its agent to the database (host_live, polled every 10 ms)")
 	serve := flag.Bool("serve-floor", false, "(internal) be the floor server: the child process -floor starts")
 	flag.Parse()
+	switch {
+	case c.db != "sqlite" && c.db != "postgres":
+		fmt.Fprintf(os.Stderr, "-db %q: want sqlite or postgres\n", c.db)
+		os.Exit(2)
+	case c.replicas < 1:
+		fmt.Fprintln(os.Stderr, "-replicas: at least 1")
+		os.Exit(2)
+	case c.replicas > 1 && c.db != "postgres":
+		fmt.Fprintln(os.Stderr, "-replicas: several replicas share a PostgreSQL (-db postgres)")
+		os.Exit(2)
+	}
 	if *serve {
 		if err := serveFloor(); err != nil {
 			slog.Error("floor server", "err", err)
@@ -102,36 +143,146 @@ func envOr(k, def string) string {
 	return def
 }
 
-func run(ctx context.Context, c config) error {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	dir, err := os.MkdirTemp("", "eitri-scale-")
-	if err != nil {
-		return err
+// variant is one control-plane configuration to measure: how many
+// replicas, on which database.
+type variant struct {
+	db       string // "sqlite" or "postgres"
+	replicas int
+}
+
+func (v variant) String() string {
+	db := "SQLite"
+	if v.db == "postgres" {
+		db = "PostgreSQL"
 	}
-	defer os.RemoveAll(dir)
+	if v.replicas == 1 {
+		return "1 replica, " + db
+	}
+	return fmt.Sprintf("%d replicas, %s", v.replicas, db)
+}
+
+func run(ctx context.Context, c config) error {
 	echo := io.Discard
 	if c.verbose {
 		echo = os.Stderr
 	}
-	srv, err := start(ctx, c.bin, dir, echo)
-	if err != nil {
-		return err
+	vs := []variant{{c.db, c.replicas}}
+	if c.compare {
+		vs = append([]variant{{"sqlite", 1}}, vs...)
 	}
-	defer srv.stop()
+	var results []result
+	for _, v := range vs {
+		r, err := runControlPlane(ctx, c, v, echo)
+		if err != nil {
+			return fmt.Errorf("%s: %w", v, err)
+		}
+		results = append(results, r)
+	}
+	if len(results) > 1 {
+		compare(c, results)
+	}
+
+	// The floor and the baseline get the machine to themselves.
+	if c.floor {
+		if err := floor(context.Background(), c, echo); err != nil {
+			return fmt.Errorf("floor: %w", err)
+		}
+	}
+	b := baseline(c.watchers, results[0].rate, min(c.dur, 5*time.Second))
+	fmt.Printf("baseline (in-process channel fan-out, same rate, same receivers): p50=%s p99=%s max=%s, %.2f µs CPU and %.2f allocs per delivery\n",
+		b.p50, b.p99, b.max, b.cpuPerDelivery, b.allocsPerDelivery)
+	return nil
+}
+
+// runControlPlane starts v — its database, then its replicas one after
+// the other — enrolls the hosts, spread over the replicas, makes their VMs
+// and measures. Everything it started is stopped when it returns.
+func runControlPlane(ctx context.Context, c config, v variant, echo io.Writer) (result, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	dir, err := os.MkdirTemp("", "eitri-scale-")
+	if err != nil {
+		return result{}, err
+	}
+	defer os.RemoveAll(dir)
+	var pg *postgres
+	srvs := make([]*server, 0, v.replicas)
+	// stop ends the agents, then the replicas, then their database.
+	stop := sync.OnceFunc(func() {
+		cancel()
+		for _, s := range srvs {
+			s.stop()
+		}
+		if pg != nil {
+			pg.stop()
+		}
+	})
+	defer stop()
+	dsn := ""
+	if v.db == "postgres" {
+		t0 := time.Now()
+		if pg, err = startPostgres(ctx); err != nil {
+			return result{}, fmt.Errorf("start PostgreSQL: %w", err)
+		}
+		dsn = pg.dsn
+		fmt.Fprintf(os.Stderr, "started PostgreSQL in %s in %s (%s)\n", pg.srv.Dir, time.Since(t0).Round(time.Millisecond), pg.settings(ctx))
+	}
+	// Replica 1 makes the fleet's identity (its CA and certificate, the
+	// first admin) and keeps it in the database; the others, started once
+	// it is up, take it. Each has its own data dir.
+	urls := make([]string, v.replicas)
+	for i := range v.replicas {
+		rdir := filepath.Join(dir, fmt.Sprintf("replica-%d", i+1))
+		if err := os.Mkdir(rdir, 0o700); err != nil {
+			return result{}, err
+		}
+		s, err := start(ctx, c.bin, rdir, dsn, echo)
+		if err != nil {
+			return result{}, fmt.Errorf("replica %d: %w", i+1, err)
+		}
+		srvs = append(srvs, s)
+		urls[i] = s.url
+	}
+	token := srvs[0].token
+	if token == "" {
+		return result{}, errors.New("replica 1 made no first admin (the database was not empty?)")
+	}
+	fp0, err := fingerprint(urls[0])
+	if err != nil {
+		return result{}, err
+	}
+	for i := 1; i < len(urls); i++ {
+		fp, err := fingerprint(urls[i])
+		if err != nil {
+			return result{}, err
+		}
+		if fp != fp0 {
+			return result{}, fmt.Errorf("replica %d presents certificate %s, replica 1 %s: agents pin one", i+1, fp, fp0)
+		}
+	}
+	if v.replicas > 1 {
+		fmt.Fprintf(os.Stderr, "%d replicas up, one certificate (%s…)\n", v.replicas, fp0[:16])
+	}
 
 	hc := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, ForceAttemptHTTP2: true}}
-	auth := connect.WithInterceptors(connclient.Bearer(srv.token))
-	hostsAPI := eitriv1connect.NewHostServiceClient(hc, srv.url, auth)
-	quotaAPI := eitriv1connect.NewQuotaServiceClient(hc, srv.url, auth)
+	auth := connect.WithInterceptors(connclient.Bearer(token))
+	hostsAPI := make([]eitriv1connect.HostServiceClient, len(urls))
+	quotaAPI := make([]eitriv1connect.QuotaServiceClient, len(urls))
+	tokensAPI := make([]eitriv1connect.TokenServiceClient, len(urls))
+	for i, u := range urls {
+		hostsAPI[i] = eitriv1connect.NewHostServiceClient(hc, u, auth)
+		quotaAPI[i] = eitriv1connect.NewQuotaServiceClient(hc, u, auth)
+		tokensAPI[i] = eitriv1connect.NewTokenServiceClient(hc, u, auth)
+	}
 	big := int64(1 << 40)
-	if _, err := quotaAPI.SetQuota(ctx, connect.NewRequest(&eitriv1.SetQuotaRequest{Limits: &eitriv1.QuotaLimits{
+	if _, err := quotaAPI[0].SetQuota(ctx, connect.NewRequest(&eitriv1.SetQuotaRequest{Limits: &eitriv1.QuotaLimits{
 		Vms: &big, Vcpus: &big, MemMb: &big, DiskGb: &big, Exposures: &big, Streams: &big,
 	}})); err != nil {
-		return fmt.Errorf("raise the admin's quota: %w", err)
+		return result{}, fmt.Errorf("raise the admin's quota: %w", err)
 	}
 
-	// Enroll the hosts and start their streams.
+	// Enroll the hosts and start their streams: host i enrolls through
+	// and streams to replica i mod N (its home), and only to it.
 	t0 := time.Now()
 	tr := newTracks()
 	var reports atomic.Int64
@@ -140,8 +291,9 @@ func run(ctx context.Context, c config) error {
 	var g errgroup.Group
 	g.SetLimit(8)
 	for i := range hosts {
+		home := i % len(urls)
 		g.Go(func() error {
-			jt, err := hostsAPI.CreateJoinToken(ctx, connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
+			jt, err := hostsAPI[home].CreateJoinToken(ctx, connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
 			if err != nil {
 				return fmt.Errorf("join token: %w", err)
 			}
@@ -149,7 +301,8 @@ func run(ctx context.Context, c config) error {
 			if err != nil {
 				return err
 			}
-			h := newSimHost(id.HostID, tr, &reports)
+			id.ServerURL, id.ServerURLs = urls[home], []string{urls[home]}
+			h := newSimHost(id.HostID, home, tr, &reports)
 			hosts[i] = h
 			go func() {
 				_ = syncclient.Run(ctx, syncclient.Config{
@@ -164,30 +317,32 @@ func run(ctx context.Context, c config) error {
 		})
 	}
 	if err := g.Wait(); err != nil {
-		return err
+		return result{}, err
 	}
 	fmt.Fprintf(os.Stderr, "enrolled %d hosts in %s\n", c.hosts, time.Since(t0).Round(time.Millisecond))
 
 	// Their VMs and one exposure each, through the API as people make them:
 	// each host's VMs belong to a user of their own (a team), so quota
-	// checks stay per user and the admins' watchers see many owners.
+	// checks stay per user and the admins' watchers see many owners. With
+	// several replicas, through the replica after the host's home, so what
+	// is asked reaches the agent across replicas.
 	t0 = time.Now()
-	tokensAPI := eitriv1connect.NewTokenServiceClient(hc, srv.url, auth)
 	for i, h := range hosts {
+		via := (h.home + 1) % len(urls)
 		g.Go(func() error {
 			user := fmt.Sprintf("team-%04d", i)
-			tok, err := tokensAPI.CreateToken(ctx, connect.NewRequest(&eitriv1.CreateTokenRequest{Name: "scale", UserName: user}))
+			tok, err := tokensAPI[via].CreateToken(ctx, connect.NewRequest(&eitriv1.CreateTokenRequest{Name: "scale", UserName: user}))
 			if err != nil {
 				return fmt.Errorf("create token: %w", err)
 			}
-			if _, err := quotaAPI.SetQuota(ctx, connect.NewRequest(&eitriv1.SetQuotaRequest{UserName: user, Limits: &eitriv1.QuotaLimits{
+			if _, err := quotaAPI[via].SetQuota(ctx, connect.NewRequest(&eitriv1.SetQuotaRequest{UserName: user, Limits: &eitriv1.QuotaLimits{
 				Vms: &big, Vcpus: &big, MemMb: &big, DiskGb: &big, Exposures: &big,
 			}})); err != nil {
 				return fmt.Errorf("raise %s's quota: %w", user, err)
 			}
 			as := connect.WithInterceptors(connclient.Bearer(tok.Msg.GetSecret()))
-			vmsAPI := eitriv1connect.NewVMServiceClient(hc, srv.url, as)
-			expAPI := eitriv1connect.NewExposureServiceClient(hc, srv.url, as)
+			vmsAPI := eitriv1connect.NewVMServiceClient(hc, urls[via], as)
+			expAPI := eitriv1connect.NewExposureServiceClient(hc, urls[via], as)
 			var first string
 			for j := range c.vms {
 				req := &eitriv1.CreateVMRequest{Name: fmt.Sprintf("h%04d-v%02d", i, j), HostId: h.id,
@@ -216,7 +371,7 @@ func run(ctx context.Context, c config) error {
 		})
 	}
 	if err := g.Wait(); err != nil {
-		return err
+		return result{}, err
 	}
 	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(100 * time.Millisecond) {
 		n := 0
@@ -229,7 +384,7 @@ func run(ctx context.Context, c config) error {
 			break
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("only %d of %d hosts got their VMs in a snapshot", n, len(hosts))
+			return result{}, fmt.Errorf("only %d of %d hosts got their VMs in a snapshot", n, len(hosts))
 		}
 	}
 	fmt.Fprintf(os.Stderr, "created %d VMs and %d exposures in %s\n", c.hosts*c.vms, c.hosts, time.Since(t0).Round(time.Millisecond))
@@ -238,44 +393,54 @@ func run(ctx context.Context, c config) error {
 	for i, h := range hosts {
 		steps[i] = h.step
 	}
-	rate, err := measure(ctx, c, target{title: "control plane", who: "control-plane", srv: srv, url: srv.url, token: srv.token,
-		tr: tr, steps: steps, reports: &reports})
+	title := "control plane"
+	if c.multi() {
+		title += " (" + v.String() + ")"
+	}
+	res, err := measure(ctx, c, target{title: title, who: "control-plane", srvs: srvs, urls: urls, token: token,
+		tr: tr, steps: steps, reports: &reports, pg: pg})
 	if err != nil {
-		return err
+		return result{}, err
 	}
-
-	// The floor and the baseline get the machine to themselves.
-	srv.stop()
-	cancel() // the agents
-	if c.floor {
-		if err := floor(context.Background(), c, echo); err != nil {
-			return fmt.Errorf("floor: %w", err)
-		}
-	}
-	b := baseline(c.watchers, rate, min(c.dur, 5*time.Second))
-	fmt.Printf("baseline (in-process channel fan-out, same rate, same receivers): p50=%s p99=%s max=%s, %.2f µs CPU and %.2f allocs per delivery\n",
-		b.p50, b.p99, b.max, b.cpuPerDelivery, b.allocsPerDelivery)
-	return nil
+	res.title = v.String()
+	stop()
+	return res, nil
 }
 
 // target is a server under measurement and what feeds it: one step per
 // simulated host (its next narration beat), the tracks those changes are
 // stamped in, and a count of the changed reports that left.
 type target struct {
-	title      string // the block's heading
-	who        string // the server in the block's lines ("control-plane")
-	srv        *server
-	url, token string
-	tr         *tracks
-	steps      []func()
-	reports    *atomic.Int64
+	title string // the block's heading
+	who   string // the server in the block's lines ("control-plane")
+	// srvs are its processes (the replicas) and urls where each answers;
+	// watcher i watches through urls[i mod len(urls)].
+	srvs    []*server
+	urls    []string
+	token   string
+	pg      *postgres // the replicas' database, nil on SQLite
+	tr      *tracks
+	steps   []func()
+	reports *atomic.Int64
+}
+
+// result is what a measurement found, for the comparison.
+type result struct {
+	title                        string
+	rate                         float64 // changed reports absorbed per second
+	p50, p99, crossP50, crossP99 time.Duration
+	crossN                       int
+	delivered, crossDelivered    float64 // %
+	cpu                          []float64
+	pgCPU                        float64 // cores; 0 without PostgreSQL
+	perChange                    float64 // µs of server-side CPU per change made
+	load                         string
 }
 
 // measure opens the watchers on t, narrates for c.dur, waits for the
-// latest state to arrive and prints the block. It returns the changed
-// reports per second it absorbed.
-func measure(ctx context.Context, c config, t target) (float64, error) {
-	srv, tr, reports := t.srv, t.tr, t.reports
+// latest state to arrive and prints the block.
+func measure(ctx context.Context, c config, t target) (result, error) {
+	srvs, tr, reports := t.srvs, t.tr, t.reports
 	// The watchers.
 	t0 := time.Now()
 	ws := make([]*watcher, c.watchers)
@@ -283,12 +448,12 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 	defer wcancel()
 	var wwg sync.WaitGroup
 	for i := range ws {
-		w := &watcher{kind: "vms", grpc: i%2 == 1, seen: map[string]uint64{}, connected: make(chan struct{})}
+		w := &watcher{kind: "vms", grpc: i%2 == 1, replica: i % len(t.urls), seen: map[string]uint64{}, connected: make(chan struct{})}
 		if i%4 >= 2 {
 			w.kind = "exposures"
 		}
 		ws[i] = w
-		wwg.Go(func() { w.run(wctx, t.url, t.token, tr) })
+		wwg.Go(func() { w.run(wctx, t.urls[w.replica], t.token, tr) })
 		if i%50 == 49 {
 			<-w.connected // don't open a thousand TLS handshakes at once
 		}
@@ -296,10 +461,18 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 	for _, w := range ws {
 		<-w.connected
 		if w.err != nil {
-			return 0, fmt.Errorf("watcher (%s, grpc=%v): %w", w.kind, w.grpc, w.err)
+			return result{}, fmt.Errorf("watcher (%s, grpc=%v): %w", w.kind, w.grpc, w.err)
 		}
 	}
 	fmt.Fprintf(os.Stderr, "opened %d watchers in %s\n", c.watchers, time.Since(t0).Round(time.Millisecond))
+
+	var probe *watcher
+	if c.dbprobe && t.pg != nil {
+		var err error
+		if probe, err = t.pg.probe(wctx, tr); err != nil {
+			return result{}, err
+		}
+	}
 
 	// Narrate: each host steps every c.every, phases spread evenly.
 	nctx, ncancel := context.WithCancel(ctx)
@@ -324,24 +497,73 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 		})
 	}
 
-	cpu0, _, _ := srv.usage()
+	type reading struct {
+		cpu, wait   time.Duration
+		rss, writes int64
+	}
+	read := func() []reading {
+		rs := make([]reading, len(srvs))
+		for i, s := range srvs {
+			cpu, rss, _ := s.usage()
+			pid := s.cmd.Process.Pid
+			rs[i] = reading{cpu: cpu, rss: rss, wait: runWait(pid), writes: writeCalls(pid)}
+		}
+		return rs
+	}
+	pgCPU := func() time.Duration {
+		if t.pg == nil {
+			return 0
+		}
+		return t.pg.cpu()
+	}
+	warns := func() []int {
+		out := make([]int, len(srvs))
+		for i, s := range srvs {
+			out[i], _ = s.warnings()
+		}
+		return out
+	}
+	var db0, db1 dbStats
+	if t.pg != nil {
+		db0 = t.pg.stats(ctx)
+	}
+	warn0 := warns()
+	var locks0, locks1 [3]int64
+	if probe != nil {
+		locks0 = t.pg.lockCounters()
+	}
+	before, pg0 := read(), pgCPU()
 	self0 := selfCPU()
-	wait0, selfWait0 := runWait(srv.cmd.Process.Pid), runWait(os.Getpid())
-	writes0 := writeCalls(srv.cmd.Process.Pid)
-	r0 := reports.Load()
+	selfWait0 := runWait(os.Getpid())
+	r0, n0 := reports.Load(), tr.n.Load()
 	from := time.Now()
 	time.Sleep(c.dur)
 	ncancel()
 	nwg.Wait()
 	to := time.Now()
-	cpu1, rss, _ := srv.usage()
+	after, pg1 := read(), pgCPU()
+	warn1 := warns()
+	if probe != nil {
+		locks1 = t.pg.lockCounters()
+	}
+	if t.pg != nil {
+		db1 = t.pg.stats(ctx)
+	}
 	self1 := selfCPU()
-	wait1, selfWait1 := runWait(srv.cmd.Process.Pid), runWait(os.Getpid())
-	writes1 := writeCalls(srv.cmd.Process.Pid)
-	r1 := reports.Load()
+	selfWait1 := runWait(os.Getpid())
+	r1, n1 := reports.Load(), tr.n.Load()
 	window := to.Sub(from)
+	var cpu, wait time.Duration
+	var rss, writes int64
+	for i := range after {
+		cpu += after[i].cpu - before[i].cpu
+		wait += after[i].wait - before[i].wait
+		writes += after[i].writes - before[i].writes
+		rss += after[i].rss
+	}
 
 	// Drain: wait for every watcher to hold every object's latest state.
+	home := map[string]int{}
 	objs := func(kind string) map[string]uint64 {
 		tr.mu.Lock()
 		defer tr.mu.Unlock()
@@ -349,6 +571,7 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 		for o, s := range tr.latest {
 			if tr.kind[o] == kind {
 				out[o] = s
+				home[o] = tr.home[o]
 			}
 		}
 		return out
@@ -357,16 +580,23 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 	// at their next tick).
 	time.Sleep(1500 * time.Millisecond)
 	want := map[string]map[string]uint64{"vms": objs("vms"), "exposures": objs("exposures")}
-	var pairs, got int
+	var pairs, got, crossPairs, crossGot int
 	deadline := time.Now().Add(c.drain)
 	for {
-		pairs, got = 0, 0
+		pairs, got, crossPairs, crossGot = 0, 0, 0, 0
 		for _, w := range ws {
 			w.mu.Lock()
 			for o, s := range want[w.kind] {
+				ok := w.seen[o] >= s
 				pairs++
-				if w.seen[o] >= s {
+				if ok {
 					got++
+				}
+				if home[o] != w.replica {
+					crossPairs++
+					if ok {
+						crossGot++
+					}
 				}
 			}
 			w.mu.Unlock()
@@ -376,49 +606,164 @@ func measure(ctx context.Context, c config, t target) (float64, error) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	allocMB, gcs := srv.allocated(from, to)
+	var allocMB int64
+	var gcs int
+	for _, s := range srvs {
+		mb, n := s.allocated(from, to)
+		allocMB, gcs = allocMB+mb, gcs+n
+	}
 	wcancel()
 	wwg.Wait()
 
-	var lat []time.Duration
+	var lat, cross, same []time.Duration
 	var errs []error
 	var deliveries int64
+	// Cross-replica latency by when the change was sent, in quarters of
+	// the window: a p99 that grows from one to the next is a lag that
+	// builds up, a steady one a cost.
+	quarters := make([][]time.Duration, 4)
 	for _, w := range ws {
 		lat = append(lat, w.lat...)
+		same = append(same, w.same...)
+		for _, s := range w.cross {
+			cross = append(cross, s.d)
+			q := min(3, max(0, int(4*s.at.Sub(from)/window)))
+			quarters[q] = append(quarters[q], s.d)
+		}
 		deliveries += w.msgs
 		if w.err != nil {
 			errs = append(errs, w.err)
 		}
 	}
 	slices.Sort(lat)
+	slices.Sort(cross)
+	slices.Sort(same)
+	for _, q := range quarters {
+		slices.Sort(q)
+	}
 	changes := int64(0)
 	tr.mu.Lock()
 	for _, m := range tr.at {
 		changes += int64(len(m))
 	}
 	tr.mu.Unlock()
+	res := result{
+		rate: float64(r1-r0) / window.Seconds(), p50: pct(lat, 50), p99: pct(lat, 99),
+		crossP50: pct(cross, 50), crossP99: pct(cross, 99), crossN: len(cross),
+		delivered: 100 * float64(got) / float64(max(pairs, 1)), crossDelivered: 100 * float64(crossGot) / float64(max(crossPairs, 1)),
+		pgCPU:     (pg1 - pg0).Seconds() / window.Seconds(),
+		perChange: float64((cpu + pg1 - pg0).Microseconds()) / float64(max(n1-n0, 1)),
+		load:      loadavg(),
+	}
+	for i := range after {
+		res.cpu = append(res.cpu, (after[i].cpu-before[i].cpu).Seconds()/window.Seconds())
+	}
 
 	fmt.Printf("%s: hosts=%d vms/host=%d watchers=%d (vms/exposures × connect/grpc) window=%s load1=%s\n",
-		t.title, c.hosts, c.vms, c.watchers, window.Round(time.Millisecond), loadavg())
-	fmt.Printf("  reports/s absorbed      %.1f (changed reports; %d changes to %d objects)\n", float64(r1-r0)/window.Seconds(), changes, pairsObjs(want))
-	fmt.Printf("  report→watcher          p50=%s p99=%s max=%s (%d deliveries of a new value)\n", pct(lat, 50), pct(lat, 99), pct(lat, 100), len(lat))
-	fmt.Printf("  latest state delivered  %.2f%% (%d of %d watcher×object pairs, %s after the last change)\n", 100*float64(got)/float64(max(pairs, 1)), got, pairs, c.drain)
-	fmt.Printf("  %-24s%.2f cores, RSS %d MiB\n", t.who+" CPU", (cpu1-cpu0).Seconds()/window.Seconds(), rss>>20)
+		t.title, c.hosts, c.vms, c.watchers, window.Round(time.Millisecond), res.load)
+	fmt.Printf("  reports/s absorbed      %.1f (changed reports; %d changes to %d objects)\n", res.rate, changes, pairsObjs(want))
+	fmt.Printf("  report→watcher          p50=%s p99=%s max=%s (%d deliveries of a new value)\n", res.p50, res.p99, pct(lat, 100), len(lat))
+	fmt.Printf("  latest state delivered  %.2f%% (%d of %d watcher×object pairs, %s after the last change)\n", res.delivered, got, pairs, c.drain)
+	together := ""
+	if len(srvs) > 1 {
+		together = fmt.Sprintf(" (%d replicas together)", len(srvs))
+	}
+	fmt.Printf("  %-24s%.2f cores, RSS %d MiB%s\n", t.who+" CPU", cpu.Seconds()/window.Seconds(), rss>>20, together)
 	fmt.Printf("  %-24s%.1f KiB per delivered message (%d MiB over %d GCs; %d messages received by watchers)\n",
 		t.who+" alloc", float64(allocMB<<10)/float64(max(deliveries, 1)), allocMB, gcs, deliveries)
 	fmt.Printf("  CPU per delivery        %.1f µs (%s CPU / messages received by watchers)\n",
-		float64((cpu1-cpu0).Microseconds())/float64(max(deliveries, 1)), t.who)
-	if writes1 > writes0 {
+		float64(cpu.Microseconds())/float64(max(deliveries, 1)), t.who)
+	if writes > 0 {
 		fmt.Printf("  writes                  %.0f/s, %.1f µs of %s CPU per write (write system calls, /proc/pid/io)\n",
-			float64(writes1-writes0)/window.Seconds(), float64((cpu1-cpu0).Microseconds())/float64(writes1-writes0), t.who)
+			float64(writes)/window.Seconds(), float64(cpu.Microseconds())/float64(writes), t.who)
+	}
+	if c.multi() && t.who == "control-plane" {
+		if len(srvs) > 1 {
+			fmt.Printf("  cross-replica watchers  p50=%s p99=%s max=%s (%d deliveries to a watcher on another replica than the agent's)\n",
+				res.crossP50, res.crossP99, pct(cross, 100), len(cross))
+			fmt.Printf("  latest, cross-replica   %.2f%% (%d of %d watcher×object pairs)\n", res.crossDelivered, crossGot, crossPairs)
+			fmt.Printf("  same-replica watchers   p50=%s p99=%s max=%s (%d deliveries)\n", pct(same, 50), pct(same, 99), pct(same, 100), len(same))
+			var qs []string
+			for i, q := range quarters {
+				qs = append(qs, fmt.Sprintf("%d/4 p50=%s p99=%s", i+1, pct(q, 50), pct(q, 99)))
+			}
+			fmt.Printf("  cross, by send time     %s (quarters of the window)\n", strings.Join(qs, ", "))
+			if probe != nil {
+				probe.mu.Lock()
+				pl := slices.Clone(probe.lat)
+				probe.mu.Unlock()
+				slices.Sort(pl)
+				fmt.Printf("  agent→database          p50=%s p99=%s max=%s (%d changes first seen in host_live; polled every 10 ms)\n",
+					pct(pl, 50), pct(pl, 99), pct(pl, 100), len(pl))
+				n := float64(max(locks1[0]-locks0[0], 1))
+				fmt.Printf("  advisory locks          %.2f sessions waiting on average, one held in %.0f%% of %.0f samples in the window (pg_locks every 20 ms)\n",
+					float64(locks1[1]-locks0[1])/n, 100*float64(locks1[2]-locks0[2])/n, n)
+			}
+			var per []string
+			for i := range after {
+				per = append(per, fmt.Sprintf("%d: %.2f cores, RSS %d MiB", i+1, res.cpu[i], after[i].rss>>20))
+			}
+			fmt.Printf("  each replica            %s\n", strings.Join(per, "; "))
+		} else {
+			fmt.Printf("  cross-replica watchers  none (one replica)\n")
+		}
+		if t.pg != nil {
+			fmt.Printf("  PostgreSQL CPU          %.2f cores (its processes' utime+stime, /proc/PID/stat)\n", res.pgCPU)
+			fmt.Printf("  PostgreSQL xacts        %.0f commits/s, %.0f rollbacks/s; errors logged: %s\n",
+				float64(db1.commits-db0.commits)/window.Seconds(), float64(db1.rollbacks-db0.rollbacks)/window.Seconds(), t.pg.logErrors(db0.logAt))
+			fmt.Printf("  change feed             %s (durable writes in the window, which every other replica follows)\n", t.pg.feed(ctx, db0.rev, db1.rev))
+		} else {
+			fmt.Printf("  PostgreSQL CPU          none (SQLite, in the control plane's process)\n")
+		}
+		fmt.Printf("  CPU per change          %.1f µs (control plane + database CPU / %d changes made in the window)\n", res.perChange, n1-n0)
+	}
+	if c.multi() && t.who == "control-plane" {
+		for i, s := range srvs {
+			if n := warn1[i] - warn0[i]; n > 0 {
+				_, kinds := s.warnings()
+				fmt.Printf("  replica %d warned       %d times in the window (%s)\n", i+1, n, kinds)
+			}
+		}
 	}
 	fmt.Printf("  simulator CPU           %.2f cores (its agents and watchers, on the same machine)\n", (self1-self0).Seconds()/window.Seconds())
 	fmt.Printf("  waiting for a CPU       %s %.2f, simulator %.2f (thread-seconds runnable but not running, per second)\n",
-		strings.ReplaceAll(t.who, "-", " "), (wait1-wait0).Seconds()/window.Seconds(), (selfWait1-selfWait0).Seconds()/window.Seconds())
+		strings.ReplaceAll(t.who, "-", " "), wait.Seconds()/window.Seconds(), (selfWait1-selfWait0).Seconds()/window.Seconds())
 	if len(errs) > 0 {
 		fmt.Printf("  watcher errors          %d (first: %v)\n", len(errs), errs[0])
 	}
-	return float64(r1-r0) / window.Seconds(), nil
+	return res, nil
+}
+
+// compare prints the configurations measured side by side; the first is
+// what the others' cost per change is compared with.
+func compare(c config, rs []result) {
+	fmt.Printf("comparison (hosts=%d vms/host=%d watchers=%d, %s windows; cross = watchers on a replica other than the agent's):\n",
+		c.hosts, c.vms, c.watchers, c.dur)
+	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "  "+strings.Repeat(" ", 24)+"\tp50\tp99\tcross p50\tcross p99\tdelivered\tcontrol-plane CPU\tPostgreSQL CPU\tCPU per change\tload1\t")
+	for _, r := range rs {
+		var cpus []string
+		sum := 0.0
+		for _, x := range r.cpu {
+			cpus = append(cpus, fmt.Sprintf("%.2f", x))
+			sum += x
+		}
+		cp := fmt.Sprintf("%.2f", sum)
+		if len(cpus) > 1 {
+			cp = strings.Join(cpus, "+") + " = " + cp
+		}
+		crossP50, crossP99, pgc := "-", "-", "-"
+		if r.crossN > 0 {
+			crossP50, crossP99 = r.crossP50.Round(100*time.Microsecond).String(), r.crossP99.Round(100*time.Microsecond).String()
+		}
+		if len(r.cpu) > 1 || r.pgCPU > 0 {
+			pgc = fmt.Sprintf("%.2f", r.pgCPU)
+		}
+		fmt.Fprintf(tw, "  %-24s\t%s\t%s\t%s\t%s\t%.2f%%\t%s\t%s\t%.0f µs (×%.2f)\t%s\t\n", r.title,
+			r.p50.Round(100*time.Microsecond), r.p99.Round(100*time.Microsecond), crossP50, crossP99, r.delivered, cp, pgc,
+			r.perChange, r.perChange/max(rs[0].perChange, 0.001), r.load)
+	}
+	tw.Flush()
 }
 
 func pairsObjs(m map[string]map[string]uint64) int {

@@ -3,9 +3,13 @@ package main
 import (
 	"bufio"
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/http"
 	"os"
@@ -43,18 +47,25 @@ type gcLine struct {
 	start, live int64 // MB
 }
 
-// start runs `bin server` with its own data dir on a free loopback port. The
+// start runs `bin server` with its own data dir on a free loopback port,
+// on SQLite in that dir or, with db, on that PostgreSQL (a replica). The
 // control plane traces its collections (GODEBUG=gctrace=1), so the bytes it
-// allocates are read from outside without any debug endpoint.
-func start(ctx context.Context, bin, dir string, echo io.Writer) (*server, error) {
+// allocates are read from outside without any debug endpoint. The first
+// admin's token is read when this one made it (token stays empty on a
+// replica that found the admin made).
+func start(ctx context.Context, bin, dir, db string, echo io.Writer) (*server, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
 	addr := ln.Addr().String()
 	ln.Close()
-	cmd := exec.CommandContext(ctx, bin, "server", "--listen", addr, "--public-url", "https://"+addr,
-		"--data-dir", dir, "--log-level", "warn", "--port-range", "20000-60000")
+	args := []string{"server", "--listen", addr, "--public-url", "https://" + addr,
+		"--data-dir", dir, "--log-level", "warn", "--port-range", "20000-60000"}
+	if db != "" {
+		args = append(args, "--db", db)
+	}
+	cmd := exec.CommandContext(ctx, bin, args...)
 	s, _, err := launch(cmd, echo, nil)
 	if err != nil {
 		return nil, err
@@ -82,12 +93,27 @@ func start(ctx context.Context, bin, dir string, echo io.Writer) (*server, error
 		time.Sleep(50 * time.Millisecond)
 	}
 	b, err := os.ReadFile(filepath.Join(dir, "admin.token"))
-	if err != nil {
+	switch {
+	case err == nil:
+		s.token = strings.TrimSpace(string(b))
+	case db == "" || !errors.Is(err, fs.ErrNotExist):
 		s.stop()
 		return nil, err
 	}
-	s.token = strings.TrimSpace(string(b))
 	return s, nil
+}
+
+// fingerprint is the SHA-256 of the certificate the server at url presents,
+// as agents pin it.
+func fingerprint(url string) (string, error) {
+	conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 5 * time.Second}, "tcp", strings.TrimPrefix(url, "https://"),
+		&tls.Config{InsecureSkipVerify: true})
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close()
+	sum := sha256.Sum256(conn.ConnectionState().PeerCertificates[0].Raw)
+	return hex.EncodeToString(sum[:]), nil
 }
 
 // launch starts cmd with GODEBUG=gctrace=1 and reads its output: the
@@ -233,4 +259,35 @@ func runWait(pid int) time.Duration {
 		}
 	}
 	return time.Duration(sum)
+}
+
+// warnings counts the lines the server logged at warn or error (it runs
+// with --log-level warn) and returns the first few kinds.
+func (s *server) warnings() (int, string) {
+	n := 0
+	seen := map[string]bool{}
+	var kinds []string
+	for line := range strings.Lines(s.output()) {
+		if !strings.Contains(line, "level=WARN") && !strings.Contains(line, "level=ERROR") {
+			continue
+		}
+		n++
+		msg := line
+		if _, m, ok := strings.Cut(line, "msg="); ok {
+			msg = m
+			if i := strings.Index(m, " err="); i >= 0 && !strings.HasPrefix(m, "\"") {
+				msg = m[:i]
+			} else if strings.HasPrefix(m, "\"") {
+				if j := strings.Index(m[1:], "\""); j >= 0 {
+					msg = m[:j+2]
+				}
+			}
+		}
+		msg = strings.TrimSpace(msg)
+		if !seen[msg] && len(kinds) < 3 {
+			seen[msg] = true
+			kinds = append(kinds, msg)
+		}
+	}
+	return n, strings.Join(kinds, "; ")
 }

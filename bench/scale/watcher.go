@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -22,16 +23,22 @@ type tracks struct {
 	at     map[string]map[uint64]time.Time
 	latest map[string]uint64
 	kind   map[string]string // object → "vms" or "exposures"
+	home   map[string]int    // object → the replica its agent reports to
+	n      atomic.Int64      // changes sent so far
 }
 
 func newTracks() *tracks {
-	return &tracks{at: map[string]map[uint64]time.Time{}, latest: map[string]uint64{}, kind: map[string]string{}}
+	return &tracks{at: map[string]map[uint64]time.Time{}, latest: map[string]uint64{}, kind: map[string]string{}, home: map[string]int{}}
 }
 
-func (t *tracks) sent(kind, obj string, seq uint64, now time.Time) {
+// sent records that change seq of obj left an agent connected to replica
+// home at now.
+func (t *tracks) sent(kind, obj string, seq uint64, now time.Time, home int) {
+	t.n.Add(1)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.kind[obj] = kind
+	t.home[obj] = home
 	m := t.at[obj]
 	if m == nil {
 		m = map[uint64]time.Time{}
@@ -41,22 +48,39 @@ func (t *tracks) sent(kind, obj string, seq uint64, now time.Time) {
 	t.latest[obj] = max(t.latest[obj], seq)
 }
 
-func (t *tracks) when(obj string, seq uint64) (time.Time, bool) {
+// when is when change seq of obj left its agent, and the replica that
+// agent reports to.
+func (t *tracks) when(obj string, seq uint64) (time.Time, int, bool) {
 	t.mu.RLock()
 	defer t.mu.RUnlock()
 	at, ok := t.at[obj][seq]
-	return at, ok
+	return at, t.home[obj], ok
+}
+
+func (t *tracks) homeOf(obj string) int {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.home[obj]
+}
+
+// sample is one delivery's latency and when its change was sent.
+type sample struct {
+	at time.Time
+	d  time.Duration
 }
 
 // watcher is one console: a WatchVMs or WatchExposures stream, over the
 // Connect protocol or gRPC, on its own connection.
 type watcher struct {
-	kind string // "vms" or "exposures"
-	grpc bool
+	kind    string // "vms" or "exposures"
+	grpc    bool
+	replica int // the replica it watches through
 
 	mu        sync.Mutex
 	seen      map[string]uint64 // object → newest sequence received
 	lat       []time.Duration   // change sent → received, one per delivery
+	cross     []sample          // those of objects whose agent is on another replica
+	same      []time.Duration   // and those on the same one
 	msgs      int64
 	err       error
 	connected chan struct{}
@@ -80,8 +104,14 @@ func (w *watcher) saw(t *tracks, obj string, seq uint64, now time.Time) {
 		return
 	}
 	w.seen[obj] = seq
-	if at, ok := t.when(obj, seq); ok {
-		w.lat = append(w.lat, now.Sub(at))
+	if at, home, ok := t.when(obj, seq); ok {
+		d := now.Sub(at)
+		w.lat = append(w.lat, d)
+		if home != w.replica {
+			w.cross = append(w.cross, sample{at, d})
+		} else {
+			w.same = append(w.same, d)
+		}
 	}
 }
 
