@@ -24,17 +24,8 @@ import (
 // pinned to fingerprint (hex SHA-256 of the certificate), or h2c when
 // fingerprint is empty.
 func HTTPClient(fingerprint string) *http.Client {
-	tr := &http.Transport{
-		Proxy:             nil, // the control plane is dialed directly, never via a proxy
-		ForceAttemptHTTP2: true,
-		DialContext:       (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		Protocols:         new(http.Protocols),
-		// The control plane may be silent for long (snapshots and watch
-		// events go out on change only); a ping on an idle connection tells a
-		// dead path from a quiet one, so a stream is retried instead of
-		// waiting on TCP.
-		HTTP2: &http.HTTP2Config{SendPingTimeout: 10 * time.Second, PingTimeout: 10 * time.Second},
-	}
+	tr := transport()
+	tr.DialContext = (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext
 	if fingerprint == "" {
 		tr.Protocols.SetUnencryptedHTTP2(true)
 	} else {
@@ -42,6 +33,21 @@ func HTTPClient(fingerprint string) *http.Client {
 		tr.TLSClientConfig = pinned(fingerprint)
 	}
 	return &http.Client{Transport: tr}
+}
+
+// transport is the HTTP/2 transport every client of the control plane
+// starts from; the caller sets how it dials and which protocol it speaks.
+func transport() *http.Transport {
+	return &http.Transport{
+		Proxy:             nil, // the control plane is dialed directly, never via a proxy
+		ForceAttemptHTTP2: true,
+		Protocols:         new(http.Protocols),
+		// The control plane may be silent for long (snapshots and watch
+		// events go out on change only); a ping on an idle connection tells a
+		// dead path from a quiet one, so a stream is retried instead of
+		// waiting on TCP.
+		HTTP2: &http.HTTP2Config{SendPingTimeout: 10 * time.Second, PingTimeout: 10 * time.Second},
+	}
 }
 
 // pinned trusts exactly the certificate with this fingerprint.

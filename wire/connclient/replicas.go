@@ -40,12 +40,7 @@ func Replicas(fingerprint string, urls []string) (*http.Client, string, error) {
 		return nil, "", err
 	}
 	f := &failover{eps: eps, fingerprint: fingerprint}
-	tr := &http.Transport{
-		Proxy:             nil,
-		ForceAttemptHTTP2: true,
-		Protocols:         new(http.Protocols),
-		HTTP2:             &http.HTTP2Config{SendPingTimeout: 10 * time.Second, PingTimeout: 10 * time.Second},
-	}
+	tr := transport()
 	if eps[0].tls {
 		tr.Protocols.SetHTTP2(true)
 		tr.DialTLSContext = f.dialTLS
@@ -116,10 +111,12 @@ func (f *failover) each(ctx context.Context, connect func(ctx context.Context, e
 }
 
 func (f *failover) dial(ctx context.Context, _, _ string) (net.Conn, error) {
-	return f.each(ctx, func(ctx context.Context, ep replica) (net.Conn, error) {
-		d := net.Dialer{Timeout: replicaDialTimeout, KeepAlive: 30 * time.Second}
-		return d.DialContext(ctx, "tcp", ep.addr)
-	})
+	return f.each(ctx, dialTCP)
+}
+
+func dialTCP(ctx context.Context, ep replica) (net.Conn, error) {
+	d := net.Dialer{Timeout: replicaDialTimeout, KeepAlive: 30 * time.Second}
+	return d.DialContext(ctx, "tcp", ep.addr)
 }
 
 func (f *failover) dialTLS(ctx context.Context, _, _ string) (net.Conn, error) {
@@ -131,8 +128,7 @@ func (f *failover) dialTLS(ctx context.Context, _, _ string) (net.Conn, error) {
 			cfg = &tls.Config{MinVersion: tls.VersionTLS12, NextProtos: []string{"h2"}}
 		}
 		cfg.ServerName = ep.host
-		d := net.Dialer{Timeout: replicaDialTimeout, KeepAlive: 30 * time.Second}
-		raw, err := d.DialContext(ctx, "tcp", ep.addr)
+		raw, err := dialTCP(ctx, ep)
 		if err != nil {
 			return nil, err
 		}
