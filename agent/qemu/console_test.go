@@ -181,8 +181,9 @@ func TestFollowSerialWithoutFollowingReturnsOnceCaughtUp(t *testing.T) {
 }
 
 // fakeQEMU runs a process the backend takes for the VM's QEMU (its command
-// line names the VM's pidfile), with extra arguments.
-func fakeQEMU(t *testing.T, b *Backend, id string, extra ...string) {
+// line names the VM's pidfile), with extra arguments, and returns its pid
+// once the backend sees it.
+func fakeQEMU(t *testing.T, b *Backend, id string, extra ...string) int {
 	t.Helper()
 	// "; :" keeps sh from exec'ing sleep in its place (dash does for a
 	// lone command), which would take the QEMU-like arguments out of the
@@ -197,6 +198,7 @@ func fakeQEMU(t *testing.T, b *Backend, id string, extra ...string) {
 	// /proc/PID/cmdline is empty and the backend rightly sees no QEMU.
 	require.Eventually(t, func() bool { _, ok := b.alive(id); return ok }, 5*time.Second, time.Millisecond,
 		"the fake QEMU's command line never showed")
+	return cmd.Process.Pid
 }
 
 func TestInputToAQEMUWithoutTheSocketSaysWhy(t *testing.T) {

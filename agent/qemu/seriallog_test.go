@@ -86,20 +86,6 @@ func startCopy(t *testing.T, b *Backend, id string) *os.File {
 	return w
 }
 
-// runningFakeQEMU is fakeQEMU, once its command line reads as the VM's
-// QEMU (right after the fork it is still this test's).
-func runningFakeQEMU(t *testing.T, b *Backend, id string, extra ...string) int {
-	t.Helper()
-	fakeQEMU(t, b, id, extra...)
-	var pid int
-	require.Eventually(t, func() bool {
-		p, ok := b.alive(id)
-		pid = p
-		return ok
-	}, 5*time.Second, time.Millisecond)
-	return pid
-}
-
 // checkChunks asserts every chunk is the boot's output at its offset, all
 // of one boot, in order.
 func checkChunks(t *testing.T, c *chunks, out []byte, boot string) {
@@ -236,7 +222,7 @@ func TestTheSerialLogCarriesOnInItsBootAfterAnAgentRestart(t *testing.T) {
 	require.NoError(t, err)
 	const id = "vm-restart"
 	require.NoError(t, os.MkdirAll(b1.VMDir(id), 0o700))
-	pid := runningFakeQEMU(t, b1, id, b1.serialArgs(id)...)
+	pid := fakeQEMU(t, b1, id, b1.serialArgs(id)...)
 	w := startCopy(t, b1, id)
 
 	before := consoleLines(0, 40<<10)
@@ -277,7 +263,7 @@ func TestTheSerialLogCarriesOnInItsBootAfterAnAgentRestart(t *testing.T) {
 
 func TestAQEMUThatWritesItsOwnSerialLogIsLeftToIt(t *testing.T) {
 	b, id := serialBackend(t)
-	pid := runningFakeQEMU(t, b, id, "-chardev", "socket,id=serial0,path="+b.serialSockPath(id)+",server=on,wait=off,logfile="+b.serialPath(id))
+	pid := fakeQEMU(t, b, id, "-chardev", "socket,id=serial0,path="+b.serialSockPath(id)+",server=on,wait=off,logfile="+b.serialPath(id))
 	b.adoptSerial(id, pid)
 	assert.Empty(t, b.copies.by, "an older agent's QEMU keeps writing serial.log itself")
 	assert.NoFileExists(t, b.serialPipePath(id))
