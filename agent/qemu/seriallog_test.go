@@ -104,6 +104,16 @@ func checkChunks(t *testing.T, c *chunks, out []byte, boot string) {
 	}
 }
 
+// boundedBackend is a backend over dir whose serial logs are bounded to
+// bound bytes, with the VM's directory made.
+func boundedBackend(t *testing.T, dir string, bound int64, id string) *Backend {
+	t.Helper()
+	b, err := New(Config{Dir: dir, Log: hosttest.Logger(t), SerialLogMax: bound})
+	require.NoError(t, err)
+	require.NoError(t, os.MkdirAll(b.VMDir(id), 0o700))
+	return b
+}
+
 func lastEnd(c *chunks) int64 {
 	all := c.list()
 	if len(all) == 0 {
@@ -150,10 +160,8 @@ func TestTheSerialLogWriterNeverPassesItsBoundAndKeepsTheNewestBytes(t *testing.
 }
 
 func TestAFloodThroughTheSerialPipeStaysBoundedAndFollowersGetTheNewestOutput(t *testing.T) {
-	b, err := New(Config{Dir: t.TempDir(), Log: hosttest.Logger(t), SerialLogMax: 64 << 10})
-	require.NoError(t, err)
 	const id = "vm-flood"
-	require.NoError(t, os.MkdirAll(b.VMDir(id), 0o700))
+	b := boundedBackend(t, t.TempDir(), 64<<10, id)
 	most := watchSerialFiles(t, b, id)
 	w := startCopy(t, b, id)
 	live := follow(t, b, id, SerialFrom{})
@@ -196,10 +204,8 @@ func TestAFloodThroughTheSerialPipeStaysBoundedAndFollowersGetTheNewestOutput(t 
 }
 
 func TestAFollowerThatKeepsUpLosesNothingAcrossCutBacks(t *testing.T) {
-	b, err := New(Config{Dir: t.TempDir(), Log: hosttest.Logger(t), SerialLogMax: 16 << 10})
-	require.NoError(t, err)
 	const id = "vm-steady"
-	require.NoError(t, os.MkdirAll(b.VMDir(id), 0o700))
+	b := boundedBackend(t, t.TempDir(), 16<<10, id)
 	w := startCopy(t, b, id)
 	live := follow(t, b, id, SerialFrom{})
 	_, keep := serialLogLimits(b.cfg.SerialLogMax)
@@ -218,22 +224,19 @@ func TestAFollowerThatKeepsUpLosesNothingAcrossCutBacks(t *testing.T) {
 
 func TestTheSerialLogCarriesOnInItsBootAfterAnAgentRestart(t *testing.T) {
 	dir := t.TempDir()
-	b1, err := New(Config{Dir: dir, Log: hosttest.Logger(t), SerialLogMax: 16 << 10})
-	require.NoError(t, err)
 	const id = "vm-restart"
-	require.NoError(t, os.MkdirAll(b1.VMDir(id), 0o700))
+	b1 := boundedBackend(t, dir, 16<<10, id)
 	pid := fakeQEMU(t, b1, id, b1.serialArgs(id)...)
 	w := startCopy(t, b1, id)
 
 	before := consoleLines(0, 40<<10)
-	_, err = w.Write(before)
+	_, err := w.Write(before)
 	require.NoError(t, err)
 	live := follow(t, b1, id, SerialFrom{})
 	require.Eventually(t, func() bool { return lastEnd(live) == int64(len(before)) }, 10*time.Second, 5*time.Millisecond)
 	boot := live.list()[0].Boot
 
-	b2, err := New(Config{Dir: dir, Log: hosttest.Logger(t), SerialLogMax: 16 << 10})
-	require.NoError(t, err)
+	b2 := boundedBackend(t, dir, 16<<10, id)
 	b2.adoptSerial(id, pid)
 	assert.Empty(t, b2.copies.by, "a pipe another agent still reads is left to it")
 
