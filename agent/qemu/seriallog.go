@@ -325,10 +325,7 @@ func (b *Backend) prepareSerial(id string) (*serialCopy, error) {
 // an earlier agent process started, when that QEMU logs to the pipe (one
 // an agent older than this one started writes serial.log itself).
 func (b *Backend) adoptSerial(id string, pid int) {
-	b.copies.mu.Lock()
-	_, running := b.copies.by[id]
-	b.copies.mu.Unlock()
-	if running {
+	if b.runningCopy(id) != nil {
 		return
 	}
 	cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
@@ -350,6 +347,13 @@ func (b *Backend) adoptSerial(id string, pid int) {
 		return
 	}
 	b.runSerial(id, &serialCopy{pipe: p, log: l, done: make(chan struct{})})
+}
+
+// runningCopy is the VM's running copy, or nil.
+func (b *Backend) runningCopy(id string) *serialCopy {
+	b.copies.mu.Lock()
+	defer b.copies.mu.Unlock()
+	return b.copies.by[id]
 }
 
 // runSerial starts c, the VM's copy.
@@ -393,9 +397,7 @@ func (b *Backend) runSerial(id string, c *serialCopy) {
 // ends when the QEMU, which has ended, no longer holds the pipe. Past
 // serialSettle the copy is stopped.
 func (b *Backend) settleSerial(id string) {
-	b.copies.mu.Lock()
-	c := b.copies.by[id]
-	b.copies.mu.Unlock()
+	c := b.runningCopy(id)
 	if c == nil {
 		return
 	}
@@ -411,9 +413,7 @@ func (b *Backend) settleSerial(id string) {
 // stopSerial ends the VM's copy now; a QEMU still running then writes to a
 // pipe nobody reads, and drops its output without waiting.
 func (b *Backend) stopSerial(id string) {
-	b.copies.mu.Lock()
-	c := b.copies.by[id]
-	b.copies.mu.Unlock()
+	c := b.runningCopy(id)
 	if c == nil {
 		return
 	}
