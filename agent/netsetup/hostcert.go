@@ -3,10 +3,8 @@ package netsetup
 import (
 	"crypto/hmac"
 	"io"
-	"net"
 	"net/http"
 	"net/netip"
-	"strconv"
 )
 
 // A guest's SSH host certificate is short-lived and renewed by the agent;
@@ -22,11 +20,10 @@ const hostCertPath = "/eitri/host-cert/"
 // HostCertURL is where the VM's guest fetches its current host certificate;
 // "" when the endpoint is not running or nothing serves certificates.
 func (n *Network) HostCertURL(vmID string) string {
-	if n.phoneSrv == nil || n.cfg.HostCerts == nil {
+	if n.cfg.HostCerts == nil {
 		return ""
 	}
-	host := net.JoinHostPort(n.pool.gateway.String(), strconv.Itoa(int(n.phonePort)))
-	return "http://" + host + hostCertPath + vmID + "/" + n.phoneHomeToken(vmID)
+	return n.guestURL(hostCertPath, vmID)
 }
 
 // handleHostCert answers a guest's request for its certificate. Anything
@@ -34,7 +31,7 @@ func (n *Network) HostCertURL(vmID string) string {
 func (n *Network) handleHostCert(w http.ResponseWriter, r *http.Request) {
 	vmID, token := r.PathValue("vm"), r.PathValue("token")
 	src, err := netip.ParseAddrPort(r.RemoteAddr)
-	if err != nil || n.cfg.HostCerts == nil || !hmac.Equal([]byte(token), []byte(n.phoneHomeToken(vmID))) || !n.leasedTo(vmID, src.Addr().Unmap()) {
+	if err != nil || n.cfg.HostCerts == nil || !hmac.Equal([]byte(token), []byte(n.phoneHomeToken(vmID))) || !n.leasedTo(vmID, src.Addr()) {
 		n.log.Debug("host certificate request refused", "vm", vmID, "from", r.RemoteAddr)
 		http.NotFound(w, r)
 		return
@@ -50,8 +47,6 @@ func (n *Network) handleHostCert(w http.ResponseWriter, r *http.Request) {
 
 // leasedTo says whether src is the VM's leased address.
 func (n *Network) leasedTo(vmID string, src netip.Addr) bool {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	l, ok := n.leases[vmID]
-	return ok && l.Addr == src
+	addr, _ := n.Leased(vmID)
+	return addr.IsValid() && addr == src.Unmap()
 }

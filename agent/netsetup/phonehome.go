@@ -76,11 +76,17 @@ func (n *Network) phoneHomeToken(vmID string) string {
 // PhoneHomeURL is where the VM's guest posts once it has booted; "" when
 // the endpoint is not running.
 func (n *Network) PhoneHomeURL(vmID string) string {
+	return n.guestURL(phoneHomePath, vmID)
+}
+
+// guestURL is the VM's own URL under path on the endpoint, carrying its
+// token; "" when the endpoint is not running.
+func (n *Network) guestURL(path, vmID string) string {
 	if n.phoneSrv == nil {
 		return ""
 	}
 	host := net.JoinHostPort(n.pool.gateway.String(), strconv.Itoa(int(n.phonePort)))
-	return "http://" + host + phoneHomePath + vmID + "/" + n.phoneHomeToken(vmID)
+	return "http://" + host + path + vmID + "/" + n.phoneHomeToken(vmID)
 }
 
 // PhonedHomeAt is when the VM's guest last phoned home, if it ever did.
