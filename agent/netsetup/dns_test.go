@@ -3,6 +3,7 @@ package netsetup
 import (
 	"bufio"
 	"context"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -96,6 +97,41 @@ func guestNS(t *testing.T, link string, addr netip.Addr) func(fn func()) {
 	}
 }
 
+// guestOnBridge sets up the network with cfg, leases vm-1 (owner alice)
+// and vm-2 (bob) and puts vm-1's guest on the bridge. It returns the
+// network and a function that runs fn as that guest (see guestNS).
+func guestOnBridge(t *testing.T, cfg Config) (*Network, func(fn func())) {
+	t.Helper()
+	n, err := Setup(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { n.Close() })
+	addr1, err := n.Allocate("vm-1", MAC("vm-1"), "alice")
+	require.NoError(t, err)
+	_, err = n.Allocate("vm-2", MAC("vm-2"), "bob")
+	require.NoError(t, err)
+	guestPort(t, DefaultBridge, TapName("vm-1"), "vm1", MAC("vm-1"))
+	return n, guestNS(t, "g-vm1", addr1)
+}
+
+// guestHTTP sends req from the guest to the endpoint on the gateway gw,
+// and returns the answer's status and body.
+func guestHTTP(t *testing.T, inGuest func(fn func()), gw netip.Addr, req *http.Request) (status int, body string) {
+	t.Helper()
+	inGuest(func() {
+		c, err := net.DialTimeout("tcp", netip.AddrPortFrom(gw, DefaultPhoneHomePort).String(), 2*time.Second)
+		require.NoError(t, err)
+		defer c.Close()
+		require.NoError(t, req.Write(c))
+		resp, err := http.ReadResponse(bufio.NewReader(c), req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		status, body = resp.StatusCode, string(b)
+	})
+	return status, body
+}
+
 // A guest on the bridge resolves through the forwarder on the gateway and
 // phones home there; nothing else gets an answer, and no guest can phone
 // home for another.
@@ -107,17 +143,8 @@ func TestGuestsResolveAndPhoneHomeOnTheBridge(t *testing.T) {
 		upstream := netnstest.ServeName(t, "probe.eitri.test", want)
 		leaseFile := filepath.Join(t.TempDir(), "leases.json")
 		cfg := Config{LeaseFile: leaseFile, DNSUpstreams: []netip.AddrPort{upstream}, Log: hosttest.Logger(t)}
-		n, err := Setup(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(func() { n.Close() })
+		n, inGuest := guestOnBridge(t, cfg)
 		gw := n.Gateway()
-
-		addr1, err := n.Allocate("vm-1", MAC("vm-1"), "alice")
-		require.NoError(t, err)
-		_, err = n.Allocate("vm-2", MAC("vm-2"), "bob")
-		require.NoError(t, err)
-		guestPort(t, DefaultBridge, TapName("vm-1"), "vm1", MAC("vm-1"))
-		inGuest := guestNS(t, "g-vm1", addr1)
 
 		server := netip.AddrPortFrom(gw, 53).String()
 		ask := func(netw string) (*dns.Msg, error) {
@@ -126,6 +153,7 @@ func TestGuestsResolveAndPhoneHomeOnTheBridge(t *testing.T) {
 			r, _, err := c.Exchange(q, server)
 			return r, err
 		}
+		var err error
 		for _, netw := range []string{"udp", "tcp"} {
 			var r *dns.Msg
 			inGuest(func() { r, err = ask(netw) })
@@ -141,19 +169,10 @@ func TestGuestsResolveAndPhoneHomeOnTheBridge(t *testing.T) {
 		_, ok := n.PhonedHomeAt("vm-1")
 		assert.False(t, ok)
 		post := func(url string) int {
-			var status int
-			inGuest(func() {
-				c, err := net.DialTimeout("tcp", netip.AddrPortFrom(gw, DefaultPhoneHomePort).String(), 2*time.Second)
-				require.NoError(t, err)
-				defer c.Close()
-				req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("instance_id=vm-1"))
-				require.NoError(t, err)
-				req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-				require.NoError(t, req.Write(c))
-				resp, err := http.ReadResponse(bufio.NewReader(c), req)
-				require.NoError(t, err)
-				status = resp.StatusCode
-			})
+			req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("instance_id=vm-1"))
+			require.NoError(t, err)
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			status, _ := guestHTTP(t, inGuest, gw, req)
 			return status
 		}
 		url1 := n.PhoneHomeURL("vm-1")
@@ -172,6 +191,7 @@ func TestGuestsResolveAndPhoneHomeOnTheBridge(t *testing.T) {
 		require.NoError(t, n.Close())
 		n, err = Setup(ctx, cfg)
 		require.NoError(t, err)
+		t.Cleanup(func() { n.Close() })
 		again, ok := n.PhonedHomeAt("vm-1")
 		require.True(t, ok)
 		assert.True(t, at.Equal(again))

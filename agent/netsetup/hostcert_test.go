@@ -1,17 +1,13 @@
 package netsetup
 
 import (
-	"bufio"
 	"context"
-	"io"
-	"net"
 	"net/http"
 	"net/netip"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -29,35 +25,11 @@ func TestAGuestFetchesItsOwnHostCertificateOnTheBridge(t *testing.T) {
 		certs := map[string]string{"vm-1": "ssh-ed25519-cert-v01@openssh.com AAAA-one", "vm-2": "ssh-ed25519-cert-v01@openssh.com AAAA-two"}
 		cfg := Config{LeaseFile: filepath.Join(t.TempDir(), "leases.json"), DNS: []netip.Addr{netip.MustParseAddr("192.0.2.53")},
 			Log: hosttest.Logger(t), HostCerts: func(vmID string) string { mu.Lock(); defer mu.Unlock(); return certs[vmID] }}
-		n, err := Setup(ctx, cfg)
-		require.NoError(t, err)
-		t.Cleanup(func() { n.Close() })
-		gw := n.Gateway()
-		addr1, err := n.Allocate("vm-1", MAC("vm-1"), "alice")
-		require.NoError(t, err)
-		_, err = n.Allocate("vm-2", MAC("vm-2"), "bob")
-		require.NoError(t, err)
-		guestPort(t, DefaultBridge, TapName("vm-1"), "vm1", MAC("vm-1"))
-		inGuest := guestNS(t, "g-vm1", addr1)
-
+		n, inGuest := guestOnBridge(t, cfg)
 		get := func(url string) (int, string) {
-			var status int
-			var body []byte
-			inGuest(func() {
-				c, err := net.DialTimeout("tcp", netip.AddrPortFrom(gw, DefaultPhoneHomePort).String(), 2*time.Second)
-				require.NoError(t, err)
-				defer c.Close()
-				req, err := http.NewRequest(http.MethodGet, url, nil)
-				require.NoError(t, err)
-				require.NoError(t, req.Write(c))
-				resp, err := http.ReadResponse(bufio.NewReader(c), req)
-				require.NoError(t, err)
-				defer resp.Body.Close()
-				status = resp.StatusCode
-				body, err = io.ReadAll(resp.Body)
-				require.NoError(t, err)
-			})
-			return status, string(body)
+			req, err := http.NewRequest(http.MethodGet, url, nil)
+			require.NoError(t, err)
+			return guestHTTP(t, inGuest, n.Gateway(), req)
 		}
 		url1 := n.HostCertURL("vm-1")
 		require.True(t, strings.HasPrefix(url1, "http://10.77.0.1:7480/eitri/host-cert/vm-1/"), url1)
@@ -80,8 +52,9 @@ func TestAGuestFetchesItsOwnHostCertificateOnTheBridge(t *testing.T) {
 
 		require.NoError(t, n.Close())
 		cfg.HostCerts = nil
-		n, err = Setup(ctx, cfg)
+		n, err := Setup(ctx, cfg)
 		require.NoError(t, err)
+		t.Cleanup(func() { n.Close() })
 		assert.Empty(t, n.HostCertURL("vm-1"), "nothing serves certificates: guests are given no URL")
 	})
 }
