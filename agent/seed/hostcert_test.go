@@ -1,8 +1,6 @@
 package seed_test
 
 import (
-	"bytes"
-	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -20,27 +18,6 @@ import (
 	"github.com/a73x/eitri/agent/seed"
 )
 
-// userData reads the seed's user-data for p with PyYAML, as cloud-init does.
-func userData(t *testing.T, p seed.Params) (ud map[string]any, files map[string]map[string]any) {
-	t.Helper()
-	py, err := exec.LookPath("python3")
-	if err != nil || exec.Command(py, "-c", "import yaml").Run() != nil {
-		t.Skip("python3 with PyYAML is needed to read the seed as cloud-init does")
-	}
-	cmd := exec.Command(py, "-c", "import sys, json, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)")
-	cmd.Stdin = strings.NewReader(seed.UserData(p))
-	var out, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &stderr
-	require.NoError(t, cmd.Run(), stderr.String())
-	require.NoError(t, json.Unmarshal(out.Bytes(), &ud))
-	files = map[string]map[string]any{}
-	for _, f := range ud["write_files"].([]any) {
-		m := f.(map[string]any)
-		files[m["path"].(string)] = m
-	}
-	return ud, files
-}
-
 func withHostCertURL(t *testing.T) seed.Params {
 	p := validParams(t)
 	p.HostCertURL = "http://10.77.0.1:7480/eitri/host-cert/vm-0f3c9a/0123abcd"
@@ -49,7 +26,7 @@ func withHostCertURL(t *testing.T) seed.Params {
 
 func TestTheSeedInstallsATimerThatRenewsTheHostCertificate(t *testing.T) {
 	p := withHostCertURL(t)
-	ud, files := userData(t, p)
+	ud, files := readUserData(t, seed.UserData(p))
 	script := files[seed.HostCertScript]
 	require.NotNil(t, script, "the renewal script")
 	assert.Equal(t, "0700", script["permissions"], "its URL carries the VM's token: root's alone")
@@ -88,7 +65,7 @@ func TestTheRenewalUnitAndTimerVerify(t *testing.T) {
 	if _, err := os.Stat("/usr/bin/python3"); err != nil {
 		t.Skip("systemd-analyze verify needs the unit's /usr/bin/python3")
 	}
-	_, files := userData(t, withHostCertURL(t))
+	_, files := readUserData(t, seed.UserData(withHostCertURL(t)))
 	dir := t.TempDir()
 	unit, timer := filepath.Join(dir, seed.HostCertUnit), filepath.Join(dir, seed.HostCertTimer)
 	require.NoError(t, os.WriteFile(unit, []byte(files[seed.HostCertUnitPath]["content"].(string)), 0o644))
@@ -126,7 +103,7 @@ func TestTheRenewalScriptInstallsOnlyACertificateForTheGuestsKey(t *testing.T) {
 	}))
 	defer srv.Close()
 	p.HostCertURL = srv.URL + "/eitri/host-cert/vm-0f3c9a/0123abcd"
-	_, files := userData(t, p)
+	_, files := readUserData(t, seed.UserData(p))
 
 	dir := t.TempDir()
 	certPath, keyPath, reloads := filepath.Join(dir, "cert.pub"), filepath.Join(dir, "host.pub"), filepath.Join(dir, "reloads")

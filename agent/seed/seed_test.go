@@ -375,11 +375,29 @@ func certify(t *testing.T, pub string, typ uint32) (cert, ca string) {
 	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(c))), strings.TrimSpace(string(ssh.MarshalAuthorizedKey(signer.PublicKey())))
 }
 
-func TestSeedTrustsTheUserCAAndPresentsTheHostCertificate(t *testing.T) {
+// readUserData reads a user-data document with PyYAML, as cloud-init
+// does: the document, and its write_files by path.
+func readUserData(t *testing.T, doc string) (ud map[string]any, files map[string]map[string]any) {
+	t.Helper()
 	py, err := exec.LookPath("python3")
 	if err != nil || exec.Command(py, "-c", "import yaml").Run() != nil {
 		t.Skip("python3 with PyYAML is needed to read the seed as cloud-init does")
 	}
+	cmd := exec.Command(py, "-c", "import sys, json, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)")
+	cmd.Stdin = strings.NewReader(doc)
+	var out, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &stderr
+	require.NoError(t, cmd.Run(), stderr.String())
+	require.NoError(t, json.Unmarshal(out.Bytes(), &ud))
+	files = map[string]map[string]any{}
+	for _, f := range ud["write_files"].([]any) {
+		m := f.(map[string]any)
+		files[m["path"].(string)] = m
+	}
+	return ud, files
+}
+
+func TestSeedTrustsTheUserCAAndPresentsTheHostCertificate(t *testing.T) {
 	p := validParams(t)
 	hostCert, _ := certify(t, p.HostPubKey, ssh.HostCert)
 	_, userCA := certify(t, p.HostPubKey, ssh.UserCert)
@@ -390,18 +408,7 @@ func TestSeedTrustsTheUserCAAndPresentsTheHostCertificate(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "seed.iso")
 	require.NoError(t, seed.Write(out, p))
 	_, isoFiles := seedtest.Read(t, out)
-
-	cmd := exec.Command(py, "-c", "import sys, json, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)")
-	cmd.Stdin = strings.NewReader(isoFiles["user-data"])
-	raw, err := cmd.Output()
-	require.NoError(t, err)
-	var ud map[string]any
-	require.NoError(t, json.Unmarshal(raw, &ud))
-	files := map[string]map[string]any{}
-	for _, f := range ud["write_files"].([]any) {
-		m := f.(map[string]any)
-		files[m["path"].(string)] = m
-	}
+	ud, files := readUserData(t, isoFiles["user-data"])
 	require.Contains(t, files, seed.PhoneHomeScript, "the phone-home script is still written")
 	require.Contains(t, files, seed.PhoneHomeUnitPath, "and its unit")
 	require.Contains(t, files, seed.UserCAKeysPath)
