@@ -5,7 +5,6 @@ import (
 	"context"
 	"io"
 	"maps"
-	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -31,21 +30,6 @@ import (
 	"github.com/a73x/eitri/wire/connclient"
 )
 
-// startPostgresControlPlane serves a TLS control plane on PostgreSQL db at
-// addr, with dir as its data dir.
-func startPostgresControlPlane(t *testing.T, dir, addr, db string) *controlPlane {
-	t.Helper()
-	ln, err := net.Listen("tcp", addr)
-	require.NoError(t, err)
-	srv, err := server.New(context.Background(), server.Config{DataDir: dir, DB: db, PublicURL: "https://" + ln.Addr().String()})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	cp := &controlPlane{t: t, dir: dir, addr: ln.Addr().String(), srv: srv, cancel: cancel, done: make(chan struct{})}
-	go func() { _ = srv.Serve(ctx, ln); close(cp.done) }()
-	t.Cleanup(cp.stop)
-	return cp
-}
-
 // migrateDB runs eitri server migrate-db as typed, and returns what it
 // printed on stdout and stderr.
 func migrateDB(args ...string) (string, error) {
@@ -53,14 +37,6 @@ func migrateDB(args ...string) (string, error) {
 	err := execute(context.Background(), append([]string{"server", "migrate-db"}, args...),
 		stdio{in: strings.NewReader(""), out: &out, err: &out})
 	return out.String(), err
-}
-
-// tokenIn is the admin token the first start wrote to dir.
-func tokenIn(t *testing.T, dir string) string {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join(dir, "admin.token"))
-	require.NoError(t, err)
-	return strings.TrimSpace(string(b))
 }
 
 // A fleet on SQLite moves to PostgreSQL: the control plane comes back on
@@ -147,7 +123,7 @@ func TestMigrateDBMovesASQLiteFleetToPostgreSQLAndTheAgentFollows(t *testing.T) 
 	assert.NotContains(t, out+err.Error(), "s3cret")
 
 	// Back on the same address, on PostgreSQL, with a fresh data dir.
-	cp2 := startPostgresControlPlane(t, t.TempDir(), addr, db)
+	cp2 := startControlPlaneWith(t, addr, server.Config{DataDir: t.TempDir(), DB: db})
 	assert.Equal(t, fingerprint, cp2.srv.Fingerprint, "the certificate the agent pinned")
 	assert.Empty(t, cp2.srv.AdminToken, "no second first admin")
 	p, err := cp2.srv.Fleet.Resolve(context.Background(), tokenIn(t, dir))
@@ -298,7 +274,7 @@ func TestMigrateDBMovesAFleetWithARunningGuestWithoutStoppingIt(t *testing.T) {
 	cp.stop()
 	out, err := migrateDB("--from", controlDir, "--to", db)
 	require.NoError(t, err, out)
-	cp2 := startPostgresControlPlane(t, t.TempDir(), addr, db)
+	cp2 := startControlPlaneWith(t, addr, server.Config{DataDir: t.TempDir(), DB: db})
 
 	// Through the API, as a client would: pinned certificate, old token.
 	hc := connclient.HTTPClient(fp)

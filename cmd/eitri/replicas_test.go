@@ -30,11 +30,10 @@ import (
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
 // replica is one eitri server process's worth of control plane on a shared
-// PostgreSQL, served over h2c on loopback.
+// PostgreSQL, served over h2c on loopback at url.
 type replica struct {
-	srv  *server.Server
-	url  string
-	stop func()
+	*controlPlane
+	url string
 }
 
 func startReplica(t *testing.T, db string) *replica {
@@ -56,24 +55,9 @@ func startReplicas(t *testing.T, db string, n int) []*replica {
 	}
 	var out []*replica
 	for i, ln := range lns {
-		srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), DB: db, Plaintext: true,
+		cp := serveControlPlane(t, ln, server.Config{DataDir: t.TempDir(), DB: db, Plaintext: true,
 			PublicURL: strings.Join(urls, ","), AdvertiseURL: urls[i]})
-		require.NoError(t, err)
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { _ = srv.Serve(ctx, ln); close(done) }()
-		r := &replica{srv: srv, url: urls[i]}
-		stopped := false
-		r.stop = func() {
-			if !stopped {
-				stopped = true
-				cancel()
-				<-done
-				srv.Close()
-			}
-		}
-		t.Cleanup(r.stop)
-		out = append(out, r)
+		out = append(out, &replica{controlPlane: cp, url: urls[i]})
 	}
 	return out
 }

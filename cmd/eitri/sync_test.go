@@ -70,12 +70,29 @@ type controlPlane struct {
 
 func startControlPlane(t *testing.T, dir, addr string) *controlPlane {
 	t.Helper()
+	return startControlPlaneWith(t, addr, server.Config{DataDir: dir})
+}
+
+// startControlPlaneWith listens on addr and serves a control plane made
+// with cfg there; its public URL is https://addr unless cfg names one.
+func startControlPlaneWith(t *testing.T, addr string, cfg server.Config) *controlPlane {
+	t.Helper()
 	ln, err := net.Listen("tcp", addr)
 	require.NoError(t, err)
-	srv, err := server.New(context.Background(), server.Config{DataDir: dir, PublicURL: "https://" + ln.Addr().String()})
+	if cfg.PublicURL == "" {
+		cfg.PublicURL = "https://" + ln.Addr().String()
+	}
+	return serveControlPlane(t, ln, cfg)
+}
+
+// serveControlPlane makes a control plane with cfg and serves it on ln
+// until stop or the end of the test.
+func serveControlPlane(t *testing.T, ln net.Listener, cfg server.Config) *controlPlane {
+	t.Helper()
+	srv, err := server.New(context.Background(), cfg)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
-	cp := &controlPlane{t: t, dir: dir, addr: ln.Addr().String(), srv: srv, cancel: cancel, done: make(chan struct{})}
+	cp := &controlPlane{t: t, dir: cfg.DataDir, addr: ln.Addr().String(), srv: srv, cancel: cancel, done: make(chan struct{})}
 	go func() { _ = srv.Serve(ctx, ln); close(cp.done) }()
 	t.Cleanup(cp.stop)
 	return cp
@@ -91,11 +108,17 @@ func (cp *controlPlane) stop() {
 // first start wrote to the data directory.
 func (cp *controlPlane) admin() context.Context {
 	cp.t.Helper()
-	b, err := os.ReadFile(filepath.Join(cp.dir, "admin.token"))
-	require.NoError(cp.t, err)
-	p, err := cp.srv.Fleet.Resolve(context.Background(), strings.TrimSpace(string(b)))
+	p, err := cp.srv.Fleet.Resolve(context.Background(), tokenIn(cp.t, cp.dir))
 	require.NoError(cp.t, err)
 	return auth.WithPrincipal(context.Background(), p)
+}
+
+// tokenIn is the admin token the first start wrote to dir.
+func tokenIn(t *testing.T, dir string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "admin.token"))
+	require.NoError(t, err)
+	return strings.TrimSpace(string(b))
 }
 
 func TestTheAgentStreamHealsAcrossAControlPlaneRestart(t *testing.T) {
