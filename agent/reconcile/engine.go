@@ -187,8 +187,8 @@ type Engine struct {
 	admitMu  sync.Mutex
 	admitted map[string]bool
 
-	// certRetries holds back host certificate renewals that failed.
-	certRetries hostCertRetries
+	// certChecks says when each VM's host certificate is next due.
+	certChecks hostCertChecks
 
 	// mu guards the fields below. Lock order: Engine.mu before worker.mu,
 	// never the other way.
@@ -436,6 +436,7 @@ func (e *Engine) retire(w *worker, seenSeq uint64, destroyed bool) bool {
 	}
 	if e.workers[w.id] == w {
 		delete(e.workers, w.id)
+		e.certChecks.forget(w.id)
 	}
 	if destroyed {
 		if _, ok := e.destroyed[w.id]; !ok {

@@ -27,53 +27,74 @@ const (
 	hostCertRetry = time.Hour
 )
 
-// hostCertDue says whether the certificate line should be replaced now:
-// none, unreadable, or a third of its life (at most hostCertRenewAge)
-// gone.
-func hostCertDue(line string, now time.Time) bool {
+// hostCertRenewAt is when the certificate line should be replaced: at
+// once for none or an unreadable one, else once a third of its life (at
+// most hostCertRenewAge) is gone.
+func hostCertRenewAt(line string) time.Time {
 	if line == "" {
-		return true
+		return time.Time{}
 	}
 	k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(line))
 	if err != nil {
-		return true
+		return time.Time{}
 	}
 	cert, ok := k.(*ssh.Certificate)
 	if !ok {
-		return true
+		return time.Time{}
 	}
 	after := time.Unix(int64(min(cert.ValidAfter, math.MaxInt64)), 0)
 	life := time.Duration(math.MaxInt64) // "forever" (CertTimeInfinity)
 	if cert.ValidBefore < math.MaxInt64 {
 		life = time.Unix(int64(cert.ValidBefore), 0).Sub(after)
 	}
-	return !now.Before(after.Add(min(hostCertRenewAge, life/3)))
+	return after.Add(min(hostCertRenewAge, life/3))
 }
 
-// hostCertRetries remembers when each VM whose renewal failed may try
-// again. Memory only: an agent that restarts tries once at once.
-type hostCertRetries struct {
+// hostCertChecks remembers, per VM, the certificate line it last read and
+// when to look at it again: when it falls due, or hostCertRetry after a
+// renewal failed. A running VM's pass then reads a time, not the
+// certificate. Memory only: an agent that restarts reads each line again
+// (and retries a failed renewal at once).
+type hostCertChecks struct {
 	mu sync.Mutex
-	at map[string]time.Time
+	by map[string]hostCertCheck
 }
 
-func (r *hostCertRetries) wait(id string, now time.Time) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return now.Before(r.at[id])
+type hostCertCheck struct {
+	line string
+	at   time.Time
 }
 
-func (r *hostCertRetries) set(id string, at time.Time) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if at.IsZero() {
-		delete(r.at, id)
-		return
+// due says whether the VM's certificate line should be renewed now.
+func (c *hostCertChecks) due(id, line string, now time.Time) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ch, ok := c.by[id]
+	if !ok || ch.line != line {
+		ch = hostCertCheck{line: line, at: hostCertRenewAt(line)}
+		if c.by == nil {
+			c.by = map[string]hostCertCheck{}
+		}
+		c.by[id] = ch
 	}
-	if r.at == nil {
-		r.at = map[string]time.Time{}
+	return !now.Before(ch.at)
+}
+
+// retryAt holds the VM's renewal back until at.
+func (c *hostCertChecks) retryAt(id, line string, at time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.by == nil {
+		c.by = map[string]hostCertCheck{}
 	}
-	r.at[id] = at
+	c.by[id] = hostCertCheck{line: line, at: at}
+}
+
+// forget drops a VM that is gone from this host.
+func (c *hostCertChecks) forget(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.by, id)
 }
 
 // renewHostCert has the guest's host key certified again when its
@@ -86,16 +107,15 @@ func (e *Engine) renewHostCert(ctx context.Context, id string, rec state.Record)
 		return rec
 	}
 	now := e.cfg.Now()
-	if !hostCertDue(rec.HostCert, now) || e.certRetries.wait(id, now) {
+	if !e.certChecks.due(id, rec.HostCert, now) {
 		return rec
 	}
 	cert, err := e.certifyHostKey(ctx, id, rec.HostPubKey)
 	if err != nil {
 		e.log.Warn("SSH host certificate not renewed; will try again", "vm", id, "err", err, "in", hostCertRetry)
-		e.certRetries.set(id, now.Add(hostCertRetry))
+		e.certChecks.retryAt(id, rec.HostCert, now.Add(hostCertRetry))
 		return rec
 	}
-	e.certRetries.set(id, time.Time{})
 	rec.HostCert = cert
 	e.save(id, rec)
 	e.log.Info("SSH host certificate renewed", "vm", id)
