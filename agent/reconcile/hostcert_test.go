@@ -118,23 +118,6 @@ func TestAGuestWhoseKeyCannotBeCertifiedStillBoots(t *testing.T) {
 	}
 }
 
-// passes waits until the VM's worker has started n more passes than when
-// it was called, so a test knows the engine had its chances to act.
-func (f *fixture) passes(id string, n uint64) {
-	f.t.Helper()
-	count := func() uint64 {
-		f.eng.mu.Lock()
-		w := f.eng.workers[id]
-		f.eng.mu.Unlock()
-		w.mu.Lock()
-		defer w.mu.Unlock()
-		return w.passes
-	}
-	start := count()
-	require.Eventually(f.t, func() bool { return count() >= start+n }, 5*time.Second, time.Millisecond)
-	f.waitIdle()
-}
-
 func (c *testHostCA) count() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -159,7 +142,7 @@ func TestARunningGuestsHostCertificateIsRenewedTenDaysIn(t *testing.T) {
 	require.Equal(t, 1, ca.count())
 
 	f.clock.Advance(9 * 24 * time.Hour)
-	f.passes("vm1", 3)
+	f.waitPasses("vm1", 3)
 	assert.Equal(t, 1, ca.count(), "a certificate with two thirds of its life left is kept")
 	assert.Equal(t, first, f.record("vm1").HostCert)
 
@@ -170,7 +153,7 @@ func TestARunningGuestsHostCertificateIsRenewedTenDaysIn(t *testing.T) {
 	after, before := validity(t, renewed)
 	assert.Equal(t, f.clock.Now().Add(-time.Minute), after, "signed now")
 	assert.Equal(t, f.clock.Now().Add(30*24*time.Hour), before)
-	f.passes("vm1", 3)
+	f.waitPasses("vm1", 3)
 	assert.Equal(t, 2, ca.count(), "once")
 	assert.Equal(t, renewed, f.record("vm1").HostCert)
 }
@@ -195,14 +178,14 @@ func TestAFailedRenewalIsTriedAgainAnHourLaterAndAnUncertifiedGuestGetsOne(t *te
 	tries := func() int { mu.Lock(); defer mu.Unlock(); return calls }
 	f.apply(snap(1, vm("vm1")))
 	require.Empty(t, f.record("vm1").HostCert, "created while the control plane was down")
-	f.passes("vm1", 3)
+	f.waitPasses("vm1", 3)
 	require.Equal(t, 2, tries(), "the create asked, and the first pass after it")
 
 	mu.Lock()
 	down = false
 	mu.Unlock()
 	f.clock.Advance(59 * time.Minute)
-	f.passes("vm1", 3)
+	f.waitPasses("vm1", 3)
 	assert.Equal(t, 2, tries(), "not within the hour")
 	f.clock.Advance(time.Minute)
 	require.Eventually(t, func() bool { return f.record("vm1").HostCert != "" }, 5*time.Second, time.Millisecond,
@@ -217,7 +200,7 @@ func TestAStoppedGuestsCertificateIsNotRenewedUntilItIsWantedRunning(t *testing.
 	f.apply(snap(1, stopped(vm("vm1"))))
 	require.Equal(t, 1, ca.count())
 	f.clock.Advance(20 * 24 * time.Hour)
-	f.passes("vm1", 3)
+	f.waitPasses("vm1", 3)
 	assert.Equal(t, 1, ca.count(), "nobody can reach a stopped guest")
 
 	first := f.record("vm1").HostCert
