@@ -67,20 +67,14 @@ func TestMigrateDBMovesASQLiteFleetToPostgreSQLAndTheAgentFollows(t *testing.T) 
 	})
 	require.NoError(t, err)
 	defer eng.Close()
+	agent := quickAgent(id, measured{eng}, "agent-1")
+	agent.Hello = func() *eitriv1.Hello {
+		cpID, epoch, gen := eng.Lineage()
+		return &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-1", ControlPlaneId: cpID, AppliedEpoch: epoch, AppliedGeneration: gen}
+	}
 	agentCtx, stopAgent := context.WithCancel(context.Background())
-	agentDone := make(chan struct{})
+	agentDone := startAgentStream(agentCtx, agent)
 	defer func() { stopAgent(); <-agentDone }()
-	go func() {
-		defer close(agentDone)
-		_ = syncclient.Run(agentCtx, syncclient.Config{
-			Identity: id, Source: measured{eng}, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
-			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-			Hello: func() *eitriv1.Hello {
-				cpID, epoch, gen := eng.Lineage()
-				return &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-1", ControlPlaneId: cpID, AppliedEpoch: epoch, AppliedGeneration: gen}
-			},
-		})
-	}()
 	require.Eventually(t, func() bool {
 		h, err := cp.srv.Fleet.GetHost(admin, id.HostID)
 		return err == nil && h.Connected && h.Capacity != nil

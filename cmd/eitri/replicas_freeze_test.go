@@ -105,7 +105,7 @@ func TestAFrozenReplicaComesBackWithoutActingForHostsItLost(t *testing.T) {
 	src := &source{}
 	agentCtx, stopAgent := context.WithCancel(ctx)
 	defer stopAgent()
-	startAgentStream(agentCtx, id, src, "agent-1")
+	startAgentStream(agentCtx, quickAgent(id, src, "agent-1"))
 	connectedOn := func(c eitriv1connect.HostServiceClient) bool {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()

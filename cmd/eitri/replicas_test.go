@@ -92,7 +92,7 @@ func TestReplicasOnOnePostgreSQLAreOneFleet(t *testing.T) {
 	src := &source{}
 	agentCtx, stopAgent := context.WithCancel(context.Background())
 	defer stopAgent()
-	startAgentStream(agentCtx, id, src, "agent-1")
+	startAgentStream(agentCtx, quickAgent(id, src, "agent-1"))
 
 	connectedOn := func(r *replica, ctx context.Context) func() bool {
 		return func() bool {
@@ -158,7 +158,7 @@ func TestReplicasOnOnePostgreSQLAreOneFleet(t *testing.T) {
 	impCtx, stopImp := context.WithCancel(context.Background())
 	solo := id
 	solo.ServerURLs = []string{a.url}
-	startAgentStream(impCtx, solo, imposter, "agent-2")
+	startAgentStream(impCtx, quickAgent(solo, imposter, "agent-2"))
 	require.Eventually(t, func() bool {
 		h, err := a.srv.Fleet.GetHost(onA, id.HostID)
 		return err == nil && len(h.Conditions) > 0 && h.Conditions[0].Type == "duplicate_agent"
@@ -195,7 +195,7 @@ func TestTwoReplicasAskedForTheLastVMAQuotaAllowsAdmitExactlyOne(t *testing.T) {
 	require.NoError(t, err)
 	agentCtx, stopAgent := context.WithCancel(context.Background())
 	defer stopAgent()
-	startAgentStream(agentCtx, id, &source{}, "agent-1")
+	startAgentStream(agentCtx, quickAgent(id, &source{}, "agent-1"))
 	for _, r := range []*replica{a, b} {
 		ctx := r.as(t, a.srv.AdminToken)
 		require.Eventually(t, func() bool {
@@ -326,10 +326,9 @@ func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	hc := id.HTTPClient()
-	go func() {
-		_ = syncclient.Run(ctx, syncclient.Config{Identity: id, Source: &source{}, ReportEvery: 10 * time.Millisecond, Client: hc,
-			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", InstanceId: "agent-1"} }})
-	}()
+	agent := quickAgent(id, &source{}, "agent-1") // a copy of id: b only
+	agent.Client = hc
+	startAgentStream(ctx, agent)
 	id.ServerURLs = []string{b.url, a.url} // it may answer at either
 	go func() {
 		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: "agent-1", Serial: qb, Guests: guest.addr})

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -135,13 +134,7 @@ func TestTheAgentStreamHealsAcrossAControlPlaneRestart(t *testing.T) {
 	src := &source{}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	go func() {
-		_ = syncclient.Run(ctx, syncclient.Config{
-			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
-			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg"} },
-		})
-	}()
+	startAgentStream(ctx, quickAgent(id, src, ""))
 	require.Eventually(t, func() bool { return src.last() != nil }, 10*time.Second, 10*time.Millisecond, "a connect earns a snapshot")
 	require.Eventually(t, func() bool {
 		h, err := cp.srv.Fleet.GetHost(cp.admin(), id.HostID)
@@ -200,21 +193,16 @@ func TestEnrollRefusesACertificateThatDoesNotMatchThePin(t *testing.T) {
 	assert.Equal(t, connect.CodeUnauthenticated, connect.CodeOf(err), "and only once")
 }
 
+// runAgentStream runs a quick agent (the process instance) for id until
+// the test ends, logging into logs, and returns what it was sent.
 func runAgentStream(t *testing.T, id syncclient.Identity, instance string, logs *hosttest.LogBuffer) *source {
 	t.Helper()
 	src := &source{}
+	cfg := quickAgent(id, src, instance)
+	cfg.Log = logs.Logger()
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
+	done := startAgentStream(ctx, cfg)
 	t.Cleanup(func() { cancel(); <-done })
-	go func() {
-		defer close(done)
-		_ = syncclient.Run(ctx, syncclient.Config{
-			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
-			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-			Log:   slog.New(slog.NewTextHandler(logs, nil)),
-			Hello: func() *eitriv1.Hello { return &eitriv1.Hello{AgentVersion: "test", InstanceId: instance} },
-		})
-	}()
 	return src
 }
 
@@ -299,7 +287,7 @@ func TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem(t *testing.T) {
 	src := &source{}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	startAgentStream(ctx, id, src, "")
+	startAgentStream(ctx, quickAgent(id, src, ""))
 	connected := func() bool {
 		h, err := srv.Fleet.GetHost(cp.admin(), id.HostID)
 		return err == nil && h.Connected
@@ -318,19 +306,28 @@ func TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem(t *testing.T) {
 		"the agent is back through B")
 }
 
-// startAgentStream runs a quick agent's Sync stream for id with src until ctx
-// ends: the agent process named instance ("" as older agents), reporting
-// every 20 ms.
-func startAgentStream(ctx context.Context, id syncclient.Identity, src syncclient.Source, instance string) {
+// quickAgent is a quick test agent's Sync stream for id with src: the
+// agent process named instance ("" as older agents), reporting every 20 ms
+// and back within 200 ms of a lost stream.
+func quickAgent(id syncclient.Identity, src syncclient.Source, instance string) syncclient.Config {
+	return syncclient.Config{
+		Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
+		MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+		Hello: func() *eitriv1.Hello {
+			return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg", InstanceId: instance}
+		},
+	}
+}
+
+// startAgentStream runs cfg's Sync stream until ctx ends; done is closed
+// once it has.
+func startAgentStream(ctx context.Context, cfg syncclient.Config) (done <-chan struct{}) {
+	c := make(chan struct{})
 	go func() {
-		_ = syncclient.Run(ctx, syncclient.Config{
-			Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
-			MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-			Hello: func() *eitriv1.Hello {
-				return &eitriv1.Hello{AgentVersion: "test", Accelerator: "tcg", InstanceId: instance}
-			},
-		})
+		defer close(c)
+		_ = syncclient.Run(ctx, cfg)
 	}()
+	return c
 }
 
 // serveOn serves srv on ln until stop: one more address of the same
