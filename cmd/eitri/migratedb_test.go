@@ -20,7 +20,6 @@ import (
 
 	"github.com/a73x/eitri/agent/reconcile"
 	"github.com/a73x/eitri/agent/state"
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
@@ -50,10 +49,7 @@ func TestMigrateDBMovesASQLiteFleetToPostgreSQLAndTheAgentFollows(t *testing.T) 
 	dir := t.TempDir()
 	cp := startControlPlane(t, dir, "127.0.0.1:0")
 	admin := cp.admin()
-	jt, err := cp.srv.Fleet.CreateJoinToken(admin, time.Minute)
-	require.NoError(t, err)
-	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
-	require.NoError(t, err)
+	id := cp.enroll(admin)
 
 	st, err := state.Open(t.TempDir())
 	require.NoError(t, err)

@@ -16,7 +16,6 @@ import (
 
 	"github.com/a73x/eitri/agent/consolerelay"
 	"github.com/a73x/eitri/agent/qemu"
-	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
@@ -84,10 +83,7 @@ func TestReplicasOnOnePostgreSQLAreOneFleet(t *testing.T) {
 	onA, onB := a.as(t, token), b.as(t, token)
 
 	// The agent enrolls through b, knowing both.
-	jt, err := b.srv.Fleet.CreateJoinToken(onB, time.Minute)
-	require.NoError(t, err)
-	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
-	require.NoError(t, err)
+	id := b.enroll(onB)
 	id.ServerURLs = []string{b.url, a.url}
 	src := &source{}
 	agentCtx, stopAgent := context.WithCancel(context.Background())
@@ -189,10 +185,7 @@ func TestTwoReplicasAskedForTheLastVMAQuotaAllowsAdmitExactlyOne(t *testing.T) {
 	a := startReplica(t, db)
 	b := startReplica(t, db)
 	onA, onB := a.as(t, a.srv.AdminToken), b.as(t, a.srv.AdminToken)
-	jt, err := a.srv.Fleet.CreateJoinToken(onA, time.Minute)
-	require.NoError(t, err)
-	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
-	require.NoError(t, err)
+	id := a.enroll(onA)
 	agentCtx, stopAgent := context.WithCancel(context.Background())
 	defer stopAgent()
 	startAgentStream(agentCtx, quickAgent(id, &source{}, "agent-1"))
@@ -204,7 +197,7 @@ func TestTwoReplicasAskedForTheLastVMAQuotaAllowsAdmitExactlyOne(t *testing.T) {
 		}, 10*time.Second, 10*time.Millisecond, "both replicas can place on the host")
 	}
 	one := int64(1)
-	_, err = a.srv.Fleet.SetQuota(onA, &eitriv1.SetQuotaRequest{Limits: &eitriv1.QuotaLimits{Vms: &one}})
+	_, err := a.srv.Fleet.SetQuota(onA, &eitriv1.SetQuotaRequest{Limits: &eitriv1.QuotaLimits{Vms: &one}})
 	require.NoError(t, err)
 
 	for round := range 50 {
@@ -315,10 +308,7 @@ func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
 	rs := startReplicas(t, db, 2)
 	a, b := rs[0], rs[1]
 	onB := b.as(t, a.srv.AdminToken)
-	jt, err := b.srv.Fleet.CreateJoinToken(onB, time.Minute)
-	require.NoError(t, err)
-	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
-	require.NoError(t, err)
+	id := b.enroll(onB)
 	id.ServerURLs = []string{b.url} // the agent's streams are on b
 	qb, err := qemu.New(qemu.Config{Dir: t.TempDir()})
 	require.NoError(t, err)
@@ -383,10 +373,7 @@ func TestAReplicaThatLostAHostSendsItNothingMore(t *testing.T) {
 	rs := startReplicas(t, db, 2)
 	a, b := rs[0], rs[1]
 	onA := a.as(t, a.srv.AdminToken)
-	jt, err := a.srv.Fleet.CreateJoinToken(onA, time.Minute)
-	require.NoError(t, err)
-	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
-	require.NoError(t, err)
+	id := a.enroll(onA)
 	hello := func() *eitriv1.Hello {
 		return &eitriv1.Hello{HostId: id.HostID, AgentVersion: "test", InstanceId: "agent-1"}
 	}

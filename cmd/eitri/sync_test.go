@@ -112,6 +112,17 @@ func (cp *controlPlane) admin() context.Context {
 	return auth.WithPrincipal(context.Background(), p)
 }
 
+// enroll enrolls a host named h1 with a join token made through cp by the
+// caller of ctx.
+func (cp *controlPlane) enroll(ctx context.Context) syncclient.Identity {
+	cp.t.Helper()
+	jt, err := cp.srv.Fleet.CreateJoinToken(ctx, time.Minute)
+	require.NoError(cp.t, err)
+	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
+	require.NoError(cp.t, err)
+	return id
+}
+
 // tokenIn is the admin token the first start wrote to dir.
 func tokenIn(t *testing.T, dir string) string {
 	t.Helper()
@@ -123,12 +134,8 @@ func tokenIn(t *testing.T, dir string) string {
 func TestTheAgentStreamHealsAcrossAControlPlaneRestart(t *testing.T) {
 	dir := t.TempDir()
 	cp := startControlPlane(t, dir, "127.0.0.1:0")
-	jt, err := cp.srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
-	require.NoError(t, err)
-
+	id := cp.enroll(cp.admin())
 	// Enrolling pins the certificate carried in the token.
-	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
-	require.NoError(t, err)
 	assert.Equal(t, cp.srv.Fingerprint, id.Fingerprint)
 
 	src := &source{}
@@ -208,10 +215,7 @@ func runAgentStream(t *testing.T, id syncclient.Identity, instance string, logs 
 
 func TestAnAgentSaysWhyItWillNotTalkToAnImposter(t *testing.T) {
 	cp := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
-	jt, err := cp.srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
-	require.NoError(t, err)
-	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
-	require.NoError(t, err)
+	id := cp.enroll(cp.admin())
 
 	// Another control plane (another certificate) where the real one was.
 	addr := cp.addr
@@ -228,10 +232,7 @@ func TestAnAgentSaysWhyItWillNotTalkToAnImposter(t *testing.T) {
 
 func TestASecondAgentWithOneIdentityIsRefusedAndBacksOff(t *testing.T) {
 	cp := startControlPlane(t, t.TempDir(), "127.0.0.1:0")
-	jt, err := cp.srv.Fleet.CreateJoinToken(cp.admin(), time.Minute)
-	require.NoError(t, err)
-	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
-	require.NoError(t, err)
+	id := cp.enroll(cp.admin())
 
 	var firstLogs, cloneLogs hosttest.LogBuffer
 	first := runAgentStream(t, id, "first", &firstLogs)
