@@ -437,6 +437,33 @@ func (f *fleetRun) hostNamed(name string) *eitriv1.Host {
 	return nil
 }
 
+// waitEnrolled waits until agent, the agent of host-h, has enrolled,
+// connected and reported its capacity, and returns the host as the
+// control plane's watch stream shows it.
+func (f *fleetRun) waitEnrolled(t *testing.T, h string, agent *proc) *eitriv1.Host {
+	t.Helper()
+	var x *eitriv1.Host
+	waitUntil(t, 2*time.Minute, "host-"+h+" enrolls, connects and reports its capacity", func() (bool, string) {
+		if agent.exited() {
+			t.Fatalf("agent-%s exited: %v", h, agent.err)
+		}
+		if x = f.hostNamed("host-" + h); x == nil {
+			return false, "not enrolled"
+		}
+		return x.Connected && x.Capacity != nil, fmt.Sprintf("connected=%v capacity=%v", x.Connected, x.Capacity)
+	})
+	return x
+}
+
+// mustRun runs the step name of a run whose later steps build on it, and
+// stops t there if it fails.
+func mustRun(t *testing.T, name string, fn func(t *testing.T)) {
+	t.Helper()
+	if !t.Run(name, fn) {
+		t.FailNow()
+	}
+}
+
 // waitConnected waits until the host is connected (true) or not (false),
 // as the control plane's watch stream says.
 func (f *fleetRun) waitConnected(t *testing.T, id string, want bool, within time.Duration, why string) {
@@ -577,13 +604,7 @@ func runFleet(t *testing.T, base string) {
 	hostIDs := map[string]string{}
 	var usedToken string
 
-	step := func(name string, fn func(t *testing.T)) {
-		if !t.Run(name, fn) {
-			t.FailNow() // later steps build on this one
-		}
-	}
-
-	step("each host enrolls with a join token of its own", func(t *testing.T) {
+	mustRun(t, "each host enrolls with a join token of its own", func(t *testing.T) {
 		for _, h := range []string{"a", "b"} {
 			tok := f.joinToken(t)
 			if h == "a" {
@@ -592,17 +613,7 @@ func runFleet(t *testing.T, base string) {
 			agents[h] = f.start(t, "agent-"+h, agentNS(base, h), f.agentArgs(h, dirs[h], "--join", tok)...)
 		}
 		for _, h := range []string{"a", "b"} {
-			waitUntil(t, 2*time.Minute, "host-"+h+" enrolls, connects and reports its capacity", func() (bool, string) {
-				if agents[h].exited() {
-					t.Fatalf("agent-%s exited: %v", h, agents[h].err)
-				}
-				x := f.hostNamed("host-" + h)
-				if x == nil {
-					return false, "not enrolled"
-				}
-				hostIDs[h] = x.Id
-				return x.Connected && x.Capacity != nil, fmt.Sprintf("connected=%v capacity=%v", x.Connected, x.Capacity)
-			})
+			hostIDs[h] = f.waitEnrolled(t, h, agents[h]).Id
 		}
 		assert.NotEqual(t, hostIDs["a"], hostIDs["b"])
 		assert.Equal(t, hostIP("a"), f.hostNamed("host-a").Address, "the host reports the address given with --address")
@@ -642,7 +653,7 @@ func runFleet(t *testing.T, base string) {
 	})
 
 	vmIDs := map[string]string{}
-	step("a VM placed on each host reaches ready", func(t *testing.T) {
+	mustRun(t, "a VM placed on each host reaches ready", func(t *testing.T) {
 		for _, h := range []string{"a", "b"} {
 			r, err := vmc.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{
 				Name: "guest-" + h, HostId: hostIDs[h], ImageUrl: f.imageURL, ImageSha256: f.imageSum, Vcpus: 1, MemMb: 256, DiskGb: 1,
@@ -659,7 +670,7 @@ func runFleet(t *testing.T, base string) {
 	})
 
 	var exposed string
-	step("a port published on the LAN answers from the control plane's namespace", func(t *testing.T) {
+	mustRun(t, "a port published on the LAN answers from the control plane's namespace", func(t *testing.T) {
 		r, err := exps.CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{VmId: vmIDs["a"], GuestPort: 80, Scope: "lan"}))
 		require.NoError(t, err)
 		id := r.Msg.Exposure.Id
@@ -695,7 +706,7 @@ func runFleet(t *testing.T, base string) {
 		t.Logf("%s answers: %s", exposed, strings.TrimSpace(body))
 	})
 
-	step("a killed agent leaves its guest running, and its restart adopts the same QEMU", func(t *testing.T) {
+	mustRun(t, "a killed agent leaves its guest running, and its restart adopts the same QEMU", func(t *testing.T) {
 		pid := qemuPID(t, dirs["a"], vmIDs["a"])
 		require.True(t, alive(pid), "QEMU %d runs before the kill", pid)
 		agents["a"].kill()
@@ -720,7 +731,7 @@ func runFleet(t *testing.T, base string) {
 		})
 	})
 
-	step("a host whose link goes down shows disconnected within 30 s, and connected when it is back", func(t *testing.T) {
+	mustRun(t, "a host whose link goes down shows disconnected within 30 s, and connected when it is back", func(t *testing.T) {
 		ns := agentNS(base, "b")
 		down := time.Now()
 		sh(t, "ip", "-n", ns, "link", "set", "lan0", "down")
@@ -737,7 +748,7 @@ func runFleet(t *testing.T, base string) {
 		f.waitReady(t, vmIDs["b"], time.Minute, "guest-b is reported ready again")
 	})
 
-	step("an agent restarted while the control plane is down serves its published port again at once", func(t *testing.T) {
+	mustRun(t, "an agent restarted while the control plane is down serves its published port again at once", func(t *testing.T) {
 		f.server.stop(t)
 		agents["a"].kill()
 		_, err := published(exposed)
@@ -768,7 +779,7 @@ func runFleet(t *testing.T, base string) {
 		assert.NoError(t, err, "the port stays up once the snapshot replaces the restored one")
 	})
 
-	step("an imposter control plane with another certificate gets no agent", func(t *testing.T) {
+	mustRun(t, "an imposter control plane with another certificate gets no agent", func(t *testing.T) {
 		offsets := map[string]int64{"a": agents["a"].logSize(), "b": agents["b"].logSize()}
 		f.server.stop(t)
 		imposter, impFP, impToken := f.startServer(t, "imposter", filepath.Join(base, "imposter"))

@@ -159,13 +159,7 @@ func runReplicaFleet(t *testing.T, base string) {
 	dirs := map[string]string{"a": filepath.Join(base, "agent-a"), "b": filepath.Join(base, "agent-b")}
 	agents := map[string]*proc{}
 	hostIDs := map[string]string{}
-	step := func(name string, fn func(t *testing.T)) {
-		if !t.Run(name, fn) {
-			t.FailNow() // later steps build on this one
-		}
-	}
-
-	step("the first replica makes the fleet's identity, and two more started together share it", func(t *testing.T) {
+	mustRun(t, "the first replica makes the fleet's identity, and two more started together share it", func(t *testing.T) {
 		var fp string
 		rs[0].p, fp = f.startServing(t, rs[0].name, rs[0].addr, rs[0].args...)
 		b, err := os.ReadFile(filepath.Join(rs[0].dir, "admin.token"))
@@ -189,25 +183,17 @@ func runReplicaFleet(t *testing.T, base string) {
 		f.vms = followVMs(ctx, eitriv1connect.NewVMServiceClient(hc, u, f.auth))
 	})
 
-	step("host-a enrolls through replica 1 and host-b through replica 3, each streaming to the replica it enrolled through", func(t *testing.T) {
+	mustRun(t, "host-a enrolls through replica 1 and host-b through replica 3, each streaming to the replica it enrolled through", func(t *testing.T) {
 		for h, r := range map[string]*replicaProc{"a": rs[0], "b": rs[2]} {
 			tok := f.joinTokenFrom(t, r.url, r.publicURLs)
 			agents[h] = f.start(t, "agent-"+h, agentNS(base, h), f.agentArgs(h, dirs[h], "--join", tok)...)
 		}
 		for h, r := range map[string]*replicaProc{"a": rs[0], "b": rs[2]} {
-			waitUntil(t, 2*time.Minute, "host-"+h+" enrolls, connects and reports its capacity", func() (bool, string) {
-				if agents[h].exited() {
-					t.Fatalf("agent-%s exited: %v", h, agents[h].err)
-				}
-				x := f.hostNamed("host-" + h)
-				if x == nil {
-					return false, "not enrolled"
-				}
-				hostIDs[h] = x.Id
-				return x.Connected && x.Capacity != nil && x.Accelerator != "", fmt.Sprintf("connected=%v capacity=%v accelerator=%q", x.Connected, x.Capacity, x.Accelerator)
-			})
+			x := f.waitEnrolled(t, h, agents[h])
+			hostIDs[h] = x.Id
+			// The agent proves its accelerator before it connects, and says which in its hello.
+			require.NotEmpty(t, x.Accelerator, "host-%s names its accelerator", h)
 			assert.Regexp(t, hostConnectedRE(hostIDs[h]), r.p.logSince(0), "host-%s's stream is on %s, the first URL of its join token", h, r.name)
-			x, _ := f.hosts.get(hostIDs[h])
 			t.Logf("host-%s runs guests under %s: %s", h, x.Accelerator, x.AcceleratorReason)
 		}
 	})
@@ -221,7 +207,7 @@ func runReplicaFleet(t *testing.T, base string) {
 	t3 := followVMs(ctx, eitriv1connect.NewVMServiceClient(hc3, u3, f.auth), w3.note)
 
 	var vmID string // the guest on host-b, running from here on
-	step("replica 3 killed while host-b boots a VM made through replica 1: the agent moves, the create finishes, and watchers see it through", func(t *testing.T) {
+	mustRun(t, "replica 3 killed while host-b boots a VM made through replica 1: the agent moves, the create finishes, and watchers see it through", func(t *testing.T) {
 		waitUntil(t, 10*time.Second, "the watchers on replicas 2 and 3 are open", func() (bool, string) {
 			return w2.opened() > 0 && w3.opened() > 0, fmt.Sprintf("streams opened: %d, %d", w2.opened(), w3.opened())
 		})
@@ -333,7 +319,7 @@ func runReplicaFleet(t *testing.T, base string) {
 
 	pid := 0
 	var vm2 string
-	step("PostgreSQL restarts under the replicas: they reconnect by themselves, keep everything, and a create through replica 2 is carried out on host-a", func(t *testing.T) {
+	mustRun(t, "PostgreSQL restarts under the replicas: they reconnect by themselves, keep everything, and a create through replica 2 is carried out on host-a", func(t *testing.T) {
 		pid = qemuPID(t, dirs["b"], vmID)
 		require.True(t, alive(pid), "the guest's QEMU %d runs", pid)
 		type row struct{ name, host string }
@@ -404,7 +390,7 @@ func runReplicaFleet(t *testing.T, base string) {
 		assert.True(t, alive(pid), "QEMU %d still runs", pid)
 	})
 
-	step("the replicas restart one at a time: no guest stops, and the VMs stay as they were", func(t *testing.T) {
+	mustRun(t, "the replicas restart one at a time: no guest stops, and the VMs stay as they were", func(t *testing.T) {
 		heard := len(w2.of(vmID))
 		for _, r := range rs {
 			var held []string // the hosts whose agent is on r
@@ -470,7 +456,7 @@ func runReplicaFleet(t *testing.T, base string) {
 		t.Logf("replica 2's watcher (reopened when replica 2 restarted) heard the guest as %q meanwhile", lifecycles)
 	})
 
-	step("a stop through replica 3 stops the guest", func(t *testing.T) {
+	mustRun(t, "a stop through replica 3 stops the guest", func(t *testing.T) {
 		_, err := vmsAt(rs[2]).StopVM(ctx, connect.NewRequest(&eitriv1.StopVMRequest{Id: vmID}))
 		require.NoError(t, err)
 		waitUntil(t, 90*time.Second, "the guest on host-b stops", func() (bool, string) {
