@@ -240,7 +240,18 @@ func (f *fleetRun) start(t *testing.T, name, ns string, args ...string) *proc {
 	if ns != "" {
 		argv = append([]string{"ip", "netns", "exec", ns}, argv...)
 	}
-	path := filepath.Join(f.logs, name+".log")
+	p := startProc(t, f.logs, name, argv...)
+	f.mu.Lock()
+	f.procs = append(f.procs, p)
+	f.mu.Unlock()
+	return p
+}
+
+// startProc runs argv with its output appended to logs/name.log. Ending it
+// is the caller's.
+func startProc(t *testing.T, logs, name string, argv ...string) *proc {
+	t.Helper()
+	path := filepath.Join(logs, name+".log")
 	lf, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
 	require.NoError(t, err)
 	defer lf.Close()
@@ -250,9 +261,6 @@ func (f *fleetRun) start(t *testing.T, name, ns string, args ...string) *proc {
 	require.NoError(t, cmd.Start(), "start %s", name)
 	p := &proc{name: name, log: path, cmd: cmd, done: make(chan struct{})}
 	go func() { p.err = cmd.Wait(); close(p.done) }()
-	f.mu.Lock()
-	f.procs = append(f.procs, p)
-	f.mu.Unlock()
 	return p
 }
 
