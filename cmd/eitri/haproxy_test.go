@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -43,14 +42,8 @@ func TestTheShippedHAProxyConfigIsValid(t *testing.T) {
 // through, and with one replica gone the other answers.
 func TestTheCLIReachesReplicasThroughTheShippedHAProxyConfig(t *testing.T) {
 	bin := needHAProxy(t)
-	listen := func() net.Listener {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		return ln
-	}
-	lnA, lnB, front := listen(), listen(), listen()
-	frontAddr := front.Addr().String()
-	require.NoError(t, front.Close()) // haproxy binds it
+	lnA, lnB := loopback(t), loopback(t)
+	frontAddr := freeAddr(t) // haproxy binds it
 
 	srv, err := server.New(context.Background(), server.Config{DataDir: t.TempDir(), PublicURL: "https://" + frontAddr})
 	require.NoError(t, err)

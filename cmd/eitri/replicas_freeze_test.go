@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"net"
 	"os"
 	"strings"
 	"syscall"
@@ -19,15 +18,6 @@ import (
 	"github.com/a73x/eitri/server/store/pgtest"
 	"github.com/a73x/eitri/wire/connclient"
 )
-
-// freeAddr is a loopback address nothing listens on (for a process to
-// take).
-func freeAddr(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.Close()
-	return ln.Addr().String()
-}
 
 // TestAFrozenReplicaComesBackWithoutActingForHostsItLost freezes (SIGSTOP)
 // the replica holding a host's stream until the agent has moved to the

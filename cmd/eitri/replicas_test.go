@@ -47,8 +47,7 @@ func startReplicas(t *testing.T, db string, n int) []*replica {
 	var lns []net.Listener
 	var urls []string
 	for range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
+		ln := loopback(t)
 		lns = append(lns, ln)
 		urls = append(urls, "http://"+ln.Addr().String())
 	}

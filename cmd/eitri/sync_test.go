@@ -261,15 +261,8 @@ func TestASecondAgentWithOneIdentityIsRefusedAndBacksOff(t *testing.T) {
 // all three, the agent enrolls and streams through a live one, and when the
 // address it is on goes away it is back through the other.
 func TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem(t *testing.T) {
-	listen := func() net.Listener {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		return ln
-	}
-	dead := listen()
-	deadURL := "https://" + dead.Addr().String()
-	require.NoError(t, dead.Close())
-	lnA, lnB := listen(), listen()
+	deadURL := "https://" + freeAddr(t)
+	lnA, lnB := loopback(t), loopback(t)
 	urlA, urlB := "https://"+lnA.Addr().String(), "https://"+lnB.Addr().String()
 	dir := t.TempDir()
 	srv, err := server.New(context.Background(), server.Config{DataDir: dir, PublicURL: deadURL + "," + urlA + "," + urlB})
@@ -329,6 +322,23 @@ func startAgentStream(ctx context.Context, cfg syncclient.Config) (done <-chan s
 		_ = syncclient.Run(ctx, cfg)
 	}()
 	return c
+}
+
+// loopback is a listener on a free loopback port.
+func loopback(t *testing.T) net.Listener {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	return ln
+}
+
+// freeAddr is a loopback address nothing listens on (for a process to
+// take).
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln := loopback(t)
+	defer ln.Close()
+	return ln.Addr().String()
 }
 
 // serveOn serves srv on ln until stop: one more address of the same
