@@ -28,7 +28,8 @@ func (s *Store) PostCall(ctx context.Context, c PostedCall) error {
 	if !s.pg {
 		return errors.New("store: calls cross replicas only on PostgreSQL")
 	}
-	return s.write(ctx, func(tx *sql.Tx) error {
+	// Read committed (see writeCommitted): an insert checks nothing.
+	return s.writeCommitted(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `INSERT INTO calls (id, host_id, call, at) VALUES ($1, $2, $3, `+dbNow+`)`,
 			c.ID, c.HostID, c.Call); err != nil {
 			return err
@@ -38,29 +39,27 @@ func (s *Store) PostCall(ctx context.Context, c PostedCall) error {
 	})
 }
 
-// TakeCalls removes and returns the calls waiting for any of hosts.
+// TakeCalls removes and returns the calls waiting for any of hosts. One
+// statement, so no transaction of its own: a call is deleted, and so
+// returned, once.
 func (s *Store) TakeCalls(ctx context.Context, hosts []string) ([]PostedCall, error) {
 	if !s.pg || len(hosts) == 0 {
 		return nil, nil
 	}
+	rows, err := s.db.QueryContext(ctx, `DELETE FROM calls WHERE host_id = ANY($1) RETURNING id, host_id, call`, hosts)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
 	var out []PostedCall
-	err := s.write(ctx, func(tx *sql.Tx) error {
-		out = out[:0]
-		rows, err := tx.QueryContext(ctx, `DELETE FROM calls WHERE host_id = ANY($1) RETURNING id, host_id, call`, hosts)
-		if err != nil {
-			return err
+	for rows.Next() {
+		var c PostedCall
+		if err := rows.Scan(&c.ID, &c.HostID, &c.Call); err != nil {
+			return nil, err
 		}
-		defer rows.Close()
-		for rows.Next() {
-			var c PostedCall
-			if err := rows.Scan(&c.ID, &c.HostID, &c.Call); err != nil {
-				return err
-			}
-			out = append(out, c)
-		}
-		return rows.Err()
-	})
-	return out, err
+		out = append(out, c)
+	}
+	return out, rows.Err()
 }
 
 // DropCall forgets a call nobody took (its caller gave up).

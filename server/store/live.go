@@ -176,12 +176,14 @@ func (s *Store) LiveExpired(ctx context.Context) ([]string, error) {
 
 // liveWrite runs fn as a live write: numbered in commit order (the lock,
 // held to commit), without waiting for the disk (live state is rebuilt from
-// the agents if lost), and waking followers.
+// the agents if lost), and waking followers. Read committed (see
+// writeCommitted): the lock orders live writes, and ClaimHost's
+// ON CONFLICT … WHERE decides atomically on the row as it is.
 func (s *Store) liveWrite(ctx context.Context, fn func(tx *sql.Tx) error) error {
 	if !s.pg {
 		return errors.New("store: live state is shared only on PostgreSQL")
 	}
-	return s.write(ctx, func(tx *sql.Tx) error {
+	return s.writeCommitted(ctx, func(tx *sql.Tx) error {
 		if _, err := tx.ExecContext(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
 			return err
 		}

@@ -144,7 +144,29 @@ func (s *Store) migratePostgres(ctx context.Context, ms []migration) error {
 // more than once, so it must compute only from what it reads in tx (and
 // the callbacks the store's methods take with it).
 func (s *Store) writePostgres(ctx context.Context, fn func(tx *sql.Tx) error) error {
-	opts := &sql.TxOptions{Isolation: sql.LevelSerializable}
+	return s.retryPostgres(ctx, sql.LevelSerializable, fn)
+}
+
+// writeCommitted runs fn in a READ COMMITTED transaction (PostgreSQL only),
+// for the writes that check nothing across rows: live writes, ordered by
+// the lock liveWrite takes, and calls. Each statement then reads what is
+// committed when it starts, after the locks taken before it, so writers
+// queued on a lock never fail to serialize. Under SERIALIZABLE the
+// transaction's snapshot is taken before the lock wait, so each writer
+// behind another that wrote the same rows failed and started over, and
+// under load those retries took seconds. fn runs again only after a
+// deadlock.
+func (s *Store) writeCommitted(ctx context.Context, fn func(tx *sql.Tx) error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return s.retryPostgres(ctx, sql.LevelReadCommitted, fn)
+}
+
+// retryPostgres runs fn in a transaction at isolation level, trying again
+// while PostgreSQL reports a serialization failure or a deadlock.
+func (s *Store) retryPostgres(ctx context.Context, level sql.IsolationLevel, fn func(tx *sql.Tx) error) error {
+	opts := &sql.TxOptions{Isolation: level}
 	for attempt := 1; ; attempt++ {
 		err := s.txOnce(ctx, opts, fn)
 		switch code := pgCode(err); {
