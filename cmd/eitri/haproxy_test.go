@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/a73x/eitri/agent/hosttest"
 	"github.com/a73x/eitri/server"
 )
 
@@ -74,7 +75,7 @@ func TestTheCLIReachesReplicasThroughTheShippedHAProxyConfig(t *testing.T) {
 		// As an unprivileged user, never as a system service.
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
 	}
-	var logs strings.Builder
+	var logs hosttest.LogBuffer // written by exec's copier while the test reads it
 	cmd.Stdout, cmd.Stderr = &logs, &logs
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
