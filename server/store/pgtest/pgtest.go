@@ -69,17 +69,7 @@ var shared struct {
 // command that installs it.
 func DSN(t testing.TB) string {
 	t.Helper()
-	srv := sharedServer(t)
-	name, err := srv.CreateDatabase(context.Background(), "")
-	if err != nil {
-		t.Fatalf("pgtest: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := srv.DropDatabase(context.Background(), name); err != nil {
-			t.Errorf("pgtest: %v", err)
-		}
-	})
-	return srv.DSN(name)
+	return database(t, "")
 }
 
 // Clone copies the database at dsn (one from DSN, with no connection open
@@ -87,14 +77,21 @@ func DSN(t testing.TB) string {
 // backup to restore, say.
 func Clone(t testing.TB, dsn string) string {
 	t.Helper()
-	srv := sharedServer(t)
 	u, err := url.Parse(dsn)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
-	name, err := srv.CreateDatabase(context.Background(), strings.TrimPrefix(u.Path, "/"))
+	return database(t, strings.TrimPrefix(u.Path, "/"))
+}
+
+// database makes a database on the shared server, a copy of template (or
+// an empty one for ""), dropped when t ends, and returns its URL.
+func database(t testing.TB, template string) string {
+	t.Helper()
+	srv := sharedServer(t)
+	name, err := srv.CreateDatabase(context.Background(), template)
 	if err != nil {
-		t.Fatalf("pgtest: clone: %v", err)
+		t.Fatalf("pgtest: %v", err)
 	}
 	t.Cleanup(func() {
 		if err := srv.DropDatabase(context.Background(), name); err != nil {
