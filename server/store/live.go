@@ -176,24 +176,21 @@ func (s *Store) LiveExpired(ctx context.Context) ([]string, error) {
 
 // liveWrite runs fn as a live write: numbered in commit order (the lock,
 // held to commit), without waiting for the disk (live state is rebuilt from
-// the agents if lost), and waking followers. Read committed (see
-// writeCommitted): the lock orders live writes, and ClaimHost's
-// ON CONFLICT … WHERE decides atomically on the row as it is.
+// the agents if lost), and waking followers (sent at commit). Read
+// committed (see writeCommitted): the lock orders live writes, and
+// ClaimHost's ON CONFLICT … WHERE decides atomically on the row as it is.
 func (s *Store) liveWrite(ctx context.Context, fn func(tx *sql.Tx) error) error {
 	if !s.pg {
 		return errors.New("store: live state is shared only on PostgreSQL")
 	}
 	return s.writeCommitted(ctx, func(tx *sql.Tx) error {
-		if _, err := tx.ExecContext(ctx, `SET LOCAL synchronous_commit = off`); err != nil {
+		// One round trip for the three: the lock, the commit that does not
+		// wait for the disk, and the wake-up, which PostgreSQL sends only
+		// if the transaction commits.
+		if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1), set_config('synchronous_commit', 'off', true), pg_notify($2, '')`,
+			liveLock, LiveChannel); err != nil {
 			return err
 		}
-		if _, err := tx.ExecContext(ctx, `SELECT pg_advisory_xact_lock($1)`, liveLock); err != nil {
-			return err
-		}
-		if err := fn(tx); err != nil {
-			return err
-		}
-		_, err := tx.ExecContext(ctx, `SELECT pg_notify($1, '')`, LiveChannel)
-		return err
+		return fn(tx)
 	})
 }
