@@ -716,8 +716,6 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 			fmt.Printf("  PostgreSQL CPU          none (SQLite, in the control plane's process)\n")
 		}
 		fmt.Printf("  CPU per change          %.1f µs (control plane + database CPU / %d changes made in the window)\n", res.perChange, n1-n0)
-	}
-	if c.multi() && t.who == "control-plane" {
 		for i, s := range srvs {
 			if n := warn1[i] - warn0[i]; n > 0 {
 				_, kinds := s.warnings()

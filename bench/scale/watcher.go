@@ -57,12 +57,6 @@ func (t *tracks) when(obj string, seq uint64) (time.Time, int, bool) {
 	return at, t.home[obj], ok
 }
 
-func (t *tracks) homeOf(obj string) int {
-	t.mu.RLock()
-	defer t.mu.RUnlock()
-	return t.home[obj]
-}
-
 // sample is one delivery's latency and when its change was sent.
 type sample struct {
 	at time.Time
