@@ -133,18 +133,23 @@ func (f *Fleet) FollowReplicas(ctx context.Context) {
 	defer poll.Stop()
 	prune := time.NewTicker(time.Minute)
 	defer prune.Stop()
+	fl.catchUp(ctx)
 	for {
-		fl.catchUp(ctx)
+		// A wake-up reads only the feed it is about.
 		select {
 		case <-ctx.Done():
 			return
 		case <-calls:
 			f.takeCalls(ctx)
-			continue
 		case <-changes:
+			fl.followChanges(ctx)
 		case <-live:
+			fl.followLive(ctx)
 		case <-poll.C:
-			f.takeCalls(ctx) // a wake-up may have been lost
+			// A wake-up may have been lost, and a dead replica's claims
+			// lapse with nobody writing.
+			f.takeCalls(ctx)
+			fl.catchUp(ctx)
 		case <-prune.C:
 			if _, err := f.st.PruneChanges(ctx, changesKept); err != nil && ctx.Err() == nil {
 				f.log.Warn("prune the change feed", "err", err)
@@ -236,11 +241,27 @@ type follower struct {
 	hosts map[string]bool
 }
 
+// catchUp reads both feeds to their ends, and drops the mirrors of hosts
+// whose holder's claim lapsed.
 func (fl *follower) catchUp(ctx context.Context) {
+	fl.followChanges(ctx)
+	fl.followLive(ctx)
+	expired, err := fl.f.st.LiveExpired(ctx)
+	if err != nil {
+		fl.warn(ctx, "follow the hosts' live state", err)
+		return
+	}
+	for _, id := range expired {
+		fl.dropMirror(ctx, id)
+	}
+}
+
+// followChanges applies the change feed past fl.after. One that has not
+// caught up for resyncAfter may have missed pruned changes, so it reads
+// everything anew and goes on from the feed's end.
+func (fl *follower) followChanges(ctx context.Context) {
 	f := fl.f
 	if !fl.started || time.Since(fl.caughtUp) > resyncAfter {
-		// The feed may have been pruned past this replica: read
-		// everything anew from where it now ends.
 		_, newest, err := f.st.ChangeBounds(ctx)
 		if err != nil {
 			fl.warn(ctx, "read the change feed's bounds", err)
@@ -264,10 +285,6 @@ func (fl *follower) catchUp(ctx context.Context) {
 		if len(batch) < changeBatch {
 			break
 		}
-	}
-	if err := fl.followLive(ctx); err != nil {
-		fl.warn(ctx, "follow the hosts' live state", err)
-		return
 	}
 	fl.caughtUp = time.Now()
 }
@@ -381,11 +398,12 @@ func must[T any](v []T, _ error) []T { return v }
 
 // followLive mirrors what other replicas' hosts said into this replica's
 // registry, and ends streams here that another replica has taken over.
-func (fl *follower) followLive(ctx context.Context) error {
+func (fl *follower) followLive(ctx context.Context) {
 	f := fl.f
 	rows, err := f.st.LiveSince(ctx, fl.liveAfter)
 	if err != nil {
-		return err
+		fl.warn(ctx, "follow the hosts' live state", err)
+		return
 	}
 	for _, row := range rows {
 		fl.liveAfter = row.Rev
@@ -403,14 +421,6 @@ func (fl *follower) followLive(ctx context.Context) error {
 		}
 		fl.mirrorRow(ctx, row)
 	}
-	expired, err := f.st.LiveExpired(ctx)
-	if err != nil {
-		return err
-	}
-	for _, id := range expired {
-		fl.dropMirror(ctx, id)
-	}
-	return nil
 }
 
 func (fl *follower) mirrorRow(ctx context.Context, row store.HostLive) {
