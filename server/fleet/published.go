@@ -49,10 +49,21 @@ func (p *published) vm(id string) (store.VM, bool) {
 func (p *published) vmsNotIn(keep map[string]bool) []store.VM {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var out []store.VM
-	for id, vm := range p.vms {
+	return notIn(p.vms, keep)
+}
+
+// exposuresNotIn returns the published exposures whose ids keep lacks.
+func (p *published) exposuresNotIn(keep map[string]bool) []publishedExposure {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return notIn(p.exps, keep)
+}
+
+func notIn[T any](m map[string]T, keep map[string]bool) []T {
+	var out []T
+	for id, v := range m {
 		if !keep[id] {
-			out = append(out, vm)
+			out = append(out, v)
 		}
 	}
 	return out
@@ -84,6 +95,12 @@ func (p *published) dropExposure(id string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	delete(p.exps, id)
+}
+
+// publishVMRow publishes vm as read or written, with no store read.
+func (f *Fleet) publishVMRow(vm store.VM) {
+	f.published.putVM(vm)
+	f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: vm.ID, Owner: vm.OwnerID, Obj: f.vmView(vm)})
 }
 
 // publishLiveVM publishes a VM whose live row changed but whose durable

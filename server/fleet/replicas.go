@@ -268,7 +268,10 @@ func (fl *follower) followChanges(ctx context.Context) {
 			return
 		}
 		if fl.started {
-			fl.resync(ctx)
+			if err := fl.resync(ctx); err != nil {
+				fl.warn(ctx, "read the fleet anew", err)
+				return // again on the next wake-up
+			}
 		}
 		fl.after, fl.started = newest, true
 	}
@@ -355,29 +358,35 @@ func (fl *follower) apply(ctx context.Context, c store.Change) {
 
 // resync publishes every object anew, and the removal of those published
 // before that are gone.
-func (fl *follower) resync(ctx context.Context) {
+func (fl *follower) resync(ctx context.Context) error {
 	f := fl.f
 	f.log.Warn("this replica fell behind the change feed; reading the fleet anew")
 	vms, err := f.st.ListVMs(ctx, "")
 	if err != nil {
-		fl.warn(ctx, "resync vms", err)
-		return
+		return err
 	}
-	keep := map[string]bool{}
+	keepVMs, keepExps := map[string]bool{}, map[string]bool{}
 	for _, v := range vms {
-		keep[v.ID] = true
-		f.publishVM(ctx, v.ID)
-		for _, e := range must(f.st.ListExposures(ctx, v.ID)) {
+		keepVMs[v.ID] = true
+		f.publishVMRow(v)
+		exps, err := f.st.ListExposures(ctx, v.ID)
+		if err != nil {
+			return err
+		}
+		for _, e := range exps {
+			keepExps[e.ID] = true
 			f.publishExposure(ctx, e.ID)
 		}
 	}
-	for _, v := range f.published.vmsNotIn(keep) {
+	for _, p := range f.published.exposuresNotIn(keepExps) {
+		f.exposureRemoved(p.e, p.owner)
+	}
+	for _, v := range f.published.vmsNotIn(keepVMs) {
 		f.vmRemoved(v.ID, v.OwnerID)
 	}
 	hosts, err := f.st.ListHosts(ctx)
 	if err != nil {
-		fl.warn(ctx, "resync hosts", err)
-		return
+		return err
 	}
 	present := map[string]bool{}
 	for _, h := range hosts {
@@ -392,9 +401,8 @@ func (fl *follower) resync(ctx context.Context) {
 			f.Hosts.Publish(watch.Event[*eitriv1.Host]{ID: id, Removed: true})
 		}
 	}
+	return nil
 }
-
-func must[T any](v []T, _ error) []T { return v }
 
 // followLive mirrors what other replicas' hosts said into this replica's
 // registry, and ends streams here that another replica has taken over.

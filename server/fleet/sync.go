@@ -10,7 +10,6 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/registry"
 	"github.com/a73x/eitri/server/store"
-	"github.com/a73x/eitri/server/watch"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -372,8 +371,7 @@ func (f *Fleet) publishWritten(ctx context.Context, hostID string, d registry.Di
 	}
 	for _, id := range d.VMs {
 		if vm, ok := written[id]; ok {
-			f.published.putVM(vm)
-			f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Owner: vm.OwnerID, Obj: f.vmView(vm)})
+			f.publishVMRow(vm)
 		} else if durable[id] {
 			f.publishVM(ctx, id)
 		} else {
