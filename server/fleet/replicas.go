@@ -307,14 +307,19 @@ func (fl *follower) apply(ctx context.Context, c store.Change) {
 	}
 	switch c.Kind {
 	case store.ChangeVM:
+		before, known := f.published.vm(c.ID)
 		if c.Removed {
 			f.vmRemoved(c.ID, c.OwnerID)
 		} else {
 			f.publishVM(ctx, c.ID)
 		}
 		f.kick(c.HostID)
-		if c.HostID != "" {
-			f.publishHost(ctx, c.HostID) // its allocation moved
+		// Most VM writes are a host's report (a status, an address), which
+		// leave what the host has allocated as it was: its view is read
+		// and sent to every host watcher only when that moved.
+		after, still := f.published.vm(c.ID)
+		if c.HostID != "" && (!known || !still || allocationMoved(before, after)) {
+			f.publishHost(ctx, c.HostID)
 		}
 	case store.ChangeExposure:
 		if c.Removed {
@@ -354,6 +359,14 @@ func (fl *follower) apply(ctx context.Context, c store.Change) {
 		}
 		f.publishHost(ctx, c.ID)
 	}
+}
+
+// allocationMoved says whether a VM written as b instead of a changes
+// what its host has allocated (see vmHolds).
+func allocationMoved(a, b store.VM) bool {
+	ac, am, ad := vmHolds(a)
+	bc, bm, bd := vmHolds(b)
+	return a.HostID != b.HostID || ac != bc || am != bm || ad != bd
 }
 
 // resync publishes every object anew, and the removal of those published
