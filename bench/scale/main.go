@@ -468,10 +468,7 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 
 	var probe *watcher
 	if c.dbprobe && t.pg != nil {
-		var err error
-		if probe, err = t.pg.probe(wctx, tr); err != nil {
-			return result{}, err
-		}
+		probe = t.pg.probe(wctx, tr)
 	}
 
 	// Narrate: each host steps every c.every, phases spread evenly.

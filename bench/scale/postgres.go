@@ -28,6 +28,7 @@ import (
 type postgres struct {
 	srv *pgtest.Server
 	dsn string
+	db  *sql.DB // the run's own queries: settings, counters, -dbprobe
 
 	locks                              sync.Mutex
 	lockSamples, lockWaiting, lockHeld int64 // -dbprobe's samples of pg_locks
@@ -52,10 +53,17 @@ func startPostgres(ctx context.Context) (*postgres, error) {
 		srv.Stop()
 		return nil, err
 	}
-	return &postgres{srv: srv, dsn: srv.DSN(name)}, nil
+	dsn := srv.DSN(name)
+	db, err := sql.Open("pgx", dsn)
+	if err != nil {
+		srv.Stop()
+		return nil, err
+	}
+	return &postgres{srv: srv, dsn: dsn, db: db}, nil
 }
 
 func (p *postgres) stop() {
+	p.db.Close()
 	if err := p.srv.Stop(); err != nil {
 		fmt.Fprintln(os.Stderr, "stop postgres:", err)
 	}
@@ -63,15 +71,10 @@ func (p *postgres) stop() {
 
 // settings are the server's settings that matter to a write-heavy run.
 func (p *postgres) settings(ctx context.Context) string {
-	db, err := sql.Open("pgx", p.dsn)
-	if err != nil {
-		return "?"
-	}
-	defer db.Close()
 	var out []string
 	for _, k := range []string{"fsync", "synchronous_commit", "full_page_writes", "shared_buffers", "max_connections"} {
 		var v string
-		if err := db.QueryRowContext(ctx, "SHOW "+k).Scan(&v); err != nil {
+		if err := p.db.QueryRowContext(ctx, "SHOW "+k).Scan(&v); err != nil {
 			return "?"
 		}
 		out = append(out, k+"="+v)
@@ -140,77 +143,68 @@ func procStat(pid int) (statFields, bool) {
 // probe reads host_live as a follower would, every 10 ms, and records when
 // each change first shows in the database: the agent → home replica →
 // PostgreSQL half of the way to a watcher on another replica (-dbprobe).
-func (p *postgres) probe(ctx context.Context, tr *tracks) (*watcher, error) {
-	db, err := sql.Open("pgx", p.dsn)
-	if err != nil {
-		return nil, err
-	}
+func (p *postgres) probe(ctx context.Context, tr *tracks) *watcher {
 	w := &watcher{replica: -1, seen: map[string]uint64{}}
-	go func() {
-		// How many sessions wait for an advisory lock (the live writes'
-		// and the change feed's, which keep revisions in commit order)
-		// and whether one is held, sampled every 20 ms.
-		tick := time.NewTicker(20 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			select {
-			case <-ctx.Done():
+	// How many sessions wait for an advisory lock (the live writes' and the
+	// change feed's, which keep revisions in commit order) and whether one
+	// is held, sampled every 20 ms.
+	go every(ctx, 20*time.Millisecond, func() {
+		var waiting, held int64
+		if p.db.QueryRowContext(ctx, `SELECT
+			(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted),
+			(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted)`).Scan(&waiting, &held) != nil {
+			return
+		}
+		p.locks.Lock()
+		p.lockSamples++
+		p.lockWaiting += waiting
+		if held > 0 {
+			p.lockHeld++
+		}
+		p.locks.Unlock()
+	})
+	var after int64
+	go every(ctx, 10*time.Millisecond, func() {
+		rows, err := p.db.QueryContext(ctx, `SELECT report, rev FROM host_live WHERE rev > $1 AND report IS NOT NULL ORDER BY rev`, after)
+		if err != nil {
+			return
+		}
+		defer rows.Close()
+		now := time.Now()
+		for rows.Next() {
+			var b []byte
+			if err := rows.Scan(&b, &after); err != nil {
 				return
-			case <-tick.C:
 			}
-			var waiting, held int64
-			if db.QueryRowContext(ctx, `SELECT
-				(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted),
-				(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted)`).Scan(&waiting, &held) != nil {
+			rep := &eitriv1.ActualStateReport{}
+			if proto.Unmarshal(b, rep) != nil {
 				continue
 			}
-			p.locks.Lock()
-			p.lockSamples++
-			p.lockWaiting += waiting
-			if held > 0 {
-				p.lockHeld++
+			for _, v := range rep.GetVms() {
+				if seq, ok := seqOf(v.GetStatusDetail()); ok {
+					w.saw(tr, v.GetVmId(), seq, now)
+				}
 			}
-			p.locks.Unlock()
+			for _, e := range rep.GetExposures() {
+				w.saw(tr, e.GetId(), uint64(e.GetSessions().GetActive()), now)
+			}
 		}
-	}()
-	go func() {
-		defer db.Close()
-		var after int64
-		tick := time.NewTicker(10 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
-			rows, err := db.QueryContext(ctx, `SELECT report, rev FROM host_live WHERE rev > $1 AND report IS NOT NULL ORDER BY rev`, after)
-			if err != nil {
-				continue
-			}
-			now := time.Now()
-			for rows.Next() {
-				var b []byte
-				if err := rows.Scan(&b, &after); err != nil {
-					break
-				}
-				rep := &eitriv1.ActualStateReport{}
-				if proto.Unmarshal(b, rep) != nil {
-					continue
-				}
-				for _, v := range rep.GetVms() {
-					if seq, ok := seqOf(v.GetStatusDetail()); ok {
-						w.saw(tr, v.GetVmId(), seq, now)
-					}
-				}
-				for _, e := range rep.GetExposures() {
-					w.saw(tr, e.GetId(), uint64(e.GetSessions().GetActive()), now)
-				}
-			}
-			rows.Close()
+	})
+	return w
+}
+
+// every runs fn every d until ctx ends.
+func every(ctx context.Context, d time.Duration, fn func()) {
+	tick := time.NewTicker(d)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+			fn()
 		}
-	}()
-	return w, nil
+	}
 }
 
 // dbStats are the database's counters that say how its transactions
@@ -224,13 +218,9 @@ type dbStats struct {
 
 func (p *postgres) stats(ctx context.Context) dbStats {
 	var st dbStats
-	db, err := sql.Open("pgx", p.dsn)
-	if err == nil {
-		_ = db.QueryRowContext(ctx, `SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = current_database()`).
-			Scan(&st.commits, &st.rollbacks)
-		_ = db.QueryRowContext(ctx, `SELECT coalesce(max(rev), 0) FROM changes`).Scan(&st.rev)
-		db.Close()
-	}
+	_ = p.db.QueryRowContext(ctx, `SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = current_database()`).
+		Scan(&st.commits, &st.rollbacks)
+	_ = p.db.QueryRowContext(ctx, `SELECT coalesce(max(rev), 0) FROM changes`).Scan(&st.rev)
 	if fi, err := os.Stat(filepath.Join(p.srv.Dir, "postgres.log")); err == nil {
 		st.logAt = fi.Size()
 	}
@@ -275,12 +265,7 @@ func (p *postgres) logErrors(offset int64) string {
 // feed says what the change feed (durable writes other replicas follow)
 // gained in (after, upto], by kind.
 func (p *postgres) feed(ctx context.Context, after, upto int64) string {
-	db, err := sql.Open("pgx", p.dsn)
-	if err != nil {
-		return "?"
-	}
-	defer db.Close()
-	rows, err := db.QueryContext(ctx, `SELECT kind, count(*) FROM changes WHERE rev > $1 AND rev <= $2 GROUP BY kind ORDER BY kind`, after, upto)
+	rows, err := p.db.QueryContext(ctx, `SELECT kind, count(*) FROM changes WHERE rev > $1 AND rev <= $2 GROUP BY kind ORDER BY kind`, after, upto)
 	if err != nil {
 		return "?"
 	}
