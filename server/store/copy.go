@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"maps"
 	"net/url"
 	"os"
 	"sort"
@@ -169,37 +170,13 @@ func sameSchema(ctx context.Context, q queryer, dir string) error {
 	if err != nil {
 		return err
 	}
-	want := map[int]bool{}
-	wantMax := 0
-	for _, m := range ms {
-		want[m.version] = true
-		wantMax = max(wantMax, m.version)
-	}
-	rows, err := q.QueryContext(ctx, `SELECT version FROM schema_migrations`)
+	want, wantMax := versions(ms)
+	got, at, err := appliedVersions(ctx, q)
 	if err != nil {
-		return fmt.Errorf("read schema_migrations: %w", err)
-	}
-	defer rows.Close()
-	got := map[int]bool{}
-	at := 0
-	for rows.Next() {
-		var v int
-		if err := rows.Scan(&v); err != nil {
-			return err
-		}
-		got[v] = true
-		at = max(at, v)
-	}
-	if err := rows.Err(); err != nil {
 		return err
 	}
-	if len(got) != len(want) || at != wantMax {
+	if !maps.Equal(got, want) {
 		return &SourceSchemaError{At: at, Want: wantMax}
-	}
-	for v := range want {
-		if !got[v] {
-			return &SourceSchemaError{At: at, Want: wantMax}
-		}
 	}
 	return nil
 }

@@ -209,35 +209,50 @@ func (e *SchemaTooNewError) Error() string {
 // checkSchemaVersion returns the versions already applied, or a
 // *SchemaTooNewError when any of them is not among ms.
 func checkSchemaVersion(ctx context.Context, q queryer, ms []migration) (map[int]bool, error) {
-	known := map[int]bool{}
-	maxKnown := 0
-	for _, m := range ms {
-		known[m.version] = true
-		maxKnown = max(maxKnown, m.version)
+	known, maxKnown := versions(ms)
+	applied, at, err := appliedVersions(ctx, q)
+	if err != nil {
+		return nil, fmt.Errorf("store: %w", err)
 	}
+	for v := range applied {
+		if !known[v] {
+			return nil, fmt.Errorf("store: %w", &SchemaTooNewError{At: at, Known: maxKnown})
+		}
+	}
+	return applied, nil
+}
+
+// versions returns the versions of ms, and the highest.
+func versions(ms []migration) (map[int]bool, int) {
+	out, top := map[int]bool{}, 0
+	for _, m := range ms {
+		out[m.version] = true
+		top = max(top, m.version)
+	}
+	return out, top
+}
+
+// appliedVersions returns the versions schema_migrations records, and the
+// highest (0 for none).
+func appliedVersions(ctx context.Context, q queryer) (map[int]bool, int, error) {
 	rows, err := q.QueryContext(ctx, `SELECT version FROM schema_migrations`)
 	if err != nil {
-		return nil, fmt.Errorf("store: read schema_migrations: %w", err)
+		return nil, 0, fmt.Errorf("read schema_migrations: %w", err)
 	}
 	defer rows.Close()
-	applied := map[int]bool{}
-	at, unknown := 0, false
+	applied, at := map[int]bool{}, 0
 	for rows.Next() {
 		var v int
 		if err := rows.Scan(&v); err != nil {
-			return nil, err
+			return nil, 0, fmt.Errorf("read schema_migrations: %w", err)
 		}
 		applied[v] = true
 		at = max(at, v)
-		unknown = unknown || !known[v]
 	}
 	if err := rows.Err(); err != nil {
-		return nil, err
+		return nil, 0, fmt.Errorf("read schema_migrations: %w", err)
 	}
-	if unknown {
-		return nil, fmt.Errorf("store: %w", &SchemaTooNewError{At: at, Known: maxKnown})
-	}
-	return applied, nil
+	return applied, at, nil
 }
 
 // migrate applies every embedded migration of the engine not yet recorded
