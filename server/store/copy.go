@@ -8,7 +8,6 @@ import (
 	"maps"
 	"net/url"
 	"os"
-	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -244,16 +243,8 @@ func Copy(ctx context.Context, from, to *Store, secrets map[string][]byte) ([]Co
 				return fmt.Errorf("%s: %w", t.name, err)
 			}
 		}
-		names := make([]string, 0, len(secrets))
-		for name := range secrets {
-			names = append(names, name)
-		}
-		sort.Strings(names)
-		for _, name := range names {
-			if _, err := tx.ExecContext(ctx, `INSERT INTO secrets (name, data) VALUES ($1, $2)
-				ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data`, name, secrets[name]); err != nil {
-				return fmt.Errorf("secret %s: %w", name, err)
-			}
+		if err := putSecrets(ctx, tx, secrets); err != nil {
+			return err
 		}
 		for _, t := range copyTables {
 			if t.identity == "" {

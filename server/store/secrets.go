@@ -4,7 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"maps"
 	"os"
+	"slices"
 )
 
 // Secrets: what every replica must present alike — the TLS CA and serving
@@ -59,15 +61,19 @@ func (s *Store) PutSecrets(ctx context.Context, secrets map[string][]byte) error
 	if !s.pg || len(secrets) == 0 {
 		return nil
 	}
-	return s.write(ctx, func(tx *sql.Tx) error {
-		for name, data := range secrets {
-			if _, err := tx.ExecContext(ctx, `INSERT INTO secrets (name, data) VALUES ($1, $2)
-				ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data WHERE secrets.data <> EXCLUDED.data`, name, data); err != nil {
-				return err
-			}
+	return s.write(ctx, func(tx *sql.Tx) error { return putSecrets(ctx, tx, secrets) })
+}
+
+// putSecrets writes secrets in tx, by name; one that holds the same data
+// already is left alone, so the change feed records only real changes.
+func putSecrets(ctx context.Context, tx *sql.Tx, secrets map[string][]byte) error {
+	for _, name := range slices.Sorted(maps.Keys(secrets)) {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO secrets (name, data) VALUES ($1, $2)
+			ON CONFLICT (name) DO UPDATE SET data = EXCLUDED.data WHERE secrets.data <> EXCLUDED.data`, name, secrets[name]); err != nil {
+			return fmt.Errorf("secret %s: %w", name, err)
 		}
-		return nil
-	})
+	}
+	return nil
 }
 
 // Exclusive runs fn while no other replica on this database runs its own
