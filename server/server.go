@@ -78,11 +78,9 @@ type Server struct {
 	Fingerprint string
 	handler     http.Handler
 	tls         *tls.Config
-	// follow lives as long as the server: the other replicas are followed
-	// under it (fleet.FollowReplicas), and Close ends it.
-	follow     context.Context
-	stopFollow context.CancelFunc
-	followed   chan struct{}
+	// stopFollow ends following the other replicas (fleet.FollowReplicas)
+	// and waits until it has; Close calls it.
+	stopFollow func()
 	log        *slog.Logger
 	idle       time.Duration
 }
@@ -108,7 +106,6 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		cfg.Log.Info("store on PostgreSQL", "db", store.Redact(db))
 	}
 	s.Store = st
-	s.follow, s.stopFollow = context.WithCancel(context.WithoutCancel(ctx))
 	// One replica at a time: the first to start on an empty database makes
 	// the secrets and the first admin, and the others take them.
 	err = st.Exclusive(ctx, func() error {
@@ -159,12 +156,14 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		return nil
 	})
 	if err != nil {
-		s.stopFollow()
 		st.Close()
 		return nil, err
 	}
-	s.followed = make(chan struct{})
-	go func() { defer close(s.followed); s.Fleet.FollowReplicas(s.follow) }()
+	// Followed as long as the server lives, not just ctx.
+	follow, stop := context.WithCancel(context.WithoutCancel(ctx))
+	followed := make(chan struct{})
+	go func() { defer close(followed); s.Fleet.FollowReplicas(follow) }()
+	s.stopFollow = func() { stop(); <-followed }
 
 	r := chi.NewRouter()
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
@@ -383,6 +382,5 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 // Close releases the store.
 func (s *Server) Close() error {
 	s.stopFollow()
-	<-s.followed
 	return s.Store.Close()
 }
