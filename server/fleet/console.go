@@ -192,8 +192,12 @@ func (f *Fleet) call(ctx context.Context, hostID string, p auth.Principal, c *ei
 	h.unanswered[hostID]++
 	h.mu.Unlock()
 	end := func() {
-		if remote {
-			_ = f.st.DropCall(context.WithoutCancel(ctx), c.Id)
+		select {
+		case <-pc.attached: // answered: the holder took the call
+		default:
+			if remote {
+				_ = f.st.DropCall(context.WithoutCancel(ctx), c.Id)
+			}
 		}
 		pc.once.Do(func() { close(pc.gone) })
 		h.mu.Lock()
