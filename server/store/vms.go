@@ -366,18 +366,11 @@ func (s *Store) addVMEvent(ctx context.Context, e VMEvent, keep int) error {
 			return err
 		}
 		// The newest event past the ones kept, if any, and everything
-		// older goes (in the order ListVMEvents reads).
-		var cutAt, cutID int64
-		err = tx.QueryRowContext(ctx, `SELECT at, id FROM vm_events WHERE vm_id = $1
-			ORDER BY at DESC, id DESC LIMIT 1 OFFSET $2`, e.VMID, keep).Scan(&cutAt, &cutID)
-		if errors.Is(err, sql.ErrNoRows) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		_, err = tx.ExecContext(ctx, `DELETE FROM vm_events WHERE vm_id = $1 AND (at < $2 OR (at = $2 AND id <= $3))`,
-			e.VMID, cutAt, cutID)
+		// older goes (in the order ListVMEvents reads). One statement: a
+		// VM with no more than keep events has no such event, the
+		// comparison is NULL and nothing goes.
+		_, err = tx.ExecContext(ctx, `DELETE FROM vm_events WHERE vm_id = $1 AND (at, id) <= (
+			SELECT at, id FROM vm_events WHERE vm_id = $1 ORDER BY at DESC, id DESC LIMIT 1 OFFSET $2)`, e.VMID, keep)
 		return err
 	})
 }
