@@ -10,6 +10,18 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// withTwoVMs opens a store on e holding fixture's users and hosts and
+// u1's VMs v1 ("web") and v2 ("db") on h1.
+func withTwoVMs(t *testing.T, e engine) *Store {
+	t.Helper()
+	s, _ := e.open(t)
+	fixture(t, s)
+	ctx := context.Background()
+	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
+	require.NoError(t, s.CreateVM(ctx, testVM("v2", "u1", "h1", "db", t0)))
+	return s
+}
+
 func messages(evs []VMEvent) []string {
 	out := make([]string, len(evs))
 	for i, e := range evs {
@@ -23,11 +35,8 @@ func TestAddingPastTheCapDropsTheVMsOldestEventsAndNoOtherVMs(t *testing.T) {
 }
 
 func testAddingPastTheCapDropsTheVMsOldestEventsAndNoOtherVMs(t *testing.T, e engine) {
-	s, _ := e.open(t)
+	s := withTwoVMs(t, e)
 	ctx := context.Background()
-	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("v2", "u1", "h1", "db", t0)))
 	require.NoError(t, s.addVMEvent(ctx, VMEvent{VMID: "v2", At: t0, Kind: "k", Message: "v2 first"}, 3))
 	require.NoError(t, s.addVMEvent(ctx, VMEvent{VMID: "v2", At: t0, Kind: "k", Message: "v2 second"}, 3))
 
@@ -57,10 +66,8 @@ func TestAFloodOfEventsLeavesAVMWithMaxVMEvents(t *testing.T) {
 }
 
 func testAFloodOfEventsLeavesAVMWithMaxVMEvents(t *testing.T, e engine) {
-	s, _ := e.open(t)
+	s := withTwoVMs(t, e)
 	ctx := context.Background()
-	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
 	const extra = 25
 	for i := range MaxVMEvents + extra {
 		require.NoError(t, s.AddVMEvent(ctx, VMEvent{VMID: "v1", At: t0.Add(time.Duration(i) * time.Millisecond), Kind: "tunnel", Message: fmt.Sprint(i)}))
@@ -77,11 +84,8 @@ func TestEventPagesWalkBackFromTheNewestEachOldestFirst(t *testing.T) {
 }
 
 func testEventPagesWalkBackFromTheNewestEachOldestFirst(t *testing.T, e engine) {
-	s, _ := e.open(t)
+	s := withTwoVMs(t, e)
 	ctx := context.Background()
-	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("v2", "u1", "h1", "db", t0)))
 	// Pairs share an instant, so a page boundary falls between two events
 	// of one instant.
 	for i := range 7 {
