@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -281,11 +280,11 @@ func (f *Fleet) AdoptOrphanedVM(ctx context.Context, r *eitriv1.AdoptOrphanedVMR
 		return nil, err
 	}
 	name := cmp.Or(r.GetName(), held.GetName())
-	if err := checkVMName(name); err != nil {
+	if why := vmNameProblem(name); why != "" {
 		if r.GetName() == "" {
-			return nil, invalid("name", "%s (the name its host holds; pass name to adopt it under another)", strings.TrimPrefix(err.Error(), "name: "))
+			why += " (the name its host holds; pass name to adopt it under another)"
 		}
-		return nil, err
+		return nil, invalid("name", "%s", why)
 	}
 	power := held.GetPowerState()
 	if power != vmstate.PowerRunning && power != vmstate.PowerStopped {

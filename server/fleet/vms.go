@@ -43,23 +43,24 @@ func checkLen(field, v string, max int) error {
 	return nil
 }
 
-// checkVMName accepts a DNS label that cannot be taken for a name eitri
-// gives out: a VM's id ("vm-..."), a host alias ("eitri-...", which
-// `eitri ssh` connects by and host certificates name), or "localhost".
-// Whoever names a VM is root in it; a name shaped like another VM's id or
-// alias is a claim on that VM's identity.
-func checkVMName(name string) error {
+// vmNameProblem says what is wrong with a VM name ("" for nothing): it
+// must be a DNS label that cannot be taken for a name eitri gives out: a
+// VM's id ("vm-..."), a host alias ("eitri-...", which `eitri ssh`
+// connects by and host certificates name), or "localhost". Whoever names
+// a VM is root in it; a name shaped like another VM's id or alias is a
+// claim on that VM's identity.
+func vmNameProblem(name string) string {
 	switch {
 	case !dnsLabel.MatchString(name):
-		return invalid("name", "%q is not a DNS label (lowercase letters, digits and '-', 1-63 characters, no leading or trailing '-')", name)
+		return fmt.Sprintf("%q is not a DNS label (lowercase letters, digits and '-', 1-63 characters, no leading or trailing '-')", name)
 	case strings.HasPrefix(name, "vm-"):
-		return invalid("name", "%q starts with \"vm-\", which VM ids do; choose another name", name)
+		return fmt.Sprintf("%q starts with \"vm-\", which VM ids do; choose another name", name)
 	case strings.HasPrefix(name, sshcert.AliasPrefix):
-		return invalid("name", "%q starts with %q, which eitri's host aliases do; choose another name", name, sshcert.AliasPrefix)
+		return fmt.Sprintf("%q starts with %q, which eitri's host aliases do; choose another name", name, sshcert.AliasPrefix)
 	case name == "localhost":
-		return invalid("name", "%q names every machine to itself; choose another name", name)
+		return fmt.Sprintf("%q names every machine to itself; choose another name", name)
 	}
-	return nil
+	return ""
 }
 
 func validateVM(r *eitriv1.CreateVMRequest) error {
@@ -78,8 +79,8 @@ func validateVM(r *eitriv1.CreateVMRequest) error {
 			return err
 		}
 	}
-	if err := checkVMName(r.GetName()); err != nil {
-		return err
+	if why := vmNameProblem(r.GetName()); why != "" {
+		return invalid("name", "%s", why)
 	}
 	switch {
 	case r.GetImageUrl() == "":
