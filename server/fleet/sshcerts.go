@@ -294,16 +294,12 @@ func hasControl(s string) bool {
 	return false
 }
 
-// HostKeyAlias is the name `eitri ssh` gives a VM's host key (ssh's
-// HostKeyAlias and destination): a guest's host certificate names it.
-func HostKeyAlias(vmID string) string { return sshcert.HostAlias(vmID) }
-
 // hostPrincipals are the names a guest's host certificate vouches for:
 // only names eitri gives out, the VM's id and its alias. Never the VM's
 // name: its owner chooses it and is root in the guest holding the
 // certificate, so a name copied from another VM's alias, or "localhost",
 // would be a certificate to pass as that host.
-func hostPrincipals(vmID string) []string { return []string{vmID, HostKeyAlias(vmID)} }
+func hostPrincipals(vmID string) []string { return []string{vmID, sshcert.HostAlias(vmID)} }
 
 // SignHostKey certifies a guest's host key for the host the VM is placed
 // on, for hostPrincipals, for HostCertValidity. Agents call it again to
