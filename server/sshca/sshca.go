@@ -68,18 +68,28 @@ func LoadOrCreate(dir string) (*Authority, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
-	a := &Authority{dir: dir, keys: map[Kind]*keyset{}}
+	keys, err := loadBoth(dir, true)
+	if err != nil {
+		return nil, err
+	}
+	return &Authority{dir: dir, keys: keys}, nil
+}
+
+// loadBoth reads both CAs from dir, making one that does not exist yet if
+// orCreate.
+func loadBoth(dir string, orCreate bool) (map[Kind]*keyset, error) {
+	keys := map[Kind]*keyset{}
 	for _, k := range []Kind{User, Host} {
 		ks, err := load(dir, k)
-		if errors.Is(err, os.ErrNotExist) {
+		if orCreate && errors.Is(err, os.ErrNotExist) {
 			ks, err = create(dir, k)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("ssh %s CA: %w", k, err)
 		}
-		a.keys[k] = ks
+		keys[k] = ks
 	}
-	return a, nil
+	return keys, nil
 }
 
 func load(dir string, k Kind) (*keyset, error) {
@@ -172,13 +182,9 @@ func (a *Authority) Rotate(k Kind) error {
 // Reload reads both CAs from the directory again: another replica rotated
 // one and the shared files now hold its new key.
 func (a *Authority) Reload() error {
-	keys := map[Kind]*keyset{}
-	for _, k := range []Kind{User, Host} {
-		ks, err := load(a.dir, k)
-		if err != nil {
-			return fmt.Errorf("ssh %s CA: %w", k, err)
-		}
-		keys[k] = ks
+	keys, err := loadBoth(a.dir, false)
+	if err != nil {
+		return err
 	}
 	a.mu.Lock()
 	a.keys = keys
