@@ -130,6 +130,26 @@ func TestRotateKeepsThePreviousKeyTrusted(t *testing.T) {
 	assert.Equal(t, "@cert-authority eitri-* "+sshca.AuthorizedKey(trusted[0]), sshca.KnownHostsLine(trusted[0]))
 }
 
+// Reload is how a replica takes a rotation another replica wrote to the
+// shared files: it reads both CAs again, and never makes one.
+func TestReloadReadsARotationMadeByAnotherAuthority(t *testing.T) {
+	dir := t.TempDir()
+	a, err := sshca.LoadOrCreate(dir)
+	require.NoError(t, err)
+	b, err := sshca.LoadOrCreate(dir)
+	require.NoError(t, err)
+	require.NoError(t, b.Rotate(sshca.User))
+
+	require.NoError(t, a.Reload())
+	assert.Equal(t, b.PublicKey(sshca.User).Marshal(), a.PublicKey(sshca.User).Marshal())
+	require.Len(t, a.Trusted(sshca.User), 2, "the previous key comes along")
+	assert.Equal(t, b.PublicKey(sshca.Host).Marshal(), a.PublicKey(sshca.Host).Marshal())
+
+	require.NoError(t, os.Remove(filepath.Join(dir, "host_ca")))
+	assert.ErrorIs(t, a.Reload(), os.ErrNotExist, "a missing CA is an error, not a new CA")
+	assert.Equal(t, b.PublicKey(sshca.Host).Marshal(), a.PublicKey(sshca.Host).Marshal(), "a failed reload keeps what it had")
+}
+
 // login is sshd's check of a user certificate: signed by a trusted user CA
 // (CertChecker.CheckCert alone does not look at the signer), valid now,
 // for this user.
