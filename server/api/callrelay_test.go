@@ -275,14 +275,23 @@ func TestAnAnswerStreamFromAHostWithNoCallWaitingIsRefusedUnread(t *testing.T) {
 	assert.Less(t, grew, uint64(120<<20), "well under a MiB a stream; each frame read would be 7 MiB or more")
 }
 
-// Item 7: a host answering a real call is held to a chunk per message, as
-// tunnels are: its 7 MiB frame is refused without being buffered.
-func TestAConsoleAnswerIsBoundedToAChunk(t *testing.T) {
-	e, _ := probedEnv(t, server.Config{})
+// unansweredConsoleCall is a probed control plane with a played host
+// running web-1, and a console call to web-1 the host was sent and leaves
+// for the test to answer (out: what the console's follower receives).
+func unansweredConsoleCall(t *testing.T) (*env, *bodyProbe, *relayAgent, *eitriv1.CallsResponse, <-chan string) {
+	t.Helper()
+	e, probe := probedEnv(t, server.Config{})
 	r := e.relayAgent("h1")
 	vm := e.mustCreateVM(e.admin, createReq("web-1")).Id
 	r.ready(t, e.vms(e.admin), vm)
-	c, _ := r.nextCall(t, e.vms(e.admin), vm)
+	c, out := r.nextCall(t, e.vms(e.admin), vm)
+	return e, probe, r, c, out
+}
+
+// Item 7: a host answering a real call is held to a chunk per message, as
+// tunnels are: its 7 MiB frame is refused without being buffered.
+func TestAConsoleAnswerIsBoundedToAChunk(t *testing.T) {
+	e, _, r, c, _ := unansweredConsoleCall(t)
 
 	frame := consoleFrame(t, &eitriv1.ConsoleRequest{CallId: c.GetId(), Data: bytes.Repeat([]byte("x"), 7<<20)})
 	hc := &http.Client{Transport: e.http.Transport, Timeout: 10 * time.Second}
@@ -299,11 +308,7 @@ func TestAConsoleAnswerIsBoundedToAChunk(t *testing.T) {
 // waiting; one past that is refused before a byte of it is read, and the
 // stream that does answer the call still carries it.
 func TestAHostOpensNoMoreAnswerStreamsThanCallsWaiting(t *testing.T) {
-	e, probe := probedEnv(t, server.Config{})
-	r := e.relayAgent("h1")
-	vm := e.mustCreateVM(e.admin, createReq("web-1")).Id
-	r.ready(t, e.vms(e.admin), vm)
-	c, out := r.nextCall(t, e.vms(e.admin), vm)
+	e, probe, r, c, out := unansweredConsoleCall(t)
 
 	// One stream opens and names nothing yet: it may be the call's answer.
 	ctx, cancel := context.WithCancel(context.Background())
