@@ -278,10 +278,7 @@ func TestVMCreateWithoutStreamsLeftIsNotFollowed(t *testing.T) {
 	e := start(t)
 	connectHost(t, e)
 	bob := e.userToken(t, "bob")
-	_, err := e.fleet.SetQuota(e.as(t, e.token), &eitriv1.SetQuotaRequest{
-		UserName: "bob", Limits: &eitriv1.QuotaLimits{Streams: proto.Int64(0)},
-	})
-	require.NoError(t, err)
+	e.setStreams(t, "bob", 0)
 	cs := connectAs(t, e, bob, nil)
 
 	out := ok[eitrimcp.VMCreateOut](t, cs, "vm_create", validCreate())

@@ -85,6 +85,23 @@ func refusal(t *testing.T, resp *http.Response) string {
 	return msg.Message
 }
 
+// setStreams sets user's streams quota, as the admin.
+func (e env) setStreams(t *testing.T, user string, n int64) {
+	t.Helper()
+	_, err := e.fleet.SetQuota(e.as(t, e.token), &eitriv1.SetQuotaRequest{
+		UserName: user, Limits: &eitriv1.QuotaLimits{Streams: proto.Int64(n)},
+	})
+	require.NoError(t, err)
+}
+
+// streamsUsed is how many streams the quota counts token's user holding.
+func (e env) streamsUsed(t *testing.T, token string) int64 {
+	t.Helper()
+	q, err := e.fleet.GetQuota(e.as(t, token), "")
+	require.NoError(t, err)
+	return q.GetUsage().GetStreams()
+}
+
 func heapLive() uint64 {
 	runtime.GC()
 	var m runtime.MemStats
@@ -205,15 +222,7 @@ func TestASessionIsOnlyItsOwnersToUse(t *testing.T) {
 func TestMCPEventStreamsCountInTheStreamsQuota(t *testing.T) {
 	e := start(t)
 	bob := e.userToken(t, "bob")
-	_, err := e.fleet.SetQuota(e.as(t, e.token), &eitriv1.SetQuotaRequest{
-		UserName: "bob", Limits: &eitriv1.QuotaLimits{Streams: proto.Int64(3)},
-	})
-	require.NoError(t, err)
-	streamsUsed := func() int64 {
-		q, err := e.fleet.GetQuota(e.as(t, bob), "")
-		require.NoError(t, err)
-		return q.GetUsage().GetStreams()
-	}
+	e.setStreams(t, "bob", 3)
 
 	sessions := make([]string, 4)
 	streams := make([]*http.Response, 3)
@@ -224,7 +233,7 @@ func TestMCPEventStreamsCountInTheStreamsQuota(t *testing.T) {
 		streams[i] = send(t, e, http.MethodGet, bob, sessions[i], "")
 		require.Equal(t, http.StatusOK, streams[i].StatusCode)
 	}
-	assert.Equal(t, int64(3), streamsUsed())
+	assert.Equal(t, int64(3), e.streamsUsed(t, bob))
 
 	msg := refusal(t, send(t, e, http.MethodGet, bob, sessions[3], ""))
 	assert.Contains(t, msg, "quota: streams: bob already has 3 of 3 streams open")
@@ -235,9 +244,9 @@ func TestMCPEventStreamsCountInTheStreamsQuota(t *testing.T) {
 	resp := send(t, e, http.MethodDelete, bob, sessions[0], "")
 	require.Equal(t, http.StatusNoContent, resp.StatusCode)
 	_, _ = io.Copy(io.Discard, streams[0].Body)
-	assert.Equal(t, int64(2), streamsUsed())
+	assert.Equal(t, int64(2), e.streamsUsed(t, bob))
 	assert.Equal(t, http.StatusOK, send(t, e, http.MethodGet, bob, sessions[3], "").StatusCode)
-	assert.Equal(t, int64(3), streamsUsed())
+	assert.Equal(t, int64(3), e.streamsUsed(t, bob))
 }
 
 // vm_create's wait for ready is a stream too, held while the call runs.
@@ -247,20 +256,15 @@ func TestAVMCreateWaitCountsInTheStreamsQuotaWhileItRuns(t *testing.T) {
 	bob := e.userToken(t, "bob")
 	progress := make(chan *mcp.ProgressNotificationParams, 16)
 	cs := connectAs(t, e, bob, progress)
-	streamsUsed := func() int64 {
-		q, err := e.fleet.GetQuota(e.as(t, bob), "")
-		require.NoError(t, err)
-		return q.GetUsage().GetStreams()
-	}
 
 	notices, done := createWaiting(t, cs, progress, 60)
 	next(t, notices) // the wait has its stream
-	assert.Equal(t, int64(1), streamsUsed())
+	assert.Equal(t, int64(1), e.streamsUsed(t, bob))
 
 	h.report(&eitriv1.ActualVM{VmId: onlyVMID(t, e), Phase: "ready", Power: "running", Ip: "10.77.0.5"})
 	res := result(t, done)
 	require.False(t, res.IsError, text(res))
-	assert.Equal(t, int64(0), streamsUsed())
+	assert.Equal(t, int64(0), e.streamsUsed(t, bob))
 }
 
 // A client whose session was evicted is told it is gone (404), which the
@@ -283,10 +287,7 @@ func TestAnEvictedSessionsClientIsToldItIsGone(t *testing.T) {
 func TestAClientWithNoStreamsLeftStillCallsTools(t *testing.T) {
 	e := start(t)
 	bob := e.userToken(t, "bob")
-	_, err := e.fleet.SetQuota(e.as(t, e.token), &eitriv1.SetQuotaRequest{
-		UserName: "bob", Limits: &eitriv1.QuotaLimits{Streams: proto.Int64(0)},
-	})
-	require.NoError(t, err)
+	e.setStreams(t, "bob", 0)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	gets := make(chan int, 4)
