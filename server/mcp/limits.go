@@ -130,7 +130,7 @@ type limitError struct {
 
 func (e *limitError) Error() string { return e.msg }
 
-func (s *sessionTable) allBusy(p auth.Principal) error {
+func (s *sessionTable) allBusy(p auth.Principal) *limitError {
 	return &limitError{msg: fmt.Sprintf("mcp sessions: %s has %d of %d MCP sessions open, each with a call in progress; "+
 		"wait for a call to end, or end a session (DELETE /mcp with its Mcp-Session-Id)", p.Name, s.lim.SessionsPerUser, s.lim.SessionsPerUser)}
 }
@@ -138,7 +138,7 @@ func (s *sessionTable) allBusy(p auth.Principal) error {
 // admitNew is the check on a request that would make a session: refused
 // when the user's sessions are all busy (so there is nothing to evict), or
 // past the user's session rate.
-func (s *sessionTable) admitNew(p auth.Principal) error {
+func (s *sessionTable) admitNew(p auth.Principal) *limitError {
 	now := time.Now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -291,8 +291,8 @@ func (s *sessionTable) gate(f *fleet.Fleet, next http.Handler) http.Handler {
 		id := r.Header.Get(sessionIDHeader)
 		switch {
 		case id == "" && r.Method == http.MethodPost:
-			if err := s.admitNew(p); err != nil {
-				writeLimitError(w, err)
+			if le := s.admitNew(p); le != nil {
+				writeLimitError(w, le)
 				return
 			}
 		case id != "":
@@ -324,11 +324,7 @@ func (s *sessionTable) gate(f *fleet.Fleet, next http.Handler) http.Handler {
 
 func ceilSeconds(d time.Duration) int { return int(math.Ceil(d.Seconds())) }
 
-func writeLimitError(w http.ResponseWriter, err error) {
-	var le *limitError
-	if !errors.As(err, &le) {
-		le = &limitError{msg: err.Error()}
-	}
+func writeLimitError(w http.ResponseWriter, le *limitError) {
 	if le.retryAfter > 0 {
 		w.Header().Set("Retry-After", strconv.Itoa(ceilSeconds(le.retryAfter)))
 	}
