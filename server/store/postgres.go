@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -63,6 +64,11 @@ func pgCode(err error) string {
 // migrations, one at a time ("eitri" and a 1, as bytes).
 const migrationLock int64 = 0x65_69_74_72_69_00_01
 
+// idleInTransaction is how long a replica's transaction may wait for the
+// replica's next statement before PostgreSQL ends its session (see
+// openPostgres).
+const idleInTransaction = 10 * time.Second
+
 // pgMaxAttempts bounds how often a write transaction is tried when
 // PostgreSQL keeps failing to serialize it.
 const pgMaxAttempts = 30
@@ -75,6 +81,16 @@ func openPostgres(ctx context.Context, dsn string) (*Store, error) {
 	}
 	if _, ok := cfg.RuntimeParams["application_name"]; !ok {
 		cfg.RuntimeParams["application_name"] = "eitri"
+	}
+	// A replica frozen (SIGSTOP, a VM paused) or cut off inside a
+	// transaction would keep its locks for as long as PostgreSQL keeps its
+	// connection: the live lock, the change feed's, a row of control_plane
+	// or hosts, and with them every other replica's writes. PostgreSQL ends
+	// such a session once it has sat idle in its transaction this long,
+	// far longer than any pause between the statements of a transaction
+	// here, and shorter than a host's claim.
+	if _, ok := cfg.RuntimeParams["idle_in_transaction_session_timeout"]; !ok {
+		cfg.RuntimeParams["idle_in_transaction_session_timeout"] = strconv.FormatInt(idleInTransaction.Milliseconds(), 10)
 	}
 	// Every connection says which replica it writes for, so the change
 	// feed's triggers can record whose write each change was.
