@@ -1,17 +1,12 @@
 package main
 
 import (
-	"crypto/ed25519"
 	"crypto/rand"
-	"encoding/pem"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -20,7 +15,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
 
-	"github.com/a73x/eitri/agent/hosttest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/wire/sshcert"
 )
@@ -53,31 +47,11 @@ func TestEitriSSHOffersTheCertificateAndTrustsTheHostCA(t *testing.T) {
 // and a client trusting the host CA alone refuses it. Debian's sshd and
 // ssh, on loopback.
 func TestEitriSSHReachesAGuestWhoseHostCertificateLapsedByItsPinnedKey(t *testing.T) {
-	const sshd = "/usr/sbin/sshd"
-	if _, err := os.Stat(sshd); err != nil {
-		t.Skip("needs openssh-server (make deps)")
-	}
-	for _, bin := range []string{"ssh", "socat"} {
-		if _, err := exec.LookPath(bin); err != nil {
-			t.Skipf("needs %s (make deps)", bin)
-		}
-	}
-	me, err := user.Current()
-	require.NoError(t, err)
-	if me.Uid == "0" {
-		require.NoError(t, os.MkdirAll("/run/sshd", 0o755))
-	}
+	me := needSSHD(t, "ssh", "socat")
 	dir := t.TempDir()
 	writeKey := func(name string) (ssh.Signer, string) {
-		_, priv, err := ed25519.GenerateKey(rand.Reader)
-		require.NoError(t, err)
-		block, err := ssh.MarshalPrivateKey(priv, "")
-		require.NoError(t, err)
 		path := filepath.Join(dir, name)
-		require.NoError(t, os.WriteFile(path, pem.EncodeToMemory(block), 0o600))
-		s, err := ssh.NewSignerFromKey(priv)
-		require.NoError(t, err)
-		return s, path
+		return writeSSHKey(t, path), path
 	}
 	hostSigner, hostKeyPath := writeKey("host_key")
 	caSigner, _ := writeKey("host_ca")
@@ -91,31 +65,7 @@ func TestEitriSSHReachesAGuestWhoseHostCertificateLapsedByItsPinnedKey(t *testin
 	authorized := filepath.Join(dir, "authorized_keys")
 	require.NoError(t, os.WriteFile(authorized, ssh.MarshalAuthorizedKey(userSigner.PublicKey()), 0o600))
 
-	port := hosttest.FreePort(t, "tcp")
-	conf := filepath.Join(dir, "sshd_config")
-	require.NoError(t, os.WriteFile(conf, []byte(fmt.Sprintf(`ListenAddress 127.0.0.1:%d
-HostKey %s
-HostCertificate %s
-AuthorizedKeysFile %s
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-PermitRootLogin prohibit-password
-PidFile %s
-`, port, hostKeyPath, certPath, authorized, filepath.Join(dir, "sshd.pid"))), 0o600))
-	var sshdLog syncBuffer
-	daemon := exec.Command(sshd, "-D", "-e", "-f", conf)
-	daemon.Stdout, daemon.Stderr = &sshdLog, &sshdLog
-	require.NoError(t, daemon.Start())
-	t.Cleanup(func() { _ = daemon.Process.Kill(); _ = daemon.Wait() })
-	require.Eventually(t, func() bool {
-		c, err := net.Dial("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		if err == nil {
-			c.Close()
-		}
-		return err == nil
-	}, 10*time.Second, 20*time.Millisecond, "sshd listens:\n%s", &sshdLog)
+	port, sshdLog := startSSHD(t, hostKeyPath, certPath, "AuthorizedKeysFile "+authorized+"\n")
 
 	// eitri ssh's own known_hosts and command line, its ProxyCommand
 	// standing in for the tunnel.
@@ -137,6 +87,6 @@ PidFile %s
 	pub := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(hostSigner.PublicKey())))
 	require.NoError(t, pinHostKey(kh, sshcert.HostAlias(vmID), pub))
 	out, err = run()
-	require.NoError(t, err, "eitri ssh with the reported key pinned:\n%s\nsshd:\n%s", out, &sshdLog)
+	require.NoError(t, err, "eitri ssh with the reported key pinned:\n%s\nsshd:\n%s", out, sshdLog)
 	assert.Contains(t, out, "in-the-guest")
 }

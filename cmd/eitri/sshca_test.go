@@ -119,18 +119,20 @@ func TestSSHLoginWritesAPrivateKeyAndItsCertificate(t *testing.T) {
 	assert.True(t, os.IsNotExist(err), "Remove leaves no key behind")
 }
 
-// TestSSHCertificatesGetIntoARealSSHD runs Debian's sshd on loopback,
-// configured as a guest's seed configures it (TrustedUserCAKeys,
-// HostCertificate), with a host key the control plane certified through
-// the agent's RPC, and logs in with the system ssh and a certificate from
-// newSSHLogin, trusting only the host CA's known_hosts line.
-func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
-	const sshd = "/usr/sbin/sshd"
-	if _, err := os.Stat(sshd); err != nil {
+// sshdPath is Debian's sshd, which tests run on loopback as a guest's.
+const sshdPath = "/usr/sbin/sshd"
+
+// needSSHD skips a test without sshd or one of the client tools it names,
+// and returns the user the test runs as.
+func needSSHD(t *testing.T, tools ...string) *user.User {
+	t.Helper()
+	if _, err := os.Stat(sshdPath); err != nil {
 		t.Skip("needs openssh-server (make deps)")
 	}
-	if _, err := exec.LookPath("ssh"); err != nil {
-		t.Skip("needs the ssh client (make deps)")
+	for _, bin := range tools {
+		if _, err := exec.LookPath(bin); err != nil {
+			t.Skipf("needs %s (make deps)", bin)
+		}
 	}
 	me, err := user.Current()
 	require.NoError(t, err)
@@ -138,6 +140,65 @@ func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
 		// sshd refuses to start without its privilege separation directory.
 		require.NoError(t, os.MkdirAll("/run/sshd", 0o755))
 	}
+	return me
+}
+
+// writeSSHKey writes a new ed25519 private key to path, as ssh and sshd
+// read one.
+func writeSSHKey(t *testing.T, path string) ssh.Signer {
+	t.Helper()
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	block, err := ssh.MarshalPrivateKey(priv, "")
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(path, pem.EncodeToMemory(block), 0o600))
+	s, err := ssh.NewSignerFromKey(priv)
+	require.NoError(t, err)
+	return s
+}
+
+// startSSHD runs sshd until the test ends, on a free loopback port, with
+// hostKey and its certificate hostCert, no passwords, and the further
+// sshd_config lines in config. It returns the port once sshd listens, and
+// sshd's log.
+func startSSHD(t *testing.T, hostKey, hostCert, config string) (int, *syncBuffer) {
+	t.Helper()
+	dir := t.TempDir()
+	port := hosttest.FreePort(t, "tcp")
+	conf := filepath.Join(dir, "sshd_config")
+	require.NoError(t, os.WriteFile(conf, []byte(fmt.Sprintf(`ListenAddress 127.0.0.1:%d
+HostKey %s
+HostCertificate %s
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PermitRootLogin prohibit-password
+PidFile %s
+`, port, hostKey, hostCert, filepath.Join(dir, "sshd.pid"))+config), 0o600))
+	sshdLog := &syncBuffer{}
+	daemon := exec.Command(sshdPath, "-D", "-e", "-f", conf)
+	daemon.Stdout, daemon.Stderr = sshdLog, sshdLog
+	require.NoError(t, daemon.Start())
+	t.Cleanup(func() { _ = daemon.Process.Kill(); _ = daemon.Wait() })
+	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
+	require.Eventually(t, func() bool {
+		c, err := net.Dial("tcp", addr)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond, "sshd listens:\n%s", sshdLog)
+	return port, sshdLog
+}
+
+// TestSSHCertificatesGetIntoARealSSHD runs Debian's sshd on loopback,
+// configured as a guest's seed configures it (TrustedUserCAKeys,
+// HostCertificate), with a host key the control plane certified through
+// the agent's RPC, and logs in with the system ssh and a certificate from
+// newSSHLogin, trusting only the host CA's known_hosts line.
+func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
+	me := needSSHD(t, "ssh")
 	e := newCLIEnv(t, server.Config{})
 	vmID, scripted := sshVM(t, e, me.Username)
 	host := scripted.id
@@ -145,14 +206,8 @@ func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
 
 	// The guest's host key, certified as the agent has it certified.
 	dir := t.TempDir()
-	pub, priv, err := ed25519.GenerateKey(rand.Reader)
-	require.NoError(t, err)
-	block, err := ssh.MarshalPrivateKey(priv, "")
-	require.NoError(t, err)
 	hostKeyPath := filepath.Join(dir, "ssh_host_ed25519_key")
-	require.NoError(t, os.WriteFile(hostKeyPath, pem.EncodeToMemory(block), 0o600))
-	sshPub, err := ssh.NewPublicKey(pub)
-	require.NoError(t, err)
+	sshPub := writeSSHKey(t, hostKeyPath).PublicKey()
 	agentAPI := eitriv1connect.NewAgentServiceClient(connclient.HTTPClient(""), host.ServerURL, connect.WithInterceptors(connclient.Bearer(host.Credential)))
 	hc, err := agentAPI.SignHostKey(ctx, connect.NewRequest(&eitriv1.SignHostKeyRequest{VmId: vmID, PublicKey: string(ssh.MarshalAuthorizedKey(sshPub))}))
 	require.NoError(t, err)
@@ -172,35 +227,11 @@ func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
 	require.NoError(t, os.MkdirAll(principals, 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(principals, me.Username), []byte(me.Username+"@"+vmID+"\n"), 0o644))
 
-	port := hosttest.FreePort(t, "tcp")
-	conf := filepath.Join(dir, "sshd_config")
-	require.NoError(t, os.WriteFile(conf, []byte(fmt.Sprintf(`ListenAddress 127.0.0.1:%d
-HostKey %s
-HostCertificate %s
-TrustedUserCAKeys %s
+	port, sshdLog := startSSHD(t, hostKeyPath, hostCert, fmt.Sprintf(`TrustedUserCAKeys %s
 AuthorizedPrincipalsFile %s/%%u
 AuthorizedKeysFile none
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-PermitRootLogin prohibit-password
-PidFile %s
 LogLevel VERBOSE
-`, port, hostKeyPath, hostCert, caFile, principals, filepath.Join(dir, "sshd.pid"))), 0o600))
-	var sshdLog syncBuffer
-	daemon := exec.Command(sshd, "-D", "-e", "-f", conf)
-	daemon.Stdout, daemon.Stderr = &sshdLog, &sshdLog
-	require.NoError(t, daemon.Start())
-	t.Cleanup(func() { _ = daemon.Process.Kill(); _ = daemon.Wait() })
-	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
-	require.Eventually(t, func() bool {
-		c, err := net.Dial("tcp", addr)
-		if err == nil {
-			c.Close()
-		}
-		return err == nil
-	}, 10*time.Second, 20*time.Millisecond, "sshd listens:\n%s", &sshdLog)
+`, caFile, principals))
 
 	c, err := (&app{io: stdio{out: &bytes.Buffer{}, err: &bytes.Buffer{}}, format: formatTable}).dial()
 	require.NoError(t, err)
@@ -218,7 +249,7 @@ LogLevel VERBOSE
 
 	l := login(0)
 	out, err := runSSH(l.SSHOptions(sshcert.HostAlias(vmID)))
-	require.NoError(t, err, "ssh as the VM's login user with a fresh certificate, by its alias:\n%s\nsshd:\n%s", out, &sshdLog)
+	require.NoError(t, err, "ssh as the VM's login user with a fresh certificate, by its alias:\n%s\nsshd:\n%s", out, sshdLog)
 	assert.Contains(t, out, "in-the-guest")
 	assert.Contains(t, sshdLog.String(), "Accepted publickey for "+me.Username, "sshd took the certificate")
 
@@ -268,7 +299,7 @@ LogLevel VERBOSE
 	// sshd's own log of the refusal may land just after the client has
 	// seen the connection close.
 	assert.Eventually(t, func() bool { return strings.Contains(sshdLog.String(), "expired") }, 5*time.Second, 20*time.Millisecond,
-		"sshd says why:\n%s", &sshdLog)
+		"sshd says why:\n%s", sshdLog)
 
 	// eitri ssh itself, its ProxyCommand standing in for the tunnel (socat
 	// to the loopback sshd). The host reports a key other than the one
@@ -289,7 +320,7 @@ LogLevel VERBOSE
 	}, 10*time.Second, 10*time.Millisecond)
 	var sshOut syncBuffer
 	err = execute(ctx, []string{"ssh", vmID, "--", "-o", "BatchMode=yes", "echo", "via-eitri-ssh"}, stdio{in: strings.NewReader(""), out: &sshOut, err: &sshOut})
-	require.NoError(t, err, "eitri ssh:\n%s\nsshd:\n%s", &sshOut, &sshdLog)
+	require.NoError(t, err, "eitri ssh:\n%s\nsshd:\n%s", &sshOut, sshdLog)
 	assert.Contains(t, sshOut.String(), "via-eitri-ssh")
 
 	// Without the CA line the decoy pin alone refuses the guest: the
