@@ -19,7 +19,8 @@ const (
 	// DefaultVMEventsPage is the page size of a request that names none.
 	DefaultVMEventsPage = 100
 	// MaxVMEventsPage is the largest page; a request for more gets this.
-	MaxVMEventsPage = 1000
+	// It is all a VM keeps, so one largest page is the whole timeline.
+	MaxVMEventsPage = store.MaxVMEvents
 )
 
 // ListVMEvents returns a page of a VM's timeline: the newest events before
