@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"time"
 
@@ -384,14 +385,12 @@ type VMEventCursor struct {
 // ListVMEventsBefore returns the newest n of the VM's events that come
 // before the cursor (all of them for nil), oldest first.
 func (s *Store) ListVMEventsBefore(ctx context.Context, vmID string, before *VMEventCursor, n int) ([]VMEvent, error) {
-	q := `SELECT id, vm_id, at, kind, message FROM vm_events WHERE vm_id = $1 ORDER BY at DESC, id DESC LIMIT $2`
-	args := []any{vmID, n}
+	at, id := int64(math.MaxInt64), int64(math.MaxInt64) // past every event
 	if before != nil {
-		q = `SELECT id, vm_id, at, kind, message FROM vm_events WHERE vm_id = $1 AND (at < $2 OR (at = $2 AND id < $3))
-			ORDER BY at DESC, id DESC LIMIT $4`
-		args = []any{vmID, nanos(before.At), before.ID, n}
+		at, id = nanos(before.At), before.ID
 	}
-	out, err := s.queryVMEvents(ctx, q, args...)
+	out, err := s.queryVMEvents(ctx, `SELECT id, vm_id, at, kind, message FROM vm_events WHERE vm_id = $1 AND (at, id) < ($2, $3)
+		ORDER BY at DESC, id DESC LIMIT $4`, vmID, at, id, n)
 	slices.Reverse(out)
 	return out, err
 }
