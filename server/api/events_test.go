@@ -25,9 +25,7 @@ func TestAFloodedTimelineIsKeptShortAndListedInPages(t *testing.T) {
 	ctx := context.Background()
 	hostID, cred := e.enroll("h1")
 	e.connect(hostID, cred, big())
-	r, err := e.vms(e.admin).CreateVM(ctx, connect.NewRequest(createReq("web-1")))
-	require.NoError(t, err)
-	id := r.Msg.Vm.Id
+	id := e.mustCreateVM(e.admin, createReq("web-1")).Id
 
 	const flood = store.MaxVMEvents + 500
 	pad := strings.Repeat("x", 1000)

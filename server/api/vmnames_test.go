@@ -22,9 +22,7 @@ func TestAVMCannotBeNamedLikeAnotherVMsIDOrAliasOrLocalhost(t *testing.T) {
 	h, cred := e.enroll("h1")
 	e.connect(h, cred, big())
 	alice, bob := e.user("alice"), e.user("bob")
-	victim, err := e.vms(alice).CreateVM(ctx, connect.NewRequest(createReq("web")))
-	require.NoError(t, err)
-	id := victim.Msg.Vm.Id
+	id := e.mustCreateVM(alice, createReq("web")).Id
 
 	for _, name := range []string{"eitri-" + id, id, "localhost", "vm-xxxx", "eitri-web"} {
 		_, err := e.vms(bob).CreateVM(ctx, connect.NewRequest(createReq(name)))
@@ -48,18 +46,16 @@ func TestAnOrphanHeldUnderAnAliasShapedNameIsAdoptedOnlyUnderAnother(t *testing.
 	ctx := context.Background()
 	h, cred := e.enroll("h1")
 	a := e.connect(h, cred, big())
-	mine, err := e.vms(e.admin).CreateVM(ctx, connect.NewRequest(createReq("db")))
-	require.NoError(t, err)
-	owner := mine.Msg.Vm.OwnerId
-	held := &eitriv1.VMDesired{VmId: "vm-lost", Name: "eitri-" + mine.Msg.Vm.Id, ImageUrl: "http://images.test/g.raw", ImageSha256: sha,
-		Vcpus: 1, MemMb: 512, DiskGb: 4, PowerState: "stopped", Owner: owner, Version: 7}
+	mine := e.mustCreateVM(e.admin, createReq("db"))
+	held := &eitriv1.VMDesired{VmId: "vm-lost", Name: "eitri-" + mine.Id, ImageUrl: "http://images.test/g.raw", ImageSha256: sha,
+		Vcpus: 1, MemMb: 512, DiskGb: 4, PowerState: "stopped", Owner: mine.OwnerId, Version: 7}
 	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Quarantined: []*eitriv1.QuarantinedVM{{VmId: "vm-lost", Name: held.Name, Held: held, Power: "stopped"}}})
 	require.Eventually(t, func() bool {
 		r, err := e.vms(e.admin).ListOrphanedVMs(ctx, connect.NewRequest(&eitriv1.ListOrphanedVMsRequest{}))
 		return err == nil && len(r.Msg.Vms) == 1
 	}, 5*time.Second, 10*time.Millisecond)
 
-	_, err = e.vms(e.admin).AdoptOrphanedVM(ctx, connect.NewRequest(&eitriv1.AdoptOrphanedVMRequest{HostId: h, VmId: "vm-lost"}))
+	_, err := e.vms(e.admin).AdoptOrphanedVM(ctx, connect.NewRequest(&eitriv1.AdoptOrphanedVMRequest{HostId: h, VmId: "vm-lost"}))
 	require.Equal(t, connect.CodeInvalidArgument, code(err))
 	assert.ErrorContains(t, err, "name: ")
 	assert.ErrorContains(t, err, "pass name")
