@@ -355,8 +355,11 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	srv.Protocols.SetHTTP1(true)
 	if s.tls != nil {
 		srv.Protocols.SetHTTP2(true)
-		srv.TLSConfig = s.tls
-		ln = tls.NewListener(ln, s.tls)
+		// A copy per listener: net/http adjusts its server's TLS config,
+		// and a server may serve several listeners at once.
+		cfg := s.tls.Clone()
+		srv.TLSConfig = cfg
+		ln = tls.NewListener(ln, cfg)
 	} else {
 		srv.Protocols.SetUnencryptedHTTP2(true)
 	}
