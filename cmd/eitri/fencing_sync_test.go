@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"net"
 	"net/netip"
 	"sync"
 	"testing"
@@ -21,15 +20,7 @@ import (
 // startControlPlaneAt is startControlPlane on a clock of the test's.
 func startControlPlaneAt(t *testing.T, dir, addr string, now func() time.Time) *controlPlane {
 	t.Helper()
-	ln, err := net.Listen("tcp", addr)
-	require.NoError(t, err)
-	srv, err := server.New(context.Background(), server.Config{DataDir: dir, PublicURL: "https://" + ln.Addr().String(), Now: now})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	cp := &controlPlane{t: t, dir: dir, addr: ln.Addr().String(), srv: srv, cancel: cancel, done: make(chan struct{})}
-	go func() { _ = srv.Serve(ctx, ln); close(cp.done) }()
-	t.Cleanup(cp.stop)
-	return cp
+	return startControlPlaneWith(t, addr, server.Config{DataDir: dir, Now: now})
 }
 
 // guests stands in for QEMU behind the real reconcile engine: guests are
