@@ -544,8 +544,7 @@ func (f *Fleet) publishVM(ctx context.Context, id string) {
 		f.log.Warn("publish vm", "vm", id, "err", err)
 		return
 	}
-	f.published.putVM(vm)
-	f.VMs.Publish(watch.Event[*eitriv1.VM]{ID: id, Owner: vm.OwnerID, Obj: f.vmView(vm)})
+	f.publishVMRow(vm)
 }
 
 // WatchVMs subscribes the caller and returns the current list to start from.
