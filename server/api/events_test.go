@@ -115,7 +115,12 @@ func TestConsoleLinesInAVMsEventsCarryNoC1Escapes(t *testing.T) {
 	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Vms: []*eitriv1.ActualVM{{VmId: vm.Id, Power: "stopped", Phase: "failed",
 		LastError: "guest died: " + escapes, UnexpectedExits: 1, LastExit: exit}}})
 	e.vmIs(vm.Id, "failed")
-	require.Eventually(t, func() bool { return len(eventsOfKind(e.events(vm.Id), "exited")) == 1 }, 5*time.Second, 5*time.Millisecond)
+	// The exit is recorded before the status change that follows it, so wait
+	// for both: reading between the two finds no status event yet.
+	require.Eventually(t, func() bool {
+		evs := e.events(vm.Id)
+		return len(eventsOfKind(evs, "exited")) == 1 && len(eventsOfKind(evs, "status")) > 0
+	}, 5*time.Second, 5*time.Millisecond)
 
 	exited := eventsOfKind(e.events(vm.Id), "exited")[0].Message
 	assert.Equal(t, "qemu exited (signal 9)2J0;owned[31m; serial console:\nlogin: 2J0;owned[31m\nkernel panic", exited)
