@@ -29,6 +29,7 @@ import (
 	"github.com/a73x/eitri/server/pki"
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // Config is how the control plane is started.
@@ -124,7 +125,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 			if err != nil {
 				return err
 			}
-			s.Fingerprint = pki.Fingerprint(cert.Certificate[0])
+			s.Fingerprint = connclient.Fingerprint(cert.Certificate[0])
 			s.tls = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12, NextProtos: []string{"h2", "http/1.1"}}
 			sec.warnMissingNames(cert, cfg.TLSHosts, cfg.Log)
 		}

@@ -3,9 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
-	"crypto/sha256"
 	"crypto/tls"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -21,6 +19,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 // server is a running `eitri server` on loopback TLS.
@@ -112,8 +112,7 @@ func fingerprint(url string) (string, error) {
 		return "", err
 	}
 	defer conn.Close()
-	sum := sha256.Sum256(conn.ConnectionState().PeerCertificates[0].Raw)
-	return hex.EncodeToString(sum[:]), nil
+	return connclient.Fingerprint(conn.ConnectionState().PeerCertificates[0].Raw), nil
 }
 
 // launch starts cmd with GODEBUG=gctrace=1 and reads its output: the

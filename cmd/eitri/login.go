@@ -20,7 +20,7 @@ import (
 	"golang.org/x/term"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-	"github.com/a73x/eitri/server/pki"
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 func newLoginCmd(a *app) *cobra.Command {
@@ -104,7 +104,7 @@ func (a *app) pin(ctx context.Context, u, given string, in *bufio.Reader) (strin
 	if err != nil {
 		return "", err
 	}
-	got := pki.Fingerprint(leaf.Raw)
+	got := connclient.Fingerprint(leaf.Raw)
 	switch {
 	case given != "":
 		if given != got {
@@ -137,7 +137,7 @@ func (a *app) sameCertificate(ctx context.Context, ep endpoint) error {
 			fmt.Fprintf(a.io.err, "warning: %v; its certificate is checked when a request reaches it\n", err)
 			continue
 		}
-		if got := pki.Fingerprint(leaf.Raw); ep.Fingerprint != "" && got != ep.Fingerprint {
+		if got := connclient.Fingerprint(leaf.Raw); ep.Fingerprint != "" && got != ep.Fingerprint {
 			return fmt.Errorf("%s presents a certificate with fingerprint %s, not the %s of %s: replicas must share one certificate (nothing saved)", u, got, ep.Fingerprint, ep.URL)
 		} else if ep.Fingerprint == "" && !trusted {
 			return fmt.Errorf("%s presents a certificate no CA on this machine vouches for, unlike %s (nothing saved)", u, ep.URL)

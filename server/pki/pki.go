@@ -9,11 +9,9 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
-	"encoding/hex"
 	"encoding/pem"
 	"errors"
 	"fmt"
@@ -23,12 +21,6 @@ import (
 	"path/filepath"
 	"time"
 )
-
-// Fingerprint is the hex sha256 of a certificate's DER bytes.
-func Fingerprint(der []byte) string {
-	sum := sha256.Sum256(der)
-	return hex.EncodeToString(sum[:])
-}
 
 // LoadOrCreate returns the serving certificate in dir, making a CA and a
 // certificate for hosts (names or IPs, plus localhost and loopback) if there

@@ -7,6 +7,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/wire/connclient"
 )
 
 func TestFirstStartMakesACertificateAndLaterStartsKeepIt(t *testing.T) {
@@ -16,7 +18,7 @@ func TestFirstStartMakesACertificateAndLaterStartsKeepIt(t *testing.T) {
 	assert.Contains(t, a.Leaf.DNSNames, "cp.example")
 	b, err := LoadOrCreate(dir, nil)
 	require.NoError(t, err)
-	assert.Equal(t, Fingerprint(a.Certificate[0]), Fingerprint(b.Certificate[0]), "a restart must not change the pinned identity")
+	assert.Equal(t, connclient.Fingerprint(a.Certificate[0]), connclient.Fingerprint(b.Certificate[0]), "a restart must not change the pinned identity")
 }
 
 // The identity is pinned by every join token handed out after the first

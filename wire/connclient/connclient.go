@@ -50,6 +50,14 @@ func transport() *http.Transport {
 	}
 }
 
+// Fingerprint is the pin: the hex SHA-256 of a certificate's DER bytes. The
+// server logs and hands it out (join tokens, login) by this rule and every
+// client checks it by the same one.
+func Fingerprint(der []byte) string {
+	sum := sha256.Sum256(der)
+	return hex.EncodeToString(sum[:])
+}
+
 // pinned trusts exactly the certificate with this fingerprint.
 func pinned(fp string) *tls.Config {
 	return &tls.Config{
@@ -60,8 +68,7 @@ func pinned(fp string) *tls.Config {
 			if len(raw) == 0 {
 				return errors.New("control plane presented no certificate")
 			}
-			sum := sha256.Sum256(raw[0])
-			if got := hex.EncodeToString(sum[:]); got != fp {
+			if got := Fingerprint(raw[0]); got != fp {
 				return fmt.Errorf("control plane certificate %s does not match the pinned %s (wrong server, or its certificate changed)", got, fp)
 			}
 			return nil
