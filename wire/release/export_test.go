@@ -1,0 +1,3 @@
+package release
+
+var LinkedVersion = linkedVersion
