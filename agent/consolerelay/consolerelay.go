@@ -20,7 +20,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/a73x/eitri/agent/qemu"
-	"github.com/a73x/eitri/agent/syncclient"
+	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/wire/connclient"
@@ -37,7 +37,7 @@ type Config struct {
 	// Client is the agent's HTTP/2 client to the control plane (the Sync
 	// stream's, so calls share its connection and pinned TLS).
 	Client     *http.Client
-	Identity   syncclient.Identity
+	Identity   state.Identity
 	InstanceID string
 	Serial     Serial
 	// Guests finds a running VM's address on its bridge, for tunnels; nil
@@ -93,7 +93,7 @@ func Run(ctx context.Context, cfg Config) error {
 
 type relay struct {
 	client eitriv1connect.AgentServiceClient
-	ident  syncclient.Identity
+	ident  state.Identity
 	// replicas: clients to the other control-plane replicas calls came
 	// from, by URL (see api).
 	mu       sync.Mutex

@@ -34,7 +34,9 @@ type Store struct {
 }
 
 // Identity is what enrolment bought: who this host is to the control plane
-// and which server certificate it trusts.
+// and which server certificate it trusts. It is the one identity the agent
+// has: enrolment makes it, this store keeps it, and every call to the
+// control plane presents it.
 type Identity struct {
 	HostID     string
 	Credential string
@@ -42,8 +44,17 @@ type Identity struct {
 	// ServerURLs is every URL of a control plane with several replicas,
 	// ServerURL first; absent for one URL (and in records from before).
 	ServerURLs []string `json:",omitempty"`
-	// CertFingerprint is the hex sha256 of the server certificate's DER.
-	CertFingerprint string
+	// Fingerprint is the hex sha256 of the server certificate's DER (the
+	// pin); saved under its first name, so records on disk still read.
+	Fingerprint string `json:"CertFingerprint"`
+}
+
+// URLs is every control-plane URL to try, the first the one requests name.
+func (id Identity) URLs() []string {
+	if len(id.ServerURLs) > 0 {
+		return id.ServerURLs
+	}
+	return []string{id.ServerURL}
 }
 
 // VMSpec is the agent's own copy of what a VM was created from.

@@ -42,7 +42,7 @@ func TestIdentityRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, ok, "a fresh store has no identity")
 
-	want := Identity{HostID: "h1", Credential: "secret", ServerURL: "https://cp:8443", CertFingerprint: strings.Repeat("ab", 32)}
+	want := Identity{HostID: "h1", Credential: "secret", ServerURL: "https://cp:8443", Fingerprint: strings.Repeat("ab", 32)}
 	require.NoError(t, s.SaveIdentity(want))
 
 	// A second Store on the same directory proves it reached the disk.
@@ -52,7 +52,13 @@ func TestIdentityRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, ok)
 	assert.Equal(t, want, got)
-	assert.Len(t, got.CertFingerprint, 64)
+	assert.Len(t, got.Fingerprint, 64)
+
+	// Enrolled hosts' files name the pin CertFingerprint; they must still
+	// read after an upgrade.
+	raw, err := os.ReadFile(filepath.Join(s.Dir(), identityFile))
+	require.NoError(t, err)
+	assert.Contains(t, string(raw), `"CertFingerprint": "`+want.Fingerprint+`"`)
 }
 
 func TestVMRecordRoundTrip(t *testing.T) {

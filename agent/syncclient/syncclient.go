@@ -19,32 +19,17 @@ import (
 	"connectrpc.com/connect"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/wire/connclient"
 	"github.com/a73x/eitri/wire/jointoken"
 )
 
-// Identity is what enrolling buys; the agent keeps it durably.
-type Identity struct {
-	ServerURL, Fingerprint, HostID, Credential string
-	// ServerURLs is every URL the control plane answers at (its replicas),
-	// ServerURL first; empty for one that named only ServerURL.
-	ServerURLs []string
-}
-
-// URLs is every control-plane URL to try, the first the one requests name.
-func (id Identity) URLs() []string {
-	if len(id.ServerURLs) > 0 {
-		return id.ServerURLs
-	}
-	return []string{id.ServerURL}
-}
-
 // HTTPClient is the HTTP/2 client every one of the agent's calls shares:
 // pinned to the control plane's certificate, and failing over between its
 // replicas when one does not answer.
-func (id Identity) HTTPClient() *http.Client {
+func HTTPClient(id state.Identity) *http.Client {
 	hc, _, err := connclient.Replicas(id.Fingerprint, id.URLs())
 	if err != nil {
 		// A saved identity's URLs were checked when it was made; this is
@@ -55,25 +40,25 @@ func (id Identity) HTTPClient() *http.Client {
 }
 
 // Enroll spends a join token and returns this host's identity.
-func Enroll(ctx context.Context, token, hostname, version string) (Identity, error) {
+func Enroll(ctx context.Context, token, hostname, version string) (state.Identity, error) {
 	jt, err := jointoken.Decode(token)
 	if err != nil {
-		return Identity{}, err
+		return state.Identity{}, err
 	}
 	if err := jointoken.Dialable(jt); err != nil {
-		return Identity{}, err
+		return state.Identity{}, err
 	}
 	urls := jointoken.URLs(jt)
 	hc, base, err := connclient.Replicas(jt.GetCertFingerprint(), urls)
 	if err != nil {
-		return Identity{}, fmt.Errorf("join token: %w", err)
+		return state.Identity{}, fmt.Errorf("join token: %w", err)
 	}
 	c := eitriv1connect.NewAgentServiceClient(hc, base)
 	resp, err := c.Enroll(ctx, connect.NewRequest(&eitriv1.EnrollRequest{JoinToken: token, Hostname: hostname, AgentVersion: version}))
 	if err != nil {
-		return Identity{}, fmt.Errorf("enroll with %s: %w", strings.Join(urls, ", "), err)
+		return state.Identity{}, fmt.Errorf("enroll with %s: %w", strings.Join(urls, ", "), err)
 	}
-	id := Identity{ServerURL: base, Fingerprint: jt.GetCertFingerprint(), HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential}
+	id := state.Identity{ServerURL: base, Fingerprint: jt.GetCertFingerprint(), HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential}
 	if len(urls) > 1 {
 		id.ServerURLs = urls
 	}
@@ -88,7 +73,7 @@ type Source interface {
 
 // Config tunes Run.
 type Config struct {
-	Identity Identity
+	Identity state.Identity
 	Source   Source
 	Hello    func() *eitriv1.Hello
 	// ReportEvery is how often the aggregate is checked for changes; a
@@ -130,7 +115,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	hc := cfg.Client
 	if hc == nil {
-		hc = cfg.Identity.HTTPClient()
+		hc = HTTPClient(cfg.Identity)
 	}
 	client := eitriv1connect.NewAgentServiceClient(hc, cfg.Identity.ServerURL,
 		connect.WithInterceptors(connclient.Bearer(cfg.Identity.Credential)))

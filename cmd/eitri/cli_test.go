@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
@@ -73,7 +74,7 @@ func (e *cliEnv) adminCtx() context.Context {
 // enroll enrolls a host named name. The join token names the public URL,
 // which the test server does not know, so it is pointed at where the
 // server really listens.
-func (e *cliEnv) enroll(name string) syncclient.Identity {
+func (e *cliEnv) enroll(name string) state.Identity {
 	e.t.Helper()
 	jt, err := e.srv.Fleet.CreateJoinToken(e.adminCtx(), time.Minute)
 	require.NoError(e.t, err)

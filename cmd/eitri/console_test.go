@@ -18,6 +18,7 @@ import (
 
 	"github.com/a73x/eitri/agent/consolerelay"
 	"github.com/a73x/eitri/agent/qemu"
+	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
@@ -27,7 +28,7 @@ import (
 // consoleHost is an enrolled host whose agent runs the real console relay
 // over a real QEMU backend in a temp dir; the test writes the serial log
 // (and plays QEMU's input socket) itself.
-func (e *cliEnv) consoleHost(name string) (*qemu.Backend, syncclient.Identity) {
+func (e *cliEnv) consoleHost(name string) (*qemu.Backend, state.Identity) {
 	e.t.Helper()
 	qb, err := qemu.New(qemu.Config{Dir: e.t.TempDir()})
 	require.NoError(e.t, err)
@@ -37,7 +38,7 @@ func (e *cliEnv) consoleHost(name string) (*qemu.Backend, syncclient.Identity) {
 // relayHost is an enrolled host reporting what src says, whose agent runs
 // the real call relay configured by cfg (its client and identity are
 // filled in here).
-func (e *cliEnv) relayHost(name string, src *scriptedHost, cfg consolerelay.Config) syncclient.Identity {
+func (e *cliEnv) relayHost(name string, src *scriptedHost, cfg consolerelay.Config) state.Identity {
 	e.t.Helper()
 	id := e.enroll(name)
 	ctx, cancel := context.WithCancel(context.Background())

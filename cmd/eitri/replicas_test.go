@@ -16,6 +16,7 @@ import (
 
 	"github.com/a73x/eitri/agent/consolerelay"
 	"github.com/a73x/eitri/agent/qemu"
+	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
@@ -314,7 +315,7 @@ func TestAConsoleReachesAHostHeldByAnotherReplica(t *testing.T) {
 	guest := &loopGuest{running: map[string]bool{}}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	hc := id.HTTPClient()
+	hc := syncclient.HTTPClient(id)
 	agent := quickAgent(id, &source{}, "agent-1") // a copy of id: b only
 	agent.Client = hc
 	startAgentStream(ctx, agent)

@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/a73x/eitri/agent"
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/frontend"
 	"github.com/a73x/eitri/server"
@@ -206,11 +207,11 @@ func runDev(ctx context.Context, f devFlags) error {
 
 	// The local agent enrolls itself with a token minted in-process, so dev
 	// mode needs no copy and paste.
-	ac.dataDir = filepath.Join(f.dataDir, "agent")
+	ac.cfg.DataDir = filepath.Join(f.dataDir, "agent")
 	if f.guestImage != "" {
 		ac.imageEndpoints = guestImageEndpoints(ln.Addr())
 	}
-	ac.joinToken = func(ctx context.Context) (string, error) {
+	ac.cfg.MintJoinToken = func(ctx context.Context) (string, error) {
 		admin := auth.WithPrincipal(ctx, auth.Principal{Name: "dev", Admin: true})
 		r, err := srv.Fleet.CreateJoinToken(admin, 10*time.Minute)
 		if err != nil {
@@ -218,7 +219,14 @@ func runDev(ctx context.Context, f devFlags) error {
 		}
 		return r.Token, nil
 	}
-	go func() { errc <- runAgent(ctx, ac, log.With("part", "agent")) }()
+	go func() {
+		cfg, err := ac.config(log.With("part", "agent"))
+		if err != nil {
+			errc <- err
+			return
+		}
+		errc <- agent.Run(ctx, cfg)
+	}()
 	log.Info("eitri dev is up", "url", url, "console", url+"/")
 	// Both halves must have stopped before this returns: the agent holds its
 	// data dir's lock and the control plane its database until they do, and

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/wire/jointoken"
 
 	"connectrpc.com/connect"
@@ -114,7 +115,7 @@ func (cp *controlPlane) admin() context.Context {
 
 // enroll enrolls a host named h1 with a join token made through cp by the
 // caller of ctx.
-func (cp *controlPlane) enroll(ctx context.Context) syncclient.Identity {
+func (cp *controlPlane) enroll(ctx context.Context) state.Identity {
 	cp.t.Helper()
 	jt, err := cp.srv.Fleet.CreateJoinToken(ctx, time.Minute)
 	require.NoError(cp.t, err)
@@ -202,7 +203,7 @@ func TestEnrollRefusesACertificateThatDoesNotMatchThePin(t *testing.T) {
 
 // runAgentStream runs a quick agent (the process instance) for id until
 // the test ends, logging into logs, and returns what it was sent.
-func runAgentStream(t *testing.T, id syncclient.Identity, instance string, logs *hosttest.LogBuffer) *source {
+func runAgentStream(t *testing.T, id state.Identity, instance string, logs *hosttest.LogBuffer) *source {
 	t.Helper()
 	src := &source{}
 	cfg := quickAgent(id, src, instance)
@@ -303,7 +304,7 @@ func TestAnAgentEnrolledWithSeveralURLsFailsOverBetweenThem(t *testing.T) {
 // quickAgent is a quick test agent's Sync stream for id with src: the
 // agent process named instance ("" as older agents), reporting every 20 ms
 // and back within 200 ms of a lost stream.
-func quickAgent(id syncclient.Identity, src syncclient.Source, instance string) syncclient.Config {
+func quickAgent(id state.Identity, src syncclient.Source, instance string) syncclient.Config {
 	return syncclient.Config{
 		Identity: id, Source: src, ReportEvery: 20 * time.Millisecond, Heartbeat: time.Second,
 		MinBackoff: 50 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,

@@ -14,6 +14,7 @@ import (
 	"github.com/vbauerster/mpb/v8"
 	"google.golang.org/protobuf/encoding/protojson"
 
+	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/agent/syncclient"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
@@ -227,7 +228,7 @@ type scriptedHost struct {
 	vms []*eitriv1.VMDesired
 	row func(d *eitriv1.VMDesired) *eitriv1.ActualVM
 	// id is the host's enrollment (its credential opens AgentService).
-	id syncclient.Identity
+	id state.Identity
 }
 
 func (h *scriptedHost) Apply(s *eitriv1.DesiredStateSnapshot) bool {
