@@ -237,7 +237,7 @@ func (h *Hypervisor) Boot(ctx context.Context, spec state.VMSpec, seedPath strin
 	if err != nil {
 		return err // a QEMU that died at once already says why, serial included
 	}
-	reconcile.Narrate(ctx, "waiting for an address")
+	reconcile.Narrate(ctx, reconcile.SayWaitingForAddress)
 	addr, err := h.waitAddress(ctx, id)
 	if err != nil {
 		return err

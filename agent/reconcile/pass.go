@@ -22,27 +22,6 @@ import (
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
-// Narration, in the order a create says it.
-const (
-	sayWaitingForSlot = "waiting for a create slot on this host"
-	sayDownloading    = "downloading image"
-	sayPreparingDisk  = "preparing root disk"
-	sayCertifying     = "certifying the SSH host key"
-	sayUncertified    = "SSH host key not certified, the guest boots without a host certificate: "
-	sayBuildingSeed   = "building the cloud-init seed"
-	sayBooting        = "booting"
-	sayWaitingForIP   = "waiting for an address"
-	// sayWaitingForReady: the guest has its address, not yet a sign that
-	// it is usable (the hypervisor's Boot narrates what it waits for).
-	sayWaitingForReady = "waiting for the guest to finish booting"
-)
-
-// Narration of a created VM's power, in the order a start or a stop says it.
-const (
-	sayStarting     = "starting"
-	sayShuttingDown = "shutting down (ACPI)"
-)
-
 // publisher lands a row mid-pass. Nil means nobody is collecting; narration
 // is then skipped.
 type publisher func(*eitriv1.ActualVM)
@@ -495,7 +474,7 @@ func (e *Engine) observeKnown(ctx context.Context, d *eitriv1.VMDesired, rec sta
 		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseStopped, lastErr, "")}
 	}
 	if !leased {
-		return outcome{row: newRow(id, rec, vmstate.PowerRunning, waitPhase, lastErr, sayWaitingForIP)}
+		return outcome{row: newRow(id, rec, vmstate.PowerRunning, waitPhase, lastErr, SayWaitingForAddress)}
 	}
 	signal, ready := e.cfg.Hyper.Ready(ctx, id)
 	if !ready {

@@ -11,46 +11,6 @@ import (
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
-type narratorKey struct{}
-
-// Narrate lets a building block say what it is doing in the middle of a
-// call ("waiting for an address", "forcing off after 30 s"): the engine
-// hands Boot and Shutdown a context that carries its pass's publisher.
-// Outside a pass, or once the pass's context is done, it says nothing, so a
-// line can never outlive the pass that said it. Boot narrates only once the
-// guest process runs.
-func Narrate(ctx context.Context, detail string) {
-	NarrateAddress(ctx, netip.Addr{}, detail)
-}
-
-// NarrateAddress is Narrate for a boot whose guest has taken its address
-// but is not ready yet ("waiting for cloud-init"): the row carries the
-// address from then on, so it is known while the guest finishes booting.
-func NarrateAddress(ctx context.Context, addr netip.Addr, detail string) {
-	if say, ok := ctx.Value(narratorKey{}).(func(string, netip.Addr)); ok && ctx.Err() == nil {
-		say(detail, addr)
-	}
-}
-
-func withNarrator(ctx context.Context, say func(string, netip.Addr)) context.Context {
-	return context.WithValue(ctx, narratorKey{}, say)
-}
-
-// sayer publishes the VM's row with phase, power and a detail, while ctx is
-// live and somebody collects. An address it is told goes into the record
-// (the pass saves it with the rest).
-func sayer(ctx context.Context, pub publisher, id string, rec *state.Record, power, phase string) func(string, netip.Addr) {
-	return func(detail string, addr netip.Addr) {
-		if pub == nil || ctx.Err() != nil {
-			return
-		}
-		if addr.IsValid() {
-			rec.IP = addr.String()
-		}
-		pub(newRow(id, *rec, power, phase, "", detail))
-	}
-}
-
 // bootPhase is the phase of a created VM being booted: restarting while its
 // last runs failed, starting otherwise.
 func (e *Engine) bootPhase(rec state.Record) string {
@@ -109,7 +69,7 @@ func (e *Engine) start(ctx context.Context, d *eitriv1.VMDesired, rec state.Reco
 		// The pass's time ran out with the guest still coming up: it keeps
 		// booting, and the next pass finds it. Not a failed run.
 		e.log.Warn("boot still in progress when the pass timed out", "vm", id, "err", err)
-		return outcome{row: newRow(id, rec, "", phase, err.Error(), sayWaitingForIP)}
+		return outcome{row: newRow(id, rec, "", phase, err.Error(), SayWaitingForAddress)}
 	case isHostFault(err):
 		e.log.Warn("boot hit a host fault; trying again", "vm", id, "err", err)
 		return outcome{row: newRow(id, rec, vmstate.PowerStopped, phase, err.Error(), "host fault, will retry")}
