@@ -1,8 +1,12 @@
 package reconcile
 
 import (
+	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"math"
+	"strings"
 	"sync"
 	"time"
 
@@ -120,4 +124,31 @@ func (e *Engine) renewHostCert(ctx context.Context, id string, rec state.Record)
 	e.save(id, rec)
 	e.log.Info("SSH host certificate renewed", "vm", id)
 	return rec
+}
+
+// certifyHostKey asks the control plane for the guest's host certificate,
+// for no longer than SignTimeout.
+func (e *Engine) certifyHostKey(ctx context.Context, id, pub string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.SignTimeout)
+	defer cancel()
+	line, err := e.cfg.SignHostKey(ctx, id, pub)
+	if err != nil {
+		return "", err
+	}
+	line = strings.TrimSpace(line)
+	// A certificate the seed would refuse must not fail the VM: it is
+	// dropped here, and the guest boots uncertified.
+	k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(line))
+	if err != nil {
+		return "", fmt.Errorf("the control plane's host certificate: %w", err)
+	}
+	want, _, _, _, err := ssh.ParseAuthorizedKey([]byte(pub))
+	if err != nil {
+		return "", err
+	}
+	cert, ok := k.(*ssh.Certificate)
+	if !ok || cert.CertType != ssh.HostCert || !bytes.Equal(cert.Key.Marshal(), want.Marshal()) || strings.ContainsAny(line, "\r\n") {
+		return "", errors.New("the control plane's host certificate is not one for this guest's host key")
+	}
+	return line, nil
 }

@@ -187,3 +187,23 @@ func (e *Engine) save(id string, rec state.Record) {
 		e.log.Error("saving VM record", "vm", id, "err", err)
 	}
 }
+
+// stop shuts the VM down if it is running and reports the power it ends in.
+func (e *Engine) stop(ctx context.Context, id string) (running bool, lastErr string) {
+	running, err := e.cfg.Hyper.Power(ctx, id)
+	if err != nil {
+		return false, err.Error()
+	}
+	if !running {
+		return false, ""
+	}
+	if err := e.cfg.Hyper.Shutdown(ctx, id); err != nil {
+		e.log.Warn("shutdown failed", "vm", id, "err", err)
+		return true, err.Error()
+	}
+	running, err = e.cfg.Hyper.Power(ctx, id)
+	if err != nil {
+		return false, err.Error()
+	}
+	return running, ""
+}
