@@ -5,20 +5,18 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
-	"fmt"
-	"sync"
 	"time"
 
 	"github.com/a73x/eitri/agent/permanent"
 	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
-	"github.com/a73x/eitri/wire/sshcert"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
-// create builds a VM from nothing (or finishes an unfinished create): host
-// key, preflight, create slot, image, root disk, seed, boot. It narrates each
-// step through pub while its ctx is live.
+// create builds a VM from nothing (or finishes an unfinished create) by
+// running createSteps in order, then records it created. Each step says its
+// word as it begins, through pub while ctx is live; the first step that
+// fails ends the attempt (failCreate), and the steps after it do not run.
 func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Record, ok bool, pub publisher) outcome {
 	id := d.GetVmId()
 	if ok && rec.Failed {
@@ -33,138 +31,126 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseCreating, rec.LastError, e.attemptFailedWords(rec, wait)), wakeAt: rec.NextAttemptAt}
 	}
 	rec.Spec = specFrom(d) // an unfinished create follows the newest spec
-	if rec.HostPubKey == "" {
-		pubKey, privKey, err := state.NewHostKey()
-		if err != nil {
-			return e.failCreate(ctx, rec, err)
+
+	c := &createRun{e: e, ctx: ctx, d: d, id: id, rec: rec, pub: pub}
+	defer c.letGo() // the slot is held through Boot, which is I/O heavy in the guest
+	for _, s := range createSteps {
+		if s.when != nil && !s.when(c) {
+			continue
 		}
-		rec.HostPubKey, rec.HostPrivKey = pubKey, privKey
-	}
-	if err := e.cfg.St.SaveVM(id, rec); err != nil {
-		// Without a durable record the host key would change on every try;
-		// this is the store's fault, not the VM's, so no attempt is spent.
-		e.log.Error("saving VM record", "vm", id, "err", err)
-		return outcome{row: newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseCreating, err.Error(), "cannot save the VM record")}
-	}
-
-	// say publishes the row this VM would report anyway (creating, not
-	// running, no error) with what it is doing now. It carries the host key
-	// because the key is level-triggered: a row without it would tell the
-	// control plane to forget it. A pass whose ctx is done says nothing,
-	// which keeps a download still draining on someone else's goroutine
-	// from calling into a pass that gave up on it.
-	//
-	// measured is say with the step's numbers beside its words; a row
-	// without them (say) has no progress, as the step it names has none.
-	measured := func(detail string, p *eitriv1.Progress) {
-		if pub == nil || ctx.Err() != nil {
-			return
+		if s.says != "" {
+			c.say(s.says + c.takeNote())
 		}
-		row := newRow(id, rec, vmstate.PowerStopped, vmstate.PhaseCreating, "", detail)
-		row.Progress = p
-		pub(row)
-	}
-	say := func(detail string) { measured(detail, nil) }
-
-	// Preflight comes before the slot queue and the download: a create that
-	// can only be refused should cost nothing and wait for nothing.
-	if err := e.cfg.Hyper.Preflight(ctx, rec.Spec); err != nil {
-		return e.failCreate(ctx, rec, err)
-	}
-	// So is the admission check, and for the same reason: a VM this host
-	// has no room for fails now, with the numbers, not after its download.
-	if err := e.admitCreate(ctx, rec.Spec); err != nil {
-		return e.failCreate(ctx, rec, err)
-	}
-
-	say(sayWaitingForSlot)
-	release, err := e.acquireCreateSlot(ctx)
-	if err != nil {
-		return e.failCreate(ctx, rec, err)
-	}
-	defer release() // held through Boot, which is I/O heavy in the guest
-	fail := func(err error) outcome {
-		release() // the next queued create need not wait for the cleanup
-		return e.failCreate(ctx, rec, err)
-	}
-
-	say(sayDownloading)
-	base, releaseImage, err := e.cfg.Images(ctx, rec.Spec.ImageURL, rec.Spec.ImageSHA256, func(done, total int64) {
-		measured(downloadDetail(done, total), downloadProgress(done, total))
-	})
-	if err != nil {
-		return fail(err)
-	}
-	// Released as soon as the root disk holds the image (it keeps its base
-	// alive itself) or could not be made, so the cache may evict it.
-	if ctx.Err() != nil {
-		releaseImage()
-		return fail(ctx.Err())
-	}
-	say(sayPreparingDisk)
-	err = e.cfg.Hyper.PrepareRootDisk(ctx, rec.Spec, base)
-	releaseImage()
-	if err != nil {
-		return fail(err)
-	}
-
-	seedSays := sayBuildingSeed
-	if rec.HostCert == "" && e.cfg.SignHostKey != nil {
-		say(sayCertifying)
-		if cert, err := e.certifyHostKey(ctx, id, rec.HostPubKey); err != nil {
-			// The guest is still reachable with its key pinned; only the
-			// CA shortcut is missing, which is no reason to fail it. The
-			// seed step says so, so it stays on screen for a while.
-			e.log.Warn("SSH host key not certified", "vm", id, "err", err)
-			seedSays += "; " + sayUncertified + err.Error()
-		} else {
-			rec.HostCert = cert
-			if err := e.cfg.St.SaveVM(id, rec); err != nil {
-				e.log.Error("saving VM record", "vm", id, "err", err)
-			}
+		if err := s.run(c); err != nil {
+			return c.fail(err)
 		}
 	}
+	return c.created()
+}
 
-	say(seedSays)
-	seedPath := e.cfg.St.SeedPath(id)
-	if err := e.cfg.Seed(seedPath, SeedParams{
-		InstanceID:        id,
-		Hostname:          rec.Spec.Name,
-		SSHAuthorizedKey:  rec.Spec.SSHAuthorizedKey,
-		HostPrivKey:       rec.HostPrivKey,
-		HostPubKey:        rec.HostPubKey,
-		LoginUser:         e.cfg.LoginUser,
-		TrustedUserCAKeys: d.GetSshUserCaKeys(),
-		UserCertPrincipal: sshcert.Principal(e.cfg.LoginUser, id),
-		HostCertificate:   rec.HostCert,
-	}); err != nil {
-		return fail(err)
-	}
-	rec.LoginUser = e.cfg.LoginUser
+// createStep is one step of a create: its name (for people and tests), the
+// word a VM's row says while it runs ("" says nothing new: the steps before
+// the create slot are quick, and a create they refuse should not look
+// started), and, when it does not always run, when it does.
+type createStep struct {
+	name string
+	says string
+	when func(*createRun) bool
+	run  func(*createRun) error
+}
 
-	if wantRunning(d) {
-		say(sayBooting)
-		if err := e.cfg.Hyper.Boot(withNarrator(ctx, sayer(ctx, pub, id, &rec, vmstate.PowerRunning, vmstate.PhaseCreating)), rec.Spec, seedPath); err != nil {
-			// A guest that died booting is an exit like any other: counted
-			// and described, besides failing the attempt.
-			rec = e.noteExit(ctx, rec)
-			return fail(err)
-		}
-		rec.BootedAt = e.cfg.Now()
-		rec.FirstBoot = true
-	}
+// createRun is one create attempt, shared by its steps: the record they
+// build up and what the attempt holds until it ends.
+type createRun struct {
+	e   *Engine
+	ctx context.Context
+	d   *eitriv1.VMDesired
+	id  string
+	rec state.Record
+	pub publisher
 
-	// Disk and seed are complete: from here on this VM is converged, never
-	// rebuilt.
-	rec.BootID = newBootID()
-	rec.CreateAttempts = 0
-	rec.NextAttemptAt = time.Time{}
-	rec.LastError = ""
-	if err := e.cfg.St.SaveVM(id, rec); err != nil {
-		e.log.Error("saving created VM record", "vm", id, "err", err)
+	// releaseSlot gives back the create slot (nil until one is held; safe
+	// to call more than once). base is the cached image the root disk is
+	// made from, pinned in the cache until unpinImage.
+	releaseSlot  func()
+	base         string
+	releaseImage func()
+
+	// note is what a step that went on past a problem wants said: it rides
+	// on the next step's word, so it stays on screen for a while.
+	note string
+}
+
+// measured publishes the row this VM would report anyway (creating, not
+// running, no error) with what it is doing now, and the step's numbers
+// beside its words. It carries the host key because the key is
+// level-triggered: a row without it would tell the control plane to forget
+// it. An attempt whose ctx is done says nothing, which keeps a download
+// still draining on someone else's goroutine from calling into a pass that
+// gave up on it.
+func (c *createRun) measured(detail string, p *eitriv1.Progress) {
+	if c.pub == nil || c.ctx.Err() != nil {
+		return
 	}
-	e.log.Info("VM created", "vm", id)
-	return e.observe(ctx, d, rec, "", vmstate.PhaseCreating)
+	row := newRow(c.id, c.rec, vmstate.PowerStopped, vmstate.PhaseCreating, "", detail)
+	row.Progress = p
+	c.pub(row)
+}
+
+// say is measured without numbers: the step it names has no progress.
+func (c *createRun) say(detail string) { c.measured(detail, nil) }
+
+func (c *createRun) takeNote() string {
+	n := c.note
+	c.note = ""
+	return n
+}
+
+// unpinImage lets the cache evict the image again; at most once per pin.
+func (c *createRun) unpinImage() {
+	if c.releaseImage != nil {
+		c.releaseImage()
+		c.releaseImage = nil
+	}
+}
+
+// letGo gives back what the attempt holds: the image, then the slot.
+func (c *createRun) letGo() {
+	c.unpinImage()
+	if c.releaseSlot != nil {
+		c.releaseSlot()
+	}
+}
+
+// unsavedRecord is the store failing to keep the VM's record: the store's
+// fault, not the VM's, so the attempt ends without spending one.
+type unsavedRecord struct{ err error }
+
+func (u unsavedRecord) Error() string { return u.err.Error() }
+func (u unsavedRecord) Unwrap() error { return u.err }
+
+// fail ends the attempt on a step's error.
+func (c *createRun) fail(err error) outcome {
+	var unsaved unsavedRecord
+	if errors.As(err, &unsaved) {
+		return outcome{row: newRow(c.id, c.rec, vmstate.PowerStopped, vmstate.PhaseCreating, err.Error(), "cannot save the VM record")}
+	}
+	c.letGo() // the next queued create need not wait for the cleanup
+	return c.e.failCreate(c.ctx, c.rec, err)
+}
+
+// created records the VM created once every step is done. Disk and seed are
+// complete: from here on this VM is converged, never rebuilt.
+func (c *createRun) created() outcome {
+	c.rec.BootID = newBootID()
+	c.rec.CreateAttempts = 0
+	c.rec.NextAttemptAt = time.Time{}
+	c.rec.LastError = ""
+	if err := c.e.cfg.St.SaveVM(c.id, c.rec); err != nil {
+		c.e.log.Error("saving created VM record", "vm", c.id, "err", err)
+	}
+	c.e.log.Info("VM created", "vm", c.id)
+	return c.e.observe(c.ctx, c.d, c.rec, "", vmstate.PhaseCreating)
 }
 
 // failCreate settles a failed create attempt. A create the desired state
@@ -249,17 +235,6 @@ func (e *Engine) keepUnbuilt(ctx context.Context, id string, rec state.Record) o
 	return outcome{row: newRow(id, rec, powerWord(running), vmstate.PhaseStopped, lastErr, "")}
 }
 
-// acquireCreateSlot waits for a create slot. release may be called more
-// than once; only the first gives the slot back.
-func (e *Engine) acquireCreateSlot(ctx context.Context) (release func(), err error) {
-	select {
-	case e.slots <- struct{}{}:
-		return sync.OnceFunc(func() { <-e.slots }), nil
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
-}
-
 func specFrom(d *eitriv1.VMDesired) state.VMSpec {
 	return state.VMSpec{
 		ID:               d.GetVmId(),
@@ -278,39 +253,4 @@ func newBootID() string {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	return hex.EncodeToString(b[:])
-}
-
-// downloadDetail words a download's progress. Both numbers share one unit,
-// chosen from the larger, so they read as a fraction; with no known total
-// only the part done is said.
-func downloadDetail(done, total int64) string {
-	div, unit := sizeUnit(max(done, total))
-	if total <= 0 {
-		return fmt.Sprintf("%s %.1f %s", sayDownloading, float64(done)/div, unit)
-	}
-	return fmt.Sprintf("%s %.1f/%.1f %s", sayDownloading, float64(done)/div, float64(total)/div, unit)
-}
-
-// stepDownload is Progress.step while the VM's image is fetched.
-const stepDownload = "download"
-
-// downloadProgress is the download's numbers as the row carries them, from
-// the same report downloadDetail words: total is left unset when the server
-// gave no length (the cache says -1), never sent as 0.
-func downloadProgress(done, total int64) *eitriv1.Progress {
-	p := &eitriv1.Progress{Step: stepDownload, DoneBytes: uint64(max(done, 0))}
-	if total > 0 {
-		t := uint64(total)
-		p.TotalBytes = &t
-	}
-	return p
-}
-
-// sizeUnit is GiB from one GiB up, else MiB: images are never small enough
-// for smaller units to read as anything but a stall.
-func sizeUnit(n int64) (float64, string) {
-	if n >= 1<<30 {
-		return 1 << 30, "GiB"
-	}
-	return 1 << 20, "MiB"
 }

@@ -3,6 +3,8 @@ package reconcile
 import (
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 
@@ -47,6 +49,51 @@ func TestCreateNarratesEachStepInOrder(t *testing.T) {
 		assert.Empty(t, r.GetLastError())
 	}
 	assert.Equal(t, "ready", out.row.GetPhase())
+}
+
+// A create's steps and the word each says are what a user watching a VM come
+// up reads, and what the console and the tests of other packages match: a
+// step moved, renamed or made silent shows here first.
+func TestCreateStepsRunInOrderEachSayingItsWord(t *testing.T) {
+	type step struct{ name, says string }
+	var got []step
+	for _, s := range createSteps {
+		got = append(got, step{s.name, s.says})
+	}
+	assert.Equal(t, []step{
+		{"host key", ""},
+		{"preflight", ""},
+		{"admission", ""},
+		{"create slot", "waiting for a create slot on this host"},
+		{"image", "downloading image"},
+		{"root disk", "preparing root disk"},
+		{"certify", "certifying the SSH host key"},
+		{"seed", "building the cloud-init seed"},
+		{"boot", "booting"},
+	}, got)
+}
+
+// A record the store cannot keep is the store's fault: the attempt ends at
+// the host key step, before anything is done or said for the VM, and spends
+// none of its budget.
+func TestACreateWhoseRecordCannotBeSavedStopsAtTheHostKey(t *testing.T) {
+	dir := t.TempDir()
+	st, err := state.Open(dir)
+	require.NoError(t, err)
+	f := setupOn(t, st, newFakeHyper())
+	// The records' directory made a file: every save fails.
+	require.NoError(t, os.RemoveAll(filepath.Join(dir, "vms")))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "vms"), nil, 0o600))
+
+	rows, out := narrate(t, f, context.Background(), vm("vm1"))
+	assert.Empty(t, rows, "nothing is said for a VM with no record")
+	require.NotNil(t, out.row)
+	assert.Equal(t, "creating", out.row.GetPhase())
+	assert.Equal(t, "cannot save the VM record", out.row.GetStatusDetail())
+	assert.NotEmpty(t, out.row.GetLastError())
+	assert.NotEmpty(t, out.row.GetSshHostPubkey(), "every row of a create carries the host key")
+	assert.True(t, out.wakeAt.IsZero(), "no backoff: no attempt was spent")
+	assert.Equal(t, 0, f.hv.count("preflight"))
 }
 
 func TestCreatedStoppedVMDoesNotNarrateABoot(t *testing.T) {
