@@ -303,17 +303,12 @@ func (b *Backend) Shutdown(ctx context.Context, id string) error {
 // had ShutdownGrace to power off and has not, just before QEMU is made to
 // quit, so the caller can say so.
 func (b *Backend) ShutdownWith(ctx context.Context, id string, forcing func(grace time.Duration)) error {
-	if err := checkID(id); err != nil {
-		return err
-	}
-	l := b.lock(id)
-	l.life.Lock()
-	defer l.life.Unlock()
+	return b.withRunning(id, func(pid int) error { return b.shutdownLocked(ctx, id, pid, forcing) })
+}
 
-	pid, ok := b.alive(id)
-	if !ok {
-		return nil
-	}
+// shutdownLocked is ShutdownWith for the VM's running QEMU pid, with its
+// lifecycle lock held.
+func (b *Backend) shutdownLocked(ctx context.Context, id string, pid int, forcing func(grace time.Duration)) error {
 	if err := b.qmp(ctx, id, func(q *qmpConn) error { return q.execute("system_powerdown", nil, nil) }); err != nil {
 		b.log.Warn("acpi powerdown failed; quitting qemu", "id", id, "err", err)
 	} else if gone, err := b.waitGone(ctx, id, pid, b.cfg.ShutdownGrace); err != nil {
@@ -344,6 +339,12 @@ func (b *Backend) ShutdownWith(ctx context.Context, id string, forcing func(grac
 
 // Kill stops the VM's QEMU at once with SIGKILL.
 func (b *Backend) Kill(ctx context.Context, id string) error {
+	return b.withRunning(id, func(pid int) error { return b.killLocked(ctx, id, pid) })
+}
+
+// withRunning runs fn with the pid of the VM's running QEMU, holding the
+// VM's lifecycle lock; with none running there is nothing to do.
+func (b *Backend) withRunning(id string, fn func(pid int) error) error {
 	if err := checkID(id); err != nil {
 		return err
 	}
@@ -354,7 +355,7 @@ func (b *Backend) Kill(ctx context.Context, id string) error {
 	if !ok {
 		return nil
 	}
-	return b.killLocked(ctx, id, pid)
+	return fn(pid)
 }
 
 func (b *Backend) killLocked(ctx context.Context, id string, pid int) error {
