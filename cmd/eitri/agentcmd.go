@@ -14,6 +14,7 @@ import (
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/qemu"
+	"github.com/a73x/eitri/cmd/eitri/cli"
 )
 
 // agentFlags are eitri agent's flags, which eitri dev shares: the agent's
@@ -129,7 +130,7 @@ func newAgentCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "agent",
 		Short: "Run the host agent (enroll once with --join TOKEN)",
-		Args:  noArgs,
+		Args:  cli.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := a.config(newLogger(level))
 			if err != nil {

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
-	"strings"
 	"testing"
 	"time"
 
@@ -15,15 +14,15 @@ import (
 
 	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/agent/syncclient"
-	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/wire/jointoken"
 )
 
-// cli runs eitri's client commands against a real control plane over h2c,
+// cliOnServer runs eitri's client commands against a real control plane over h2c,
 // as a person with EITRI_URL and EITRI_TOKEN set would.
-func cli(t *testing.T) func(args ...string) (string, error) {
+func cliOnServer(t *testing.T) func(args ...string) (string, error) {
 	t.Helper()
 	return newCLIEnv(t, server.Config{}).eitri
 }
@@ -87,7 +86,7 @@ func (e *cliEnv) enroll(name string) state.Identity {
 }
 
 func TestTheCLISpeaksTheAPI(t *testing.T) {
-	eitri := cli(t)
+	eitri := cliOnServer(t)
 
 	out, err := eitri("token", "create", "laptop", "--ttl", "24h")
 	require.NoError(t, err)
@@ -116,20 +115,6 @@ func TestTheCLISpeaksTheAPI(t *testing.T) {
 	assert.JSONEq(t, `{"vms":[]}`, out)
 
 	_, err = eitri("vm", "get")
-	var ue usageError
+	var ue cli.UsageError
 	assert.ErrorAs(t, err, &ue, "a missing argument is a usage error")
-}
-
-func TestHostLsSaysWhyAndWhatIsWrong(t *testing.T) {
-	var out bytes.Buffer
-	hostTable(&out, &eitriv1.Host{
-		Id: "h-1", Name: "rack1", Connected: true, Accelerator: "tcg",
-		AcceleratorReason: "kvm unusable: failed to set MSR 0x10a; running under tcg",
-		Conditions:        []*eitriv1.HostCondition{{Type: "duplicate_agent", Message: "a second agent keeps connecting from 192.0.2.9:4711"}},
-	}, &eitriv1.Host{Id: "h-2", Name: "rack2"})
-	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
-	require.Len(t, lines, 3)
-	assert.Contains(t, lines[0], "NOTES")
-	assert.Contains(t, lines[1], "DUPLICATE AGENT: a second agent keeps connecting from 192.0.2.9:4711; kvm unusable: failed to set MSR 0x10a; running under tcg")
-	assert.NotContains(t, lines[2], "kvm", "a host with nothing to say has an empty note")
 }

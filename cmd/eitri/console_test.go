@@ -20,6 +20,8 @@ import (
 	"github.com/a73x/eitri/agent/qemu"
 	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/agent/syncclient"
+	"github.com/a73x/eitri/cmd/eitri/cli"
+	"github.com/a73x/eitri/cmd/eitri/internal/outputtest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/wire/connclient"
@@ -79,10 +81,10 @@ func TestVMLogsPrintsTheSerialConsoleAndFollowsIt(t *testing.T) {
 	assert.Equal(t, "login: ", out)
 
 	ctx, stop := context.WithCancel(context.Background())
-	followed := &syncBuffer{}
+	followed := &outputtest.Buffer{}
 	done := make(chan error, 1)
 	go func() {
-		done <- execute(ctx, []string{"vm", "logs", "web-1", "-f"}, stdio{in: strings.NewReader(""), out: followed, err: followed})
+		done <- execute(ctx, []string{"vm", "logs", "web-1", "-f"}, cli.IO{In: strings.NewReader(""), Out: followed, Err: followed})
 	}()
 	require.Eventually(t, func() bool { return followed.String() == "Linux version 6.1\nlogin: " }, 10*time.Second, 10*time.Millisecond)
 	f, err := os.OpenFile(log, os.O_WRONLY|os.O_APPEND, 0)
@@ -111,8 +113,8 @@ func TestVMConsoleTypesIntoTheGuestUntilCtrlRightBracket(t *testing.T) {
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "serial.log"), []byte("login: "), 0o600))
 
 	// Stopped: the console shows the output and says it takes no input.
-	var shown, said syncBuffer
-	err = execute(context.Background(), []string{"vm", "console", "web-1"}, stdio{in: strings.NewReader("x\x1d"), out: &shown, err: &said})
+	var shown, said outputtest.Buffer
+	err = execute(context.Background(), []string{"vm", "console", "web-1"}, cli.IO{In: strings.NewReader("x\x1d"), Out: &shown, Err: &said})
 	require.NoError(t, err)
 	assert.Contains(t, said.String(), "Ctrl-] leaves")
 	assert.Contains(t, said.String(), "not running")
@@ -147,7 +149,7 @@ func TestVMConsoleTypesIntoTheGuestUntilCtrlRightBracket(t *testing.T) {
 		}
 		typed <- got.String()
 	}()
-	err = execute(context.Background(), []string{"vm", "console", "web-1"}, stdio{in: strings.NewReader("root\r\x1dnot typed"), out: &shown, err: &said})
+	err = execute(context.Background(), []string{"vm", "console", "web-1"}, cli.IO{In: strings.NewReader("root\r\x1dnot typed"), Out: &shown, Err: &said})
 	require.NoError(t, err)
 	select {
 	case s := <-typed:

@@ -27,6 +27,8 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"github.com/a73x/eitri/agent/netnstest"
+	"github.com/a73x/eitri/cmd/eitri/cli"
+	"github.com/a73x/eitri/cmd/eitri/internal/outputtest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/wire/sshcert"
 )
@@ -108,9 +110,10 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	// @cert-authority line), under the VM's alias.
 	token, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
 	require.NoError(t, err)
-	cli := (&app{io: stdio{out: io.Discard, err: io.Discard}, format: formatTable}).
-		clientFor(endpoint{URL: "http://127.0.0.1:18080", Token: strings.TrimSpace(string(token))})
-	login, err := cli.newSSHLogin(ctx, t.TempDir(), id, 0)
+	t.Setenv("EITRI_URL", "http://127.0.0.1:18080")
+	t.Setenv("EITRI_TOKEN", strings.TrimSpace(string(token)))
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	login, err := cli.NewSSHLogin(ctx, t.TempDir(), id, 0)
 	require.NoError(t, err)
 	defer login.Remove()
 	certArgs := append([]string{"-F", "/dev/null", "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"}, login.SSHOptions(sshcert.HostAlias(id))...)
@@ -185,15 +188,9 @@ func TestDebianCloudImageTakesTheSeed(t *testing.T) {
 	if bin := os.Getenv("EITRI_BIN"); bin != "" {
 		abs, err := filepath.Abs(bin)
 		require.NoError(t, err)
-		old := selfPath
-		selfPath = func() (string, error) { return abs, nil }
-		defer func() { selfPath = old }()
-		t.Setenv("EITRI_URL", "http://127.0.0.1:18080")
-		t.Setenv("EITRI_TOKEN", strings.TrimSpace(string(token)))
-		t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-		var sshOut, sshErr syncBuffer
+		var sshOut, sshErr outputtest.Buffer
 		err = execute(ctx, []string{"ssh", "deb-1", "--", "-o", "BatchMode=yes", "-o", "ConnectTimeout=60", "id", "-un"},
-			stdio{in: strings.NewReader(""), out: &sshOut, err: &sshErr})
+			cli.IO{In: strings.NewReader(""), Out: &sshOut, Err: &sshErr, Self: func() (string, error) { return abs, nil }})
 		require.NoError(t, err, "eitri ssh: %s", &sshErr)
 		assert.Equal(t, "eitri\n", sshOut.String(), "eitri ssh gets a shell as the login user")
 	}

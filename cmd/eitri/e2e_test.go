@@ -27,6 +27,8 @@ import (
 	"github.com/a73x/eitri/agent/netnstest"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/seed/seedtest"
+	"github.com/a73x/eitri/cmd/eitri/cli"
+	"github.com/a73x/eitri/cmd/eitri/internal/outputtest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/wire/connclient"
@@ -107,7 +109,7 @@ func startDevWith(t *testing.T, dir string, extra ...string) *devInstance {
 		// slowImage serves on loopback, which image downloads refuse unless allowed.
 		"--image-allow", "127.0.0.1/32"}
 	go func() {
-		d.done <- execute(ctx, append(args, extra...), stdio{in: strings.NewReader(""), out: io.Discard, err: os.Stderr})
+		d.done <- execute(ctx, append(args, extra...), cli.IO{In: strings.NewReader(""), Out: io.Discard, Err: os.Stderr})
 	}()
 	require.Eventually(t, func() bool {
 		resp, err := http.Get("http://127.0.0.1:18080/healthz")
@@ -544,11 +546,11 @@ func TestWaitFollowsARealCreate(t *testing.T) {
 	defer cancel()
 	var out bytes.Buffer
 	err = execute(ctx, []string{"vm", "create", "web-1", "--image", imgURL, "--sha256", imgSum, "--mem-mb", "256", "--disk-gb", "1", "--wait"},
-		stdio{in: strings.NewReader(""), out: &out, err: &out})
+		cli.IO{In: strings.NewReader(""), Out: &out, Err: &out})
 	text := out.String()
 	t.Logf("\n%s", text)
 	require.NoError(t, err)
-	assertLinesInOrder(t, text, []string{"creating: downloading image", "download ", "creating: preparing root disk", "creating: booting", "ready at 10.79.0."})
+	outputtest.LinesInOrder(t, text, []string{"creating: downloading image", "download ", "creating: preparing root disk", "creating: booting", "ready at 10.79.0."})
 	assert.Regexp(t, `download \d+\.\d MiB / 72\.0 MiB \(\d+%\)`, text, "the download measured in bytes of the total, from VM.progress")
 	lines := strings.Split(strings.TrimSpace(text), "\n")
 	assert.Regexp(t, `ready at 10\.79\.0\.\d+$`, lines[len(lines)-1], "the address is the last line")
@@ -557,7 +559,7 @@ func TestWaitFollowsARealCreate(t *testing.T) {
 	// would not fetch the URL at all.
 	out.Reset()
 	err = execute(ctx, []string{"vm", "create", "missing", "--image", strings.Replace(imgURL, "/guest.raw", "/nope.raw", 1), "--sha256", strings.Repeat("1", 64), "--mem-mb", "256", "--disk-gb", "1", "--wait"},
-		stdio{in: strings.NewReader(""), out: &out, err: &out})
+		cli.IO{In: strings.NewReader(""), Out: &out, Err: &out})
 	t.Logf("\n%s", out.String())
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "missing failed: ")

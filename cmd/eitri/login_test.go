@@ -13,13 +13,14 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	"github.com/a73x/eitri/server"
 )
 
 // eitriIn runs one command line with stdin and returns its stdout.
 func eitriIn(stdin string, args ...string) (string, error) {
 	var out bytes.Buffer
-	err := execute(context.Background(), args, stdio{in: strings.NewReader(stdin), out: &out, err: &bytes.Buffer{}})
+	err := execute(context.Background(), args, cli.IO{In: strings.NewReader(stdin), Out: &out, Err: &bytes.Buffer{}})
 	return out.String(), err
 }
 
@@ -112,7 +113,7 @@ func TestLoginSavesTheControlPlaneAndLaterCommandsUseIt(t *testing.T) {
 
 	for _, bad := range []string{"ftp://x", "127.0.0.1:8080", "http://", "http://x?y=1"} {
 		_, err := eitriIn("", "login", bad, "--token", "t")
-		var ue usageError
+		var ue cli.UsageError
 		assert.ErrorAs(t, err, &ue, bad)
 	}
 }
@@ -183,7 +184,7 @@ func TestLoginToSeveralReplicasFailsOverToOneThatAnswers(t *testing.T) {
 	out, err = eitriIn("", "login", live+","+down, "--token", srv.AdminToken, "--fingerprint", srv.Fingerprint)
 	require.NoError(t, err)
 	assert.Contains(t, out, "logged in to "+live+", "+down)
-	var saved endpoint
+	var saved struct{ Replicas []string }
 	b, _ := os.ReadFile(path)
 	require.NoError(t, json.Unmarshal(b, &saved))
 	assert.Equal(t, []string{live, down}, saved.Replicas)

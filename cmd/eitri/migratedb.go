@@ -11,6 +11,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	"github.com/a73x/eitri/server/store"
 )
 
@@ -47,7 +48,7 @@ started on; default $EITRI_DB. Keep a password in EITRI_DB, PGPASSWORD or
   export EITRI_DB='postgres://eitri@db.example/eitri?sslmode=verify-full'
   eitri server migrate-db --from /var/lib/eitri
   eitri server --data-dir /var/lib/eitri --public-url https://eitri.example:7443`,
-		Args: noArgs,
+		Args: cli.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runMigrateDB(cmd.Context(), f, cmd.OutOrStdout()) },
 	}
 	cmd.Flags().StringVar(&f.from, "from", "", "the old control plane's data dir, or its eitri.db")
@@ -59,21 +60,21 @@ started on; default $EITRI_DB. Keep a password in EITRI_DB, PGPASSWORD or
 
 func runMigrateDB(ctx context.Context, f migrateDBFlags, out io.Writer) error {
 	if f.from == "" {
-		return usagef("--from: the old control plane's data dir, or its eitri.db")
+		return cli.Usagef("--from: the old control plane's data dir, or its eitri.db")
 	}
 	if store.IsPostgres(f.from) {
-		return usagef("--from: migrate-db copies from SQLite (a data dir or its eitri.db); to move between PostgreSQL databases use pg_dump")
+		return cli.Usagef("--from: migrate-db copies from SQLite (a data dir or its eitri.db); to move between PostgreSQL databases use pg_dump")
 	}
 	to := f.to
 	if to == "" {
 		to = os.Getenv("EITRI_DB")
 	}
 	if to == "" {
-		return usagef("--to: the PostgreSQL to copy into, as a postgres:// URL (or set EITRI_DB)")
+		return cli.Usagef("--to: the PostgreSQL to copy into, as a postgres:// URL (or set EITRI_DB)")
 	}
 	if !store.IsPostgres(to) {
 		// Not echoed: a mistyped URL may still hold a password.
-		return usagef("--to / EITRI_DB: want a postgres:// or postgresql:// URL")
+		return cli.Usagef("--to / EITRI_DB: want a postgres:// or postgresql:// URL")
 	}
 	dbPath, dataDir := f.from, filepath.Dir(f.from)
 	if fi, err := os.Stat(f.from); err == nil && fi.IsDir() {
@@ -125,7 +126,7 @@ func runMigrateDB(ctx context.Context, f migrateDBFlags, out io.Writer) error {
 		fmt.Fprintf(out, "\nNo SSH CAs in %s: the first replica makes new ones, and certificates the old ones signed stop working.\n",
 			filepath.Join(dataDir, "ssh"))
 	}
-	envDB := shellQuote(shown)
+	envDB := cli.ShellQuote(shown)
 	if shown != to {
 		envDB = "'<the --to URL>'   # its password is not shown here"
 	}
@@ -141,6 +142,6 @@ Next:
      from the database.
   3. Agents reconnect by themselves; guests keep running. Tokens, and the
      admin token in %s, work as before.
-`, envDB, shellQuote(dataDir), shellQuote(filepath.Join(dataDir, "admin.token")))
+`, envDB, cli.ShellQuote(dataDir), cli.ShellQuote(filepath.Join(dataDir, "admin.token")))
 	return nil
 }

@@ -20,6 +20,7 @@ import (
 
 	"github.com/a73x/eitri/agent/reconcile"
 	"github.com/a73x/eitri/agent/state"
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
@@ -34,7 +35,7 @@ import (
 func migrateDB(args ...string) (string, error) {
 	var out bytes.Buffer
 	err := execute(context.Background(), append([]string{"server", "migrate-db"}, args...),
-		stdio{in: strings.NewReader(""), out: &out, err: &out})
+		cli.IO{In: strings.NewReader(""), Out: &out, Err: &out})
 	return out.String(), err
 }
 
@@ -188,7 +189,7 @@ func TestMigrateDBRefusesWhatItCannotCopyWithoutEchoingAPassword(t *testing.T) {
 		{[]string{"--from", "postgres://eitri:s3cret@old/eitri", "--to", "postgres://db/eitri"}, "copies from SQLite"},
 	} {
 		_, err := migrateDB(c.args...)
-		var ue usageError
+		var ue cli.UsageError
 		require.ErrorAs(t, err, &ue, "%v", c.args)
 		assert.Contains(t, err.Error(), c.says)
 		assert.NotContains(t, err.Error(), "s3cret")
@@ -224,7 +225,7 @@ func TestMigrateDBMovesAFleetWithARunningGuestWithoutStoppingIt(t *testing.T) {
 	go func() {
 		agentDone <- execute(agentCtx, []string{"agent", "--data-dir", agentDir, "--join", jt.Token, "--name", "h1",
 			"--bridge", "eitrimig0", "--subnet", "10.81.0.1/24", "--vm-timeout", "3m", "--log-level", "warn",
-			"--image-allow", "127.0.0.1/32"}, stdio{in: strings.NewReader(""), out: io.Discard, err: os.Stderr})
+			"--image-allow", "127.0.0.1/32"}, cli.IO{In: strings.NewReader(""), Out: io.Discard, Err: os.Stderr})
 	}()
 	var pid int
 	t.Cleanup(func() {

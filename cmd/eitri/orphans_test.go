@@ -8,9 +8,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/a73x/eitri/agent/syncclient"
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 )
@@ -65,14 +65,6 @@ func TestAnAdminSeesAndAdoptsAnOrphanedVMFromTheCLI(t *testing.T) {
 	assert.Contains(t, out, "db")
 
 	_, err = eitri("vm", "adopt", id.HostID)
-	var ue usageError
+	var ue cli.UsageError
 	assert.ErrorAs(t, err, &ue)
-}
-
-func TestADeletedVMSaysUntilWhenItCanBeRestoredThenWhenItIsDestroyed(t *testing.T) {
-	until := time.Now().Add(time.Hour)
-	v := &eitriv1.VM{Deleted: true, Lifecycle: "deleting", RestorableUntil: timestamppb.New(until), DestroyAt: timestamppb.New(until.Add(time.Minute))}
-	assert.Equal(t, "restorable until "+when(until), statusLine(v))
-	v.RestorableUntil = timestamppb.New(time.Now().Add(-time.Second))
-	assert.Equal(t, "destroyed at "+when(until.Add(time.Minute)), statusLine(v), "no Restore is offered once it cannot work")
 }

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/testing/protocmp"
 
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 )
@@ -86,7 +87,7 @@ func TestOutputJSONAndYAMLParseBackToTheSameMessage(t *testing.T) {
 	}
 
 	_, err = e.eitri("vm", "ls", "-o", "xml")
-	var ue usageError
+	var ue cli.UsageError
 	require.ErrorAs(t, err, &ue)
 	assert.Contains(t, err.Error(), "want one of table, json, yaml")
 }

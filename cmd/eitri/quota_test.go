@@ -7,10 +7,12 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/cmd/eitri/cli"
 )
 
 func TestQuotaGetAndSetFromTheCLI(t *testing.T) {
-	eitri := cli(t)
+	eitri := cliOnServer(t)
 	_, err := eitri("token", "create", "ci", "--user", "alice")
 	require.NoError(t, err)
 	row := func(out, limit, used, of, from string) {
@@ -55,7 +57,7 @@ func TestQuotaGetAndSetFromTheCLI(t *testing.T) {
 		{"quota", "frob"},
 	} {
 		_, err := eitri(bad...)
-		var ue usageError
+		var ue cli.UsageError
 		assert.ErrorAs(t, err, &ue, "%v", bad)
 	}
 	_, err = eitri("quota", "set", "--user", "nobody", "--vms", "1")

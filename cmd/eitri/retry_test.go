@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/a73x/eitri/agent/syncclient"
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 )
@@ -88,6 +89,6 @@ func TestAFailedVMIsRetriedByNameFromTheCLI(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), `no VM has the id or name "nope"`)
 	_, err = eitri("vm", "retry")
-	var ue usageError
+	var ue cli.UsageError
 	assert.ErrorAs(t, err, &ue)
 }

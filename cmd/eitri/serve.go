@@ -20,6 +20,7 @@ import (
 
 	"github.com/a73x/eitri/agent"
 	"github.com/a73x/eitri/agent/imagecache"
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	"github.com/a73x/eitri/frontend"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
@@ -63,7 +64,7 @@ func newServerCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "server",
 		Short: "Run the control plane",
-		Args:  noArgs,
+		Args:  cli.NoArgs,
 		RunE:  func(cmd *cobra.Command, _ []string) error { return runServer(cmd.Context(), f) },
 	}
 	fs := cmd.Flags()
@@ -134,15 +135,7 @@ func announce(srv *server.Server, dataDir, url string) {
 	}
 	path := filepath.Join(dataDir, "admin.token")
 	fmt.Fprintf(os.Stderr, "\nFirst start: created the admin user. Its token is in %s (readable by this user only):\n\n  export EITRI_URL=%s\n  export EITRI_TOKEN=$(cat %s)\n\n",
-		path, url, shellQuote(path))
-}
-
-// shellQuote quotes s for a POSIX shell when it needs it.
-func shellQuote(s string) string {
-	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+:@%") == "" {
-		return s
-	}
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+		path, url, cli.ShellQuote(path))
 }
 
 func portOf(a net.Addr) string {
@@ -162,7 +155,7 @@ func newDevCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "dev",
 		Short: "Run the control plane and a local agent in one process (h2c on loopback)",
-		Args:  noArgs,
+		Args:  cli.NoArgs,
 		RunE:  func(cmd *cobra.Command, _ []string) error { return runDev(cmd.Context(), f) },
 	}
 	fs := cmd.Flags()

@@ -13,7 +13,7 @@ import (
 // A console session opened elsewhere shows up in `eitri token sessions` and
 // `eitri token end-session` signs it out.
 func TestTheCLIListsAndEndsConsoleSessions(t *testing.T) {
-	eitri := cli(t)
+	eitri := cliOnServer(t)
 	url := os.Getenv("EITRI_URL")
 	resp, err := http.Post(url+"/auth/login", "application/json", strings.NewReader(`{"token":"`+os.Getenv("EITRI_TOKEN")+`"}`))
 	require.NoError(t, err)

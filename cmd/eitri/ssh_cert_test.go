@@ -15,30 +15,31 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
 
+	"github.com/a73x/eitri/cmd/eitri/cli"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/wire/sshcert"
 )
 
 func TestEitriSSHOffersTheCertificateAndTrustsTheHostCA(t *testing.T) {
-	l := &sshLogin{IdentityFile: "/tmp/k/id_ed25519", CertificateFile: "/tmp/k/id_ed25519-cert.pub"}
-	args := sshArgs(sshTarget{Self: "/bin/eitri", VMID: "vm-1", User: "eitri", KnownHosts: "/kh", Login: l})
+	l := &cli.SSHLogin{IdentityFile: "/tmp/k/id_ed25519", CertificateFile: "/tmp/k/id_ed25519-cert.pub"}
+	args := cli.SSHArgs(cli.SSHTarget{Self: "/bin/eitri", VMID: "vm-1", User: "eitri", KnownHosts: "/kh", Login: l})
 	i := slices.Index(args, "-i")
 	require.GreaterOrEqual(t, i, 0, "%q", args)
 	assert.Equal(t, l.IdentityFile, args[i+1])
 	assert.Contains(t, args, "CertificateFile="+l.CertificateFile)
 	assert.Less(t, i, slices.Index(args, "eitri-vm-1"), "options come before the destination")
-	assert.NotContains(t, sshArgs(sshTarget{Self: "/bin/eitri", VMID: "vm-1", KnownHosts: "/kh"}), "-i", "no certificate, no -i")
+	assert.NotContains(t, cli.SSHArgs(cli.SSHTarget{Self: "/bin/eitri", VMID: "vm-1", KnownHosts: "/kh"}), "-i", "no certificate, no -i")
 
 	kh := filepath.Join(t.TempDir(), "known_hosts")
 	key := "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIK7Xn3sWZ9Ou5aZPk0jY2rH1d6Jx2Yp5m8Ew3Zb1q4cQ"
-	require.NoError(t, pinHostKey(kh, "eitri-vm-1", key))
-	require.NoError(t, pinHostCAs(kh, []*eitriv1.SSHCAKey{{PublicKey: key + " old-comment"}}))
-	require.NoError(t, pinHostCAs(kh, []*eitriv1.SSHCAKey{{PublicKey: key}}))
+	require.NoError(t, cli.PinHostKey(kh, "eitri-vm-1", key))
+	require.NoError(t, cli.PinHostCAs(kh, []*eitriv1.SSHCAKey{{PublicKey: key + " old-comment"}}))
+	require.NoError(t, cli.PinHostCAs(kh, []*eitriv1.SSHCAKey{{PublicKey: key}}))
 	b, err := os.ReadFile(kh)
 	require.NoError(t, err)
 	assert.Equal(t, "eitri-vm-1 "+key+"\n@cert-authority eitri-* "+key+"\n", string(b),
 		"the pinned key stays, the CA line is replaced rather than added again, and trusts the CA for eitri's aliases only")
-	assert.Error(t, pinHostCAs(kh, []*eitriv1.SSHCAKey{{PublicKey: "@cert-authority * x\nevil"}}))
+	assert.Error(t, cli.PinHostCAs(kh, []*eitriv1.SSHCAKey{{PublicKey: "@cert-authority * x\nevil"}}))
 }
 
 // Host certificates live a month; a guest cut off from its renewals
@@ -73,10 +74,10 @@ func TestEitriSSHReachesAGuestWhoseHostCertificateLapsedByItsPinnedKey(t *testin
 	require.NoError(t, os.WriteFile(proxy, []byte(fmt.Sprintf("#!/bin/sh\nexec socat - TCP:127.0.0.1:%d\n", port)), 0o755))
 	kh := filepath.Join(dir, "known_hosts")
 	caKey := []*eitriv1.SSHCAKey{{PublicKey: string(ssh.MarshalAuthorizedKey(caSigner.PublicKey()))}}
-	require.NoError(t, pinHostCAs(kh, caKey))
+	require.NoError(t, cli.PinHostCAs(kh, caKey))
 	run := func() (string, error) {
 		args := append([]string{"-F", "/dev/null", "-o", "BatchMode=yes", "-i", userKeyPath, "-o", "IdentitiesOnly=yes"},
-			sshArgs(sshTarget{Self: proxy, VMID: vmID, User: me.Username, KnownHosts: kh})...)
+			cli.SSHArgs(cli.SSHTarget{Self: proxy, VMID: vmID, User: me.Username, KnownHosts: kh})...)
 		out, err := exec.Command("ssh", append(args, "echo", "in-the-guest")...).CombinedOutput()
 		return string(out), err
 	}
@@ -85,7 +86,7 @@ func TestEitriSSHReachesAGuestWhoseHostCertificateLapsedByItsPinnedKey(t *testin
 	assert.Contains(t, out, "Host key verification failed")
 
 	pub := strings.TrimSpace(string(ssh.MarshalAuthorizedKey(hostSigner.PublicKey())))
-	require.NoError(t, pinHostKey(kh, sshcert.HostAlias(vmID), pub))
+	require.NoError(t, cli.PinHostKey(kh, sshcert.HostAlias(vmID), pub))
 	out, err = run()
 	require.NoError(t, err, "eitri ssh with the reported key pinned:\n%s\nsshd:\n%s", out, sshdLog)
 	assert.Contains(t, out, "in-the-guest")

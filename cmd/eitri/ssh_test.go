@@ -13,6 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
 
+	"github.com/a73x/eitri/cmd/eitri/cli"
+	"github.com/a73x/eitri/cmd/eitri/internal/outputtest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 )
@@ -41,7 +43,7 @@ func option(args []string, name string) (string, bool) {
 }
 
 func TestSSHArgsGoThroughTheTunnelWithTheHostKeyPinnedStrictly(t *testing.T) {
-	args := sshArgs(sshTarget{Self: "/opt/my tools/eitri", VMID: "vm-abc", User: "eitri", KnownHosts: "/home/u/.config/eitri/known_hosts",
+	args := cli.SSHArgs(cli.SSHTarget{Self: "/opt/my tools/eitri", VMID: "vm-abc", User: "eitri", KnownHosts: "/home/u/.config/eitri/known_hosts",
 		Extra: []string{"-v", "uname", "-a"}})
 	for name, want := range map[string]string{
 		"ProxyCommand":          "'/opt/my tools/eitri' tunnel vm-abc 22",
@@ -58,27 +60,27 @@ func TestSSHArgsGoThroughTheTunnelWithTheHostKeyPinnedStrictly(t *testing.T) {
 	assert.Equal(t, []string{"-l", "eitri", "eitri-vm-abc", "-v", "uname", "-a"}, args[len(args)-6:],
 		"the login user, the alias as destination, then the caller's arguments")
 
-	got, _ := option(sshArgs(sshTarget{Self: "/tmp/100%/eitri", VMID: "vm-1"}), "ProxyCommand")
+	got, _ := option(cli.SSHArgs(cli.SSHTarget{Self: "/tmp/100%/eitri", VMID: "vm-1"}), "ProxyCommand")
 	assert.Equal(t, "/tmp/100%%/eitri tunnel vm-1 22", got, "ssh's %-tokens are escaped")
-	assert.NotContains(t, sshArgs(sshTarget{Self: "eitri", VMID: "vm-1"}), "-l", "no login user known: ssh's default")
+	assert.NotContains(t, cli.SSHArgs(cli.SSHTarget{Self: "eitri", VMID: "vm-1"}), "-l", "no login user known: ssh's default")
 }
 
 func TestPinHostKeyKeepsOneCanonicalLinePerVM(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "eitri", "known_hosts")
 	k1, k2, k3 := hostKey(t), hostKey(t), hostKey(t)
-	require.NoError(t, pinHostKey(path, "eitri-vm-1", k1+" root@guest"))
-	require.NoError(t, pinHostKey(path, "eitri-vm-2", k2))
-	require.NoError(t, pinHostKey(path, "eitri-vm-1", k3), "a VM whose key changed (rebuilt) is pinned to its new key")
+	require.NoError(t, cli.PinHostKey(path, "eitri-vm-1", k1+" root@guest"))
+	require.NoError(t, cli.PinHostKey(path, "eitri-vm-2", k2))
+	require.NoError(t, cli.PinHostKey(path, "eitri-vm-1", k3), "a VM whose key changed (rebuilt) is pinned to its new key")
 	b, err := os.ReadFile(path)
 	require.NoError(t, err)
 	assert.Equal(t, "eitri-vm-2 "+k2+"\neitri-vm-1 "+k3+"\n", string(b), "one line per VM, key only (no comment)")
 
 	injected := k1 + "\n* " + k2
-	require.NoError(t, pinHostKey(path, "eitri-vm-3", injected))
+	require.NoError(t, cli.PinHostKey(path, "eitri-vm-3", injected))
 	b, err = os.ReadFile(path)
 	require.NoError(t, err)
 	assert.NotContains(t, string(b), "* ", "a reported key cannot add a line for other hosts")
-	assert.Error(t, pinHostKey(path, "eitri-vm-4", "not a key"))
+	assert.Error(t, cli.PinHostKey(path, "eitri-vm-4", "not a key"))
 
 	fi, err := os.Stat(filepath.Dir(path))
 	require.NoError(t, err)
@@ -105,8 +107,8 @@ func TestEitriSSHPinsTheReportedHostKeyAndRunsSSH(t *testing.T) {
 
 	_, err := e.eitri("vm", "create", "web-1", "--image", "http://images.test/g.raw", "--sha256", strings.Repeat("ab", 32), "--wait")
 	require.NoError(t, err)
-	var errOut syncBuffer
-	err = execute(context.Background(), []string{"ssh", "web-1", "--", "-v", "uname"}, stdio{in: strings.NewReader(""), out: &errOut, err: &errOut})
+	var errOut outputtest.Buffer
+	err = execute(context.Background(), []string{"ssh", "web-1", "--", "-v", "uname"}, cli.IO{In: strings.NewReader(""), Out: &errOut, Err: &errOut})
 	require.NoError(t, err, errOut.String())
 
 	b, err := os.ReadFile(record)
@@ -142,6 +144,6 @@ func TestEitriSSHPinsTheReportedHostKeyAndRunsSSH(t *testing.T) {
 	assert.Equal(t, []string{"eitri@" + strings.TrimPrefix(alias, "eitri-")}, cert.ValidPrincipals, "the login user on this VM")
 
 	_, err = e.eitri("ssh", "web-1", "extra")
-	var ue usageError
+	var ue cli.UsageError
 	assert.ErrorAs(t, err, &ue, "ssh's arguments go after --")
 }

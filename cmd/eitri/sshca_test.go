@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
@@ -25,6 +24,8 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/cmd/eitri/cli"
+	"github.com/a73x/eitri/cmd/eitri/internal/outputtest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
@@ -85,9 +86,7 @@ func sshVM(t *testing.T, e *cliEnv, login string) (vmID string, host *scriptedHo
 func TestSSHLoginWritesAPrivateKeyAndItsCertificate(t *testing.T) {
 	e := newCLIEnv(t, server.Config{})
 	vmID, _ := sshVM(t, e, "eitri")
-	c, err := (&app{io: stdio{out: &bytes.Buffer{}, err: &bytes.Buffer{}}, format: formatTable}).dial()
-	require.NoError(t, err)
-	l, err := c.newSSHLogin(context.Background(), t.TempDir(), vmID, 0)
+	l, err := cli.NewSSHLogin(context.Background(), t.TempDir(), vmID, 0)
 	require.NoError(t, err)
 	info, err := os.Stat(l.Dir)
 	require.NoError(t, err)
@@ -161,7 +160,7 @@ func writeSSHKey(t *testing.T, path string) ssh.Signer {
 // hostKey and its certificate hostCert, no passwords, and the further
 // sshd_config lines in config. It returns the port once sshd listens, and
 // sshd's log.
-func startSSHD(t *testing.T, hostKey, hostCert, config string) (int, *syncBuffer) {
+func startSSHD(t *testing.T, hostKey, hostCert, config string) (int, *outputtest.Buffer) {
 	t.Helper()
 	dir := t.TempDir()
 	port := hosttest.FreePort(t, "tcp")
@@ -176,7 +175,7 @@ StrictModes no
 PermitRootLogin prohibit-password
 PidFile %s
 `, port, hostKey, hostCert, filepath.Join(dir, "sshd.pid"))+config), 0o600))
-	sshdLog := &syncBuffer{}
+	sshdLog := &outputtest.Buffer{}
 	daemon := exec.Command(sshdPath, "-D", "-e", "-f", conf)
 	daemon.Stdout, daemon.Stderr = sshdLog, sshdLog
 	require.NoError(t, daemon.Start())
@@ -196,7 +195,7 @@ PidFile %s
 // configured as a guest's seed configures it (TrustedUserCAKeys,
 // HostCertificate), with a host key the control plane certified through
 // the agent's RPC, and logs in with the system ssh and a certificate from
-// newSSHLogin, trusting only the host CA's known_hosts line.
+// NewSSHLogin, trusting only the host CA's known_hosts line.
 func TestSSHCertificatesGetIntoARealSSHD(t *testing.T) {
 	me := needSSHD(t, "ssh")
 	e := newCLIEnv(t, server.Config{})
@@ -233,10 +232,8 @@ AuthorizedKeysFile none
 LogLevel VERBOSE
 `, caFile, principals))
 
-	c, err := (&app{io: stdio{out: &bytes.Buffer{}, err: &bytes.Buffer{}}, format: formatTable}).dial()
-	require.NoError(t, err)
-	login := func(ttl time.Duration) *sshLogin {
-		l, err := c.newSSHLogin(ctx, t.TempDir(), vmID, ttl)
+	login := func(ttl time.Duration) *cli.SSHLogin {
+		l, err := cli.NewSSHLogin(ctx, t.TempDir(), vmID, ttl)
 		require.NoError(t, err)
 		t.Cleanup(func() { _ = l.Remove() })
 		return l
@@ -282,7 +279,7 @@ LogLevel VERBOSE
 		v, err := e.srv.Fleet.GetVM(e.adminCtx(), other2.Id)
 		return err == nil && v.LoginUser == me.Username
 	}, 10*time.Second, 10*time.Millisecond)
-	forOther, err := c.newSSHLogin(ctx, t.TempDir(), other2.Id, 0)
+	forOther, err := cli.NewSSHLogin(ctx, t.TempDir(), other2.Id, 0)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = forOther.Remove() })
 	out, err = runSSH(forOther.SSHOptions(sshcert.HostAlias(vmID)))
@@ -307,9 +304,6 @@ LogLevel VERBOSE
 	// under the alias eitri ssh uses, can vouch for the guest.
 	proxy := filepath.Join(t.TempDir(), "eitri-proxy")
 	require.NoError(t, os.WriteFile(proxy, []byte(fmt.Sprintf("#!/bin/sh\nexec socat - TCP:127.0.0.1:%d\n", port)), 0o755))
-	old := selfPath
-	selfPath = func() (string, error) { return proxy, nil }
-	defer func() { selfPath = old }()
 	decoy := hostKey(t)
 	scripted.set(func(d *eitriv1.VMDesired) *eitriv1.ActualVM {
 		return &eitriv1.ActualVM{VmId: d.GetVmId(), Power: "running", Phase: "ready", Ip: "10.77.0.9", LoginUser: me.Username, SshHostPubkey: decoy}
@@ -318,19 +312,20 @@ LogLevel VERBOSE
 		v, err := e.srv.Fleet.GetVM(e.adminCtx(), vmID)
 		return err == nil && v.SshHostPubkey == decoy
 	}, 10*time.Second, 10*time.Millisecond)
-	var sshOut syncBuffer
-	err = execute(ctx, []string{"ssh", vmID, "--", "-o", "BatchMode=yes", "echo", "via-eitri-ssh"}, stdio{in: strings.NewReader(""), out: &sshOut, err: &sshOut})
+	var sshOut outputtest.Buffer
+	err = execute(ctx, []string{"ssh", vmID, "--", "-o", "BatchMode=yes", "echo", "via-eitri-ssh"}, cli.IO{In: strings.NewReader(""), Out: &sshOut, Err: &sshOut,
+		Self: func() (string, error) { return proxy, nil }})
 	require.NoError(t, err, "eitri ssh:\n%s\nsshd:\n%s", &sshOut, sshdLog)
 	assert.Contains(t, sshOut.String(), "via-eitri-ssh")
 
 	// Without the CA line the decoy pin alone refuses the guest: the
 	// certificate above was what let it in.
-	cfgDir, err := knownHostsPath()
+	cfgDir, err := cli.KnownHostsPath()
 	require.NoError(t, err)
-	require.NoError(t, rewriteKnownHosts(cfgDir, func(f []string) bool { return f[0] == "@cert-authority" }, nil))
+	require.NoError(t, cli.RewriteKnownHosts(cfgDir, func(f []string) bool { return f[0] == "@cert-authority" }, nil))
 	pinned, err := os.ReadFile(cfgDir)
 	require.NoError(t, err)
-	args := sshArgs(sshTarget{Self: proxy, VMID: vmID, User: me.Username, KnownHosts: cfgDir})
+	args := cli.SSHArgs(cli.SSHTarget{Self: proxy, VMID: vmID, User: me.Username, KnownHosts: cfgDir})
 	args = append([]string{"-F", "/dev/null", "-o", "BatchMode=yes"}, args...)
 	out2, err := exec.Command("ssh", append(args, "echo", "x")...).CombinedOutput()
 	assert.Error(t, err, "known_hosts:\n%s", pinned)

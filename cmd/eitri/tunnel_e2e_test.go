@@ -17,6 +17,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/cmd/eitri/cli"
+	"github.com/a73x/eitri/cmd/eitri/internal/outputtest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
@@ -57,10 +59,10 @@ func TestTunnelsReachTheTestGuest(t *testing.T) {
 	t.Run("eitri port-forward", func(t *testing.T) {
 		local := hosttest.FreePort(t, "tcp")
 		fctx, stop := context.WithCancel(ctx)
-		var errOut syncBuffer
+		var errOut outputtest.Buffer
 		done := make(chan error, 1)
 		go func() {
-			done <- execute(fctx, []string{"port-forward", "tun-1", fmt.Sprintf("%d:80", local)}, stdio{in: strings.NewReader(""), out: io.Discard, err: &errOut})
+			done <- execute(fctx, []string{"port-forward", "tun-1", fmt.Sprintf("%d:80", local)}, cli.IO{In: strings.NewReader(""), Out: io.Discard, Err: &errOut})
 		}()
 		var body string
 		require.Eventually(t, func() bool {
@@ -81,16 +83,16 @@ func TestTunnelsReachTheTestGuest(t *testing.T) {
 	})
 
 	t.Run("eitri tunnel", func(t *testing.T) {
-		var out, errOut syncBuffer
-		err := execute(ctx, []string{"tunnel", "tun-1", "80"}, stdio{in: strings.NewReader("GET / HTTP/1.0\r\n\r\n"), out: &out, err: &errOut})
+		var out, errOut outputtest.Buffer
+		err := execute(ctx, []string{"tunnel", "tun-1", "80"}, cli.IO{In: strings.NewReader("GET / HTTP/1.0\r\n\r\n"), Out: &out, Err: &errOut})
 		require.NoError(t, err, errOut.String())
 		assert.Contains(t, out.String(), "200 OK")
 		assert.Contains(t, out.String(), "hostname=tun-1")
 	})
 
 	t.Run("a port nothing listens on is refused by the guest", func(t *testing.T) {
-		var out, errOut syncBuffer
-		err := execute(ctx, []string{"tunnel", "tun-1", "81"}, stdio{in: strings.NewReader(""), out: &out, err: &errOut})
+		var out, errOut outputtest.Buffer
+		err := execute(ctx, []string{"tunnel", "tun-1", "81"}, cli.IO{In: strings.NewReader(""), Out: &out, Err: &errOut})
 		require.Error(t, err)
 		assert.Contains(t, err.Error(), "failed precondition")
 		assert.Contains(t, err.Error(), "port 81")
@@ -106,12 +108,9 @@ func TestTunnelsReachTheTestGuest(t *testing.T) {
 		}
 		abs, err := filepath.Abs(bin)
 		require.NoError(t, err)
-		old := selfPath
-		selfPath = func() (string, error) { return abs, nil }
-		defer func() { selfPath = old }()
-		var out, errOut syncBuffer
+		var out, errOut outputtest.Buffer
 		err = execute(ctx, []string{"ssh", "tun-1", "--", "-v", "-o", "BatchMode=yes", "-o", "ConnectTimeout=60", "true"},
-			stdio{in: strings.NewReader(""), out: &out, err: &errOut})
+			cli.IO{In: strings.NewReader(""), Out: &out, Err: &errOut, Self: func() (string, error) { return abs, nil }})
 		require.Error(t, err, "the greeter is no sshd: ssh fails after the banner")
 		assert.Contains(t, errOut.String(), "remote software version eitri-guest", "ssh read the guest's banner through the tunnel")
 		known, err := os.ReadFile(filepath.Join(os.Getenv("XDG_CONFIG_HOME"), "eitri", "known_hosts"))

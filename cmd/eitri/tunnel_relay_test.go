@@ -22,6 +22,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/a73x/eitri/agent/consolerelay"
+	"github.com/a73x/eitri/cmd/eitri/cli"
+	"github.com/a73x/eitri/cmd/eitri/internal/outputtest"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
@@ -367,9 +369,9 @@ func TestEitriTunnelAndPortForwardCarryAConnection(t *testing.T) {
 	httpPort := ln.Addr().(*net.TCPAddr).Port
 
 	t.Run("eitri tunnel", func(t *testing.T) {
-		var out, errOut syncBuffer
+		var out, errOut outputtest.Buffer
 		err := execute(context.Background(), []string{"tunnel", "web-1", strconv.Itoa(httpPort)},
-			stdio{in: strings.NewReader("GET /via-tunnel HTTP/1.0\r\n\r\n"), out: &out, err: &errOut})
+			cli.IO{In: strings.NewReader("GET /via-tunnel HTTP/1.0\r\n\r\n"), Out: &out, Err: &errOut})
 		require.NoError(t, err, errOut.String())
 		assert.Contains(t, out.String(), "HTTP/1.0 200 OK")
 		assert.Contains(t, out.String(), "hostname=web-1 path=/via-tunnel")
@@ -378,11 +380,11 @@ func TestEitriTunnelAndPortForwardCarryAConnection(t *testing.T) {
 	t.Run("eitri port-forward", func(t *testing.T) {
 		local := hostFreePort(t)
 		ctx, stop := context.WithCancel(context.Background())
-		var errOut syncBuffer
+		var errOut outputtest.Buffer
 		done := make(chan error, 1)
 		go func() {
 			done <- execute(ctx, []string{"port-forward", "web-1", fmt.Sprintf("%d:%d", local, httpPort)},
-				stdio{in: strings.NewReader(""), out: io.Discard, err: &errOut})
+				cli.IO{In: strings.NewReader(""), Out: io.Discard, Err: &errOut})
 		}()
 		url := fmt.Sprintf("http://127.0.0.1:%d/via-forward", local)
 		var body string
@@ -410,7 +412,7 @@ func TestEitriTunnelAndPortForwardCarryAConnection(t *testing.T) {
 	t.Run("bad ports are usage errors", func(t *testing.T) {
 		for _, args := range [][]string{{"tunnel", "web-1", "0"}, {"tunnel", "web-1", "x"}, {"port-forward", "web-1", "80"}, {"port-forward", "web-1", "8080:70000"}} {
 			_, err := e.eitri(args...)
-			var ue usageError
+			var ue cli.UsageError
 			assert.ErrorAs(t, err, &ue, "%v: %v", args, err)
 		}
 	})

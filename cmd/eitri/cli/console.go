@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"bytes"
@@ -32,7 +32,7 @@ func newVMConsoleCmd(a *app) *cobra.Command {
 		ValidArgsFunction: a.completeVMs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			return a.onVM(func(ctx context.Context, c *client, id string) error {
-				return c.attachConsole(ctx, id, args[0], a.io.in)
+				return c.attachConsole(ctx, id, args[0], a.io.In)
 			})(cmd, args)
 		},
 	}

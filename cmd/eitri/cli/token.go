@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -55,7 +55,7 @@ func newTokenListCmd(a *app) *cobra.Command {
 		Use:     "ls",
 		Aliases: []string{"list"},
 		Short:   "List tokens",
-		Args:    noArgs,
+		Args:    NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			r, err := c.token.ListTokens(ctx, connect.NewRequest(&eitriv1.ListTokensRequest{}))
 			if err != nil {
@@ -95,7 +95,7 @@ func newSessionsCmd(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:   "sessions",
 		Short: "List console sessions and the token each acts for",
-		Args:  noArgs,
+		Args:  NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			r, err := c.token.ListSessions(ctx, connect.NewRequest(&eitriv1.ListSessionsRequest{}))
 			if err != nil {

@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"bufio"
@@ -56,7 +56,7 @@ certificate, and later commands fail over between them.`,
 func (a *app) login(ctx context.Context, rawURL, token, fingerprint string) error {
 	ep, err := parseURLs(rawURL)
 	if err != nil {
-		return usageError{error: err}
+		return UsageError{error: err}
 	}
 	u := ep.URL
 	ep.Token, ep.Fingerprint = token, strings.ToLower(fingerprint)
@@ -66,7 +66,7 @@ func (a *app) login(ctx context.Context, rawURL, token, fingerprint string) erro
 	if ep.Fingerprint == "" {
 		ep.Fingerprint = strings.ToLower(os.Getenv("EITRI_FINGERPRINT"))
 	}
-	in := bufio.NewReader(a.io.in)
+	in := bufio.NewReader(a.io.In)
 	if strings.HasPrefix(u, "https://") {
 		if ep.Fingerprint, err = a.pin(ctx, u, ep.Fingerprint, in); err != nil {
 			return err
@@ -75,7 +75,7 @@ func (a *app) login(ctx context.Context, rawURL, token, fingerprint string) erro
 			return err
 		}
 	} else if !loopbackURL(u) {
-		fmt.Fprintf(a.io.err, "warning: %s is plain http: the token crosses the network readable by anyone on the path\n", u)
+		fmt.Fprintf(a.io.Err, "warning: %s is plain http: the token crosses the network readable by anyone on the path\n", u)
 	}
 	if ep.Token == "" {
 		if ep.Token, err = a.askToken(u, in); err != nil {
@@ -92,7 +92,7 @@ func (a *app) login(ctx context.Context, rawURL, token, fingerprint string) erro
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(a.io.out, "logged in to %s as %s (saved in %s)\n", strings.Join(ep.urls(), ", "), r.Msg.GetQuota().GetUserName(), path)
+	fmt.Fprintf(a.io.Out, "logged in to %s as %s (saved in %s)\n", strings.Join(ep.urls(), ", "), r.Msg.GetQuota().GetUserName(), path)
 	return nil
 }
 
@@ -115,10 +115,10 @@ func (a *app) pin(ctx context.Context, u, given string, in *bufio.Reader) (strin
 		return "", nil
 	}
 	notice := fmt.Sprintf("%s presents a certificate no CA on this machine vouches for.\nIts SHA-256 fingerprint is %s\n(the control plane logs its fingerprint at start; join tokens carry it too).\n", u, got)
-	if !isTerminal(a.io.in) {
+	if !isTerminal(a.io.In) {
 		return "", fmt.Errorf("%spass --fingerprint %s once you have checked it (nothing saved)", notice, got)
 	}
-	fmt.Fprint(a.io.err, notice, "Trust it and pin it? [y/N] ")
+	fmt.Fprint(a.io.Err, notice, "Trust it and pin it? [y/N] ")
 	answer, _ := in.ReadString('\n')
 	if a := strings.ToLower(strings.TrimSpace(answer)); a != "y" && a != "yes" {
 		return "", errors.New("certificate not trusted; nothing saved")
@@ -134,7 +134,7 @@ func (a *app) sameCertificate(ctx context.Context, ep endpoint) error {
 	for _, u := range ep.urls()[1:] {
 		leaf, trusted, err := presentedCert(ctx, u)
 		if err != nil {
-			fmt.Fprintf(a.io.err, "warning: %v; its certificate is checked when a request reaches it\n", err)
+			fmt.Fprintf(a.io.Err, "warning: %v; its certificate is checked when a request reaches it\n", err)
 			continue
 		}
 		if got := connclient.Fingerprint(leaf.Raw); ep.Fingerprint != "" && got != ep.Fingerprint {
@@ -185,10 +185,10 @@ func presentedCert(ctx context.Context, u string) (*x509.Certificate, bool, erro
 // line of stdin (eitri login URL < token-file).
 func (a *app) askToken(u string, in *bufio.Reader) (string, error) {
 	var tok string
-	if f, ok := a.io.in.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
-		fmt.Fprintf(a.io.err, "Token for %s: ", u)
+	if f, ok := a.io.In.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
+		fmt.Fprintf(a.io.Err, "Token for %s: ", u)
 		b, err := term.ReadPassword(int(f.Fd()))
-		fmt.Fprintln(a.io.err)
+		fmt.Fprintln(a.io.Err)
 		if err != nil {
 			return "", err
 		}
@@ -227,7 +227,7 @@ func newLogoutCmd(a *app) *cobra.Command {
 		Short: "Forget the saved control plane and token",
 		Long: `Forget the saved control plane and token (the file eitri login wrote).
 The token itself stays valid: revoke it with 'eitri token revoke ID'.`,
-		Args: noArgs,
+		Args: NoArgs,
 		RunE: func(*cobra.Command, []string) error {
 			path, err := configPath()
 			if err != nil {
@@ -235,15 +235,15 @@ The token itself stays valid: revoke it with 'eitri token revoke ID'.`,
 			}
 			saved, _, _, _ := loadLogin() // only for the message; a broken file is removed all the same
 			if err := os.Remove(path); errors.Is(err, fs.ErrNotExist) {
-				fmt.Fprintln(a.io.out, "not logged in")
+				fmt.Fprintln(a.io.Out, "not logged in")
 				return nil
 			} else if err != nil {
 				return err
 			}
 			if saved.URL != "" {
-				fmt.Fprintf(a.io.out, "logged out of %s (removed %s)\n", saved.URL, path)
+				fmt.Fprintf(a.io.Out, "logged out of %s (removed %s)\n", saved.URL, path)
 			} else {
-				fmt.Fprintf(a.io.out, "removed %s\n", path)
+				fmt.Fprintf(a.io.Out, "removed %s\n", path)
 			}
 			return nil
 		},

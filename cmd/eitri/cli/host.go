@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -26,7 +26,7 @@ func newHostListCmd(a *app) *cobra.Command {
 		Use:     "ls",
 		Aliases: []string{"list"},
 		Short:   "List the hosts",
-		Args:    noArgs,
+		Args:    NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			r, err := c.host.ListHosts(ctx, connect.NewRequest(&eitriv1.ListHostsRequest{}))
 			if err != nil {
@@ -65,7 +65,7 @@ func newHostJoinTokenCmd(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "join-token",
 		Short: "Admins: mint a single-use token that enrolls a new host",
-		Args:  noArgs,
+		Args:  NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			req := &eitriv1.CreateJoinTokenRequest{}
 			if ttl > 0 {

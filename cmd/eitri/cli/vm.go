@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -140,7 +140,7 @@ func newVMListCmd(a *app) *cobra.Command {
 		Use:     "ls",
 		Aliases: []string{"list"},
 		Short:   "List your VMs (an admin sees everyone's)",
-		Args:    noArgs,
+		Args:    NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			r, err := c.vm.ListVMs(ctx, connect.NewRequest(&eitriv1.ListVMsRequest{}))
 			if err != nil {
@@ -275,7 +275,7 @@ func newVMWatchCmd(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:   "watch",
 		Short: "Every VM now, then each change as it happens",
-		Args:  noArgs,
+		Args:  NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			return c.watchVMs(ctx)
 		}),
@@ -324,7 +324,7 @@ func newVMOrphansCmd(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:   "orphans",
 		Short: "Admins: VMs hosts hold but this control plane lost or has older records of",
-		Args:  noArgs,
+		Args:  NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			r, err := c.vm.ListOrphanedVMs(ctx, connect.NewRequest(&eitriv1.ListOrphanedVMsRequest{}))
 			if err != nil {

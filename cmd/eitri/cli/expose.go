@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"fmt"
@@ -29,7 +29,7 @@ func newExposeCreateCmd(a *app) *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			gp, err := strconv.ParseUint(args[1], 10, 32)
 			if err != nil {
-				return usagef("guest port %q is not a number", args[1])
+				return Usagef("guest port %q is not a number", args[1])
 			}
 			c, err := a.dial()
 			if err != nil {

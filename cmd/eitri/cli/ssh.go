@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -32,9 +32,9 @@ func newSSHCmd(a *app) *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			extra := args[1:]
 			if at := cmd.ArgsLenAtDash(); at < 0 && len(extra) > 0 {
-				return usagef("%s: put ssh's arguments after --, got %q", cmd.CommandPath(), extra[0])
+				return Usagef("%s: put ssh's arguments after --, got %q", cmd.CommandPath(), extra[0])
 			} else if at > 1 {
-				return usagef("%s takes one VM, got %q", cmd.CommandPath(), args[1])
+				return Usagef("%s takes one VM, got %q", cmd.CommandPath(), args[1])
 			}
 			return a.onVM(func(ctx context.Context, c *client, id string) error {
 				target, err := c.sshTarget(ctx, id, extra)
@@ -46,25 +46,21 @@ func newSSHCmd(a *app) *cobra.Command {
 				// seeded before the CA) ssh still offers the user's own keys.
 				login, err := c.newSSHLogin(ctx, "", target.VMID, 0)
 				if err != nil {
-					fmt.Fprintf(a.io.err, "eitri: no SSH certificate (%v); ssh offers your own keys\n", err)
+					fmt.Fprintf(a.io.Err, "eitri: no SSH certificate (%v); ssh offers your own keys\n", err)
 				} else {
 					defer login.Remove()
 					target.Login = login
 				}
-				ssh := exec.CommandContext(ctx, "ssh", sshArgs(target)...)
-				ssh.Stdin, ssh.Stdout, ssh.Stderr = a.io.in, a.io.out, a.io.err
+				ssh := exec.CommandContext(ctx, "ssh", SSHArgs(target)...)
+				ssh.Stdin, ssh.Stdout, ssh.Stderr = a.io.In, a.io.Out, a.io.Err
 				return ssh.Run()
 			})(cmd, args)
 		},
 	}
 }
 
-// selfPath is this eitri binary (a test, which is not one, points it at
-// one).
-var selfPath = os.Executable
-
-// sshTarget is what an ssh command line for a VM is made of.
-type sshTarget struct {
+// SSHTarget is what an ssh command line for a VM is made of.
+type SSHTarget struct {
 	// Self is this eitri binary, which ssh runs as its ProxyCommand.
 	Self string
 	VMID string
@@ -75,18 +71,18 @@ type sshTarget struct {
 	// Extra is the caller's ssh arguments, after the destination.
 	Extra []string
 	// Login is a short-lived certificate and its key; nil: none.
-	Login *sshLogin
+	Login *SSHLogin
 }
 
 // HostAlias names the VM's host key in KnownHosts (and is ssh's
 // destination, so no ssh_config Host block for a VM name applies). The
 // guest's host certificate names it, and the host CA is trusted for it.
-func (t sshTarget) HostAlias() string { return sshcert.HostAlias(t.VMID) }
+func (t SSHTarget) HostAlias() string { return sshcert.HostAlias(t.VMID) }
 
-// sshArgs is the ssh command line for t. Options given with -o first win,
+// SSHArgs is the ssh command line for t. Options given with -o first win,
 // so these cannot be overridden by the caller's.
-func sshArgs(t sshTarget) []string {
-	proxy := shellQuote(t.Self) + " tunnel " + shellQuote(t.VMID) + " 22"
+func SSHArgs(t SSHTarget) []string {
+	proxy := ShellQuote(t.Self) + " tunnel " + ShellQuote(t.VMID) + " 22"
 	args := []string{
 		// ssh expands %-tokens in ProxyCommand.
 		"-o", "ProxyCommand=" + strings.ReplaceAll(proxy, "%", "%%"),
@@ -110,40 +106,40 @@ func sshArgs(t sshTarget) []string {
 }
 
 // sshTarget looks the VM up and pins its host key in eitri's known_hosts.
-func (c *client) sshTarget(ctx context.Context, id string, extra []string) (sshTarget, error) {
+func (c *client) sshTarget(ctx context.Context, id string, extra []string) (SSHTarget, error) {
 	r, err := c.vm.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: id}))
 	if err != nil {
-		return sshTarget{}, apiError(err)
+		return SSHTarget{}, apiError(err)
 	}
 	vm := r.Msg.GetVm()
 	if vm.GetSshHostPubkey() == "" {
-		return sshTarget{}, fmt.Errorf("%s has not reported its SSH host key yet (wait until it is ready: eitri vm wait %s)", vm.GetName(), vm.GetName())
+		return SSHTarget{}, fmt.Errorf("%s has not reported its SSH host key yet (wait until it is ready: eitri vm wait %s)", vm.GetName(), vm.GetName())
 	}
-	self, err := selfPath()
+	self, err := c.self()
 	if err != nil {
-		return sshTarget{}, fmt.Errorf("cannot find this eitri binary for ssh's ProxyCommand: %w", err)
+		return SSHTarget{}, fmt.Errorf("cannot find this eitri binary for ssh's ProxyCommand: %w", err)
 	}
-	path, err := knownHostsPath()
+	path, err := KnownHostsPath()
 	if err != nil {
-		return sshTarget{}, err
+		return SSHTarget{}, err
 	}
-	t := sshTarget{Self: self, VMID: vm.GetId(), User: vm.GetLoginUser(), KnownHosts: path, Extra: extra}
-	if err := pinHostKey(path, t.HostAlias(), vm.GetSshHostPubkey()); err != nil {
-		return sshTarget{}, err
+	t := SSHTarget{Self: self, VMID: vm.GetId(), User: vm.GetLoginUser(), KnownHosts: path, Extra: extra}
+	if err := PinHostKey(path, t.HostAlias(), vm.GetSshHostPubkey()); err != nil {
+		return SSHTarget{}, err
 	}
 	// The host CA too: a guest presenting a host certificate is checked
 	// against it (the certificate names the alias), a guest without one,
 	// or with an expired one, against the pinned key.
 	if cas, err := c.ssh.GetSSHCAKeys(ctx, connect.NewRequest(&eitriv1.GetSSHCAKeysRequest{})); err == nil {
-		if err := pinHostCAs(path, cas.Msg.GetHostCaKeys()); err != nil {
-			return sshTarget{}, err
+		if err := PinHostCAs(path, cas.Msg.GetHostCaKeys()); err != nil {
+			return SSHTarget{}, err
 		}
 	}
 	return t, nil
 }
 
-// knownHostsPath is eitri's known_hosts, beside its login.
-func knownHostsPath() (string, error) {
+// KnownHostsPath is eitri's known_hosts, beside its login.
+func KnownHostsPath() (string, error) {
 	cfg, err := configPath()
 	if err != nil {
 		return "", err
@@ -151,13 +147,13 @@ func knownHostsPath() (string, error) {
 	return filepath.Join(filepath.Dir(cfg), "known_hosts"), nil
 }
 
-// pinHostCAs makes keys the only @cert-authority lines in path.
-func pinHostCAs(path string, keys []*eitriv1.SSHCAKey) error {
+// PinHostCAs makes keys the only @cert-authority lines in path.
+func PinHostCAs(path string, keys []*eitriv1.SSHCAKey) error {
 	add, err := hostCALines(keys)
 	if err != nil {
 		return err
 	}
-	return rewriteKnownHosts(path, func(f []string) bool { return f[0] == "@cert-authority" }, add)
+	return RewriteKnownHosts(path, func(f []string) bool { return f[0] == "@cert-authority" }, add)
 }
 
 // hostCALines are the known_hosts lines trusting keys for eitri's aliases
@@ -176,21 +172,21 @@ func hostCALines(keys []*eitriv1.SSHCAKey) ([]string, error) {
 	return out, nil
 }
 
-// pinHostKey makes the key the only one in path for alias, keeping the
+// PinHostKey makes the key the only one in path for alias, keeping the
 // other aliases' lines. The key is parsed and written in its canonical
 // form, so nothing but a key reaches the file.
-func pinHostKey(path, alias, authorizedKey string) error {
+func PinHostKey(path, alias, authorizedKey string) error {
 	key, _, _, _, err := ssh.ParseAuthorizedKey([]byte(authorizedKey))
 	if err != nil {
 		return fmt.Errorf("the VM's reported SSH host key is not a key: %w", err)
 	}
 	line := alias + " " + strings.TrimSpace(string(ssh.MarshalAuthorizedKey(key)))
-	return rewriteKnownHosts(path, func(f []string) bool { return f[0] == alias }, []string{line})
+	return RewriteKnownHosts(path, func(f []string) bool { return f[0] == alias }, []string{line})
 }
 
-// rewriteKnownHosts replaces the lines of path that drop says (given a
+// RewriteKnownHosts replaces the lines of path that drop says (given a
 // line's fields) with add, keeping the others, atomically.
-func rewriteKnownHosts(path string, drop func(fields []string) bool, add []string) error {
+func RewriteKnownHosts(path string, drop func(fields []string) bool, add []string) error {
 	old, err := os.ReadFile(path)
 	if err != nil && !os.IsNotExist(err) {
 		return err

@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -24,7 +24,7 @@ import (
 // app is what the client commands share: the process's stdio and the
 // output format of the command line being run.
 type app struct {
-	io     stdio
+	io     IO
 	format outputFormat
 }
 
@@ -80,6 +80,8 @@ type client struct {
 	format outputFormat
 	// tty: out is a terminal, so progress may be drawn in place.
 	tty bool
+	// self is this eitri binary, which ssh runs as its ProxyCommand.
+	self func() (string, error)
 }
 
 // dial makes a client for the control plane the saved login and the
@@ -95,6 +97,10 @@ func (a *app) dial() (*client, error) {
 func (a *app) clientFor(ep endpoint) *client {
 	hc := httpClient(ep)
 	opt := connect.WithInterceptors(connclient.Bearer(ep.Token))
+	self := a.io.Self
+	if self == nil {
+		self = os.Executable
+	}
 	return &client{
 		vm:     eitriv1connect.NewVMServiceClient(hc, ep.URL, opt),
 		host:   eitriv1connect.NewHostServiceClient(hc, ep.URL, opt),
@@ -102,10 +108,11 @@ func (a *app) clientFor(ep endpoint) *client {
 		token:  eitriv1connect.NewTokenServiceClient(hc, ep.URL, opt),
 		quota:  eitriv1connect.NewQuotaServiceClient(hc, ep.URL, opt),
 		ssh:    eitriv1connect.NewSSHServiceClient(hc, ep.URL, opt),
-		out:    a.io.out,
-		errOut: a.io.err,
+		out:    a.io.Out,
+		errOut: a.io.Err,
 		format: a.format,
-		tty:    isTerminal(a.io.out),
+		tty:    isTerminal(a.io.Out),
+		self:   self,
 	}
 }
 

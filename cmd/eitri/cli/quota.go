@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -42,7 +42,7 @@ func newQuotaGetCmd(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "get",
 		Short: "Show a quota: each limit, what is used and where the limit comes from",
-		Args:  noArgs,
+		Args:  NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			r, err := c.quota.GetQuota(ctx, connect.NewRequest(&eitriv1.GetQuotaRequest{UserName: user}))
 			if err != nil {
@@ -64,7 +64,7 @@ func newQuotaSetCmd(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "set [--user NAME | --defaults] [--vms N --vcpus N --mem-mb N --disk-gb N --exposures N --streams N]",
 		Short: "Admins: set a user's limits, or the defaults (\"default\" makes a limit follow the default again)",
-		Args:  noArgs,
+		Args:  NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			req, err := quotaSetRequest(cmd.Flags(), values)
 			if err != nil {
@@ -110,13 +110,13 @@ func quotaSetRequest(fs *pflag.FlagSet, values []string) (*eitriv1.SetQuotaReque
 		default:
 			n, err := strconv.ParseInt(v, 10, 64)
 			if err != nil || n < 0 {
-				return nil, usagef("--%s %q: want a number of 0 or more, or \"default\"", l.flag, v)
+				return nil, Usagef("--%s %q: want a number of 0 or more, or \"default\"", l.flag, v)
 			}
 			*ptrs[i] = &n
 		}
 	}
 	if len(req.Unset) == 0 && noLimits(req.Limits) {
-		return nil, usagef("eitri quota set needs at least one limit (--vms, --vcpus, --mem-mb, --disk-gb, --exposures, --streams)")
+		return nil, Usagef("eitri quota set needs at least one limit (--vms, --vcpus, --mem-mb, --disk-gb, --exposures, --streams)")
 	}
 	return req, nil
 }

@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"context"
@@ -35,8 +35,8 @@ func newTunnelCmd(a *app) *cobra.Command {
 				return err
 			}
 			return a.onVM(func(ctx context.Context, c *client, id string) error {
-				return c.tunnel(ctx, id, port, a.io.in, a.io.out, func() {
-					if f, ok := a.io.out.(*os.File); ok {
+				return c.tunnel(ctx, id, port, a.io.In, a.io.Out, func() {
+					if f, ok := a.io.Out.(*os.File); ok {
 						_ = f.Close() // the guest said eof: so does stdout
 					}
 				}, nil)
@@ -56,7 +56,7 @@ func newPortForwardCmd(a *app) *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			local, guest, ok := strings.Cut(args[1], ":")
 			if !ok {
-				return usagef("want LOCAL:GUEST (e.g. 8080:80), got %q", args[1])
+				return Usagef("want LOCAL:GUEST (e.g. 8080:80), got %q", args[1])
 			}
 			lport, err := parsePortOrZero("LOCAL", local)
 			if err != nil {
@@ -81,7 +81,7 @@ func newPortForwardCmd(a *app) *cobra.Command {
 func parsePort(name, s string) (uint32, error) {
 	p, err := parsePortOrZero(name, s)
 	if err == nil && p == 0 {
-		err = usagef("%s: want a port from 1 to 65535, got %q", name, s)
+		err = Usagef("%s: want a port from 1 to 65535, got %q", name, s)
 	}
 	return p, err
 }
@@ -89,7 +89,7 @@ func parsePort(name, s string) (uint32, error) {
 func parsePortOrZero(name, s string) (uint32, error) {
 	p, err := strconv.ParseUint(s, 10, 16)
 	if err != nil {
-		return 0, usagef("%s: want a port from 1 to 65535, got %q", name, s)
+		return 0, Usagef("%s: want a port from 1 to 65535, got %q", name, s)
 	}
 	return uint32(p), nil
 }

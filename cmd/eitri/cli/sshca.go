@@ -1,4 +1,4 @@
-package main
+package cli
 
 import (
 	"bytes"
@@ -38,7 +38,7 @@ the host CA for no other name:
   ssh -o HostKeyAlias=eitri-<vm id> -o ProxyCommand='eitri tunnel <vm id> 22' eitri@<vm id>
 
 After a CA rotation the previous key is listed too, marked "previous".`,
-		Args: noArgs,
+		Args: NoArgs,
 		RunE: a.withClient(func(ctx context.Context, c *client) error {
 			r, err := c.ssh.GetSSHCAKeys(ctx, connect.NewRequest(&eitriv1.GetSSHCAKeysRequest{}))
 			if err != nil {
@@ -112,10 +112,10 @@ func sshCATable(w io.Writer, m *eitriv1.GetSSHCAKeysResponse) {
 	}
 }
 
-// sshLogin is an ephemeral key pair with a short-lived certificate for
+// SSHLogin is an ephemeral key pair with a short-lived certificate for
 // logging into one VM, and a known_hosts file trusting the host CA for
 // eitri's aliases, in a private temporary directory. Remove deletes it all.
-type sshLogin struct {
+type SSHLogin struct {
 	Dir string
 	// IdentityFile is the private key (ssh -i); CertificateFile its
 	// certificate (ssh -o CertificateFile=).
@@ -132,12 +132,12 @@ type sshLogin struct {
 // for the system's temporary directory), has the control plane certify it
 // for vmID for ttl (0: the server's default), and writes the host CA's
 // known_hosts lines beside it. eitri ssh calls it.
-func (c *client) newSSHLogin(ctx context.Context, dir, vmID string, ttl time.Duration) (*sshLogin, error) {
+func (c *client) newSSHLogin(ctx context.Context, dir, vmID string, ttl time.Duration) (*SSHLogin, error) {
 	d, err := os.MkdirTemp(dir, "eitri-ssh-")
 	if err != nil {
 		return nil, err
 	}
-	l := &sshLogin{Dir: d}
+	l := &SSHLogin{Dir: d}
 	ok := false
 	defer func() {
 		if !ok {
@@ -197,12 +197,22 @@ func (c *client) newSSHLogin(ctx context.Context, dir, vmID string, ttl time.Dur
 	return l, nil
 }
 
+// NewSSHLogin is newSSHLogin against the control plane the saved login and
+// the environment name, as any client command is.
+func NewSSHLogin(ctx context.Context, dir, vmID string, ttl time.Duration) (*SSHLogin, error) {
+	c, err := (&app{format: formatTable}).dial()
+	if err != nil {
+		return nil, err
+	}
+	return c.newSSHLogin(ctx, dir, vmID, ttl)
+}
+
 // SSHOptions are the system ssh's options that log in with l: the key and
 // its certificate only (not the user's agent's keys), as l.User, trusting
 // the host CA for hostAlias, which must be the VM's alias
 // (sshcert.HostAlias): the only name both the certificate and the
 // known_hosts line cover.
-func (l *sshLogin) SSHOptions(hostAlias string) []string {
+func (l *SSHLogin) SSHOptions(hostAlias string) []string {
 	return []string{
 		"-i", l.IdentityFile,
 		"-o", "CertificateFile=" + l.CertificateFile,
@@ -215,4 +225,4 @@ func (l *sshLogin) SSHOptions(hostAlias string) []string {
 }
 
 // Remove deletes the key, the certificate and the directory.
-func (l *sshLogin) Remove() error { return os.RemoveAll(l.Dir) }
+func (l *SSHLogin) Remove() error { return os.RemoveAll(l.Dir) }
