@@ -42,8 +42,8 @@ var copyTables = []copyTable{
 	{name: "users", cols: []string{"id", "name", "admin", "created_at"}, order: "id"},
 	{name: "tokens", cols: []string{"id", "user_id", "name", "kind", "hash", "created_at", "expires_at", "last_used_at", "parent_id"},
 		order: "(parent_id IS NOT NULL), created_at, id"},
-	{name: "hosts", cols: []string{"id", "name", "credential_hash", "agent_version", "address", "accelerator", "accelerator_reason", "created_at", "last_seen_at"},
-		order: "id"},
+	{name: "hosts", cols: []string{"id", "name", "credential_hash", "agent_version", "address", "accelerator", "accelerator_reason", "created_at", "last_seen_at",
+		"os", "arch", "upgrade"}, order: "id"},
 	{name: "join_tokens", cols: []string{"id", "hash", "created_by", "created_at", "expires_at", "used_at", "host_id"}, order: "id"},
 	{name: "vms", cols: []string{"id", "owner_id", "host_id", "name", "image_url", "image_sha256", "vcpus", "mem_mb", "disk_gb",
 		"power_state", "status", "last_error", "assigned_ip", "ssh_authorized_key", "ssh_host_pubkey",
@@ -60,6 +60,10 @@ var copyTables = []copyTable{
 	// Empty on SQLite (its secrets are files); Copy's secrets argument
 	// fills it.
 	{name: "secrets", cols: []string{"name", "data"}, order: "name"},
+	{name: "releases", cols: []string{"sha256", "version", "os", "arch", "size", "key_id", "signature", "data", "uploaded_by", "uploaded_at"},
+		order: "sha256"},
+	{name: "rollouts", cols: []string{"id", "version", "state", "reason", "max_unavailable", "allow_downgrade", "hosts", "created_by",
+		"created_at", "updated_at"}, order: "id"},
 }
 
 // notCopied are the tables Copy leaves behind, and why.

@@ -142,6 +142,15 @@ func fillEverything(t *testing.T, s *Store) {
 	require.NoError(t, err)
 	_, _, err = s.FenceForward(ctx, l.Epoch+1, l.Generation+10)
 	require.NoError(t, err)
+
+	// A build, a rollout, and a host's word on its upgrade.
+	require.NoError(t, s.UpdateHostHello(ctx, "h1", HostHello{AgentVersion: "v1.3", OS: "linux", Arch: "amd64"}, t0))
+	require.NoError(t, s.SetHostUpgrade(ctx, "h1", HostUpgrade{Target: "v1.4", Step: "failed", Error: "no", RolloutID: "r1", Attempt: 1, Since: t0}))
+	require.NoError(t, s.CreateRelease(ctx, Release{SHA256: "cc", Version: "v1.4", OS: "linux", Arch: "amd64", Size: 4, KeyID: "k",
+		Signature: []byte("sig"), UploadedBy: "u1", UploadedAt: t0}, []byte{0, 1, 2, 0xff}))
+	require.NoError(t, s.CreateRollout(ctx, Rollout{ID: "r1", Version: "v1.4", State: RolloutHalted, Reason: "h1 failed", MaxUnavailable: 1,
+		Hosts: []RolloutHost{{HostID: "h1", HostName: "beta", State: HostFailed, Error: "no", StartedAt: ptr(t0), Attempt: 1}},
+		CreatedBy: "u1", CreatedAt: t0}))
 }
 
 // readCase reads one table's rows back through the Store's API.
@@ -204,6 +213,11 @@ var everyTableRead = []readCase{
 		},
 	)},
 	{"control_plane", func(ctx context.Context, s *Store) (any, error) { return s.Lineage(ctx) }},
+	{"releases", readAll(
+		func(ctx context.Context, s *Store) (any, error) { return s.ListReleases(ctx) },
+		func(ctx context.Context, s *Store) (any, error) { return s.ReleaseData(ctx, "cc") },
+	)},
+	{"rollouts", func(ctx context.Context, s *Store) (any, error) { return s.ListRollouts(ctx) }},
 }
 
 // filledSource makes a SQLite database holding one of everything, closed,
@@ -249,7 +263,8 @@ func TestACopyToPostgreSQLReadsBackIdenticallyThroughTheStore(t *testing.T) {
 	t.Logf("copied in %v: %v", time.Since(start), copied)
 
 	want := map[string]int64{"users": 2, "tokens": 3, "hosts": 3, "join_tokens": 2, "vms": 3, "exposures": 2,
-		"vm_events": 4, "quota_defaults": 1, "user_quotas": 1, "control_plane": 1, "secrets": int64(len(testSecrets))}
+		"vm_events": 4, "quota_defaults": 1, "user_quotas": 1, "control_plane": 1, "secrets": int64(len(testSecrets)),
+		"releases": 1, "rollouts": 1}
 	got := map[string]int64{}
 	for _, c := range copied {
 		got[c.Table] = c.Rows

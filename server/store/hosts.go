@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -19,6 +20,22 @@ type Host struct {
 	AcceleratorReason string
 	CreatedAt         time.Time
 	LastSeenAt        *time.Time
+	// OS and Arch are the agent's platform, as its last hello said.
+	OS, Arch string
+	// Upgrade is the agent's own word on its last upgrade; zero when it
+	// never had one.
+	Upgrade HostUpgrade
+}
+
+// HostUpgrade is what an agent last said about an upgrade it was offered:
+// the steps that change what the rollout does (not its progress).
+type HostUpgrade struct {
+	Target    string    `json:"target"`
+	Step      string    `json:"step"`
+	Error     string    `json:"error,omitempty"`
+	RolloutID string    `json:"rollout_id,omitempty"`
+	Attempt   uint64    `json:"attempt,omitempty"`
+	Since     time.Time `json:"since"`
 }
 
 // JoinToken buys one host enrollment before ExpiresAt.
@@ -32,26 +49,42 @@ type JoinToken struct {
 	HostID    string // the host it enrolled, once used ("" if that host is gone)
 }
 
-const hostCols = `id, name, credential_hash, agent_version, address, accelerator, accelerator_reason, created_at, last_seen_at`
+const hostCols = `id, name, credential_hash, agent_version, address, accelerator, accelerator_reason, created_at, last_seen_at, os, arch, upgrade`
 
 func scanHost(row interface{ Scan(...any) error }) (Host, error) {
 	var h Host
 	var created int64
 	var seen sql.NullInt64
-	if err := row.Scan(&h.ID, &h.Name, &h.CredentialHash, &h.AgentVersion, &h.Address, &h.Accelerator, &h.AcceleratorReason, &created, &seen); err != nil {
+	var upgrade string
+	if err := row.Scan(&h.ID, &h.Name, &h.CredentialHash, &h.AgentVersion, &h.Address, &h.Accelerator, &h.AcceleratorReason, &created, &seen,
+		&h.OS, &h.Arch, &upgrade); err != nil {
 		return Host{}, err
 	}
 	h.CreatedAt = fromNanos(created)
 	h.LastSeenAt = fromNullNanos(seen)
+	if upgrade != "" {
+		if err := json.Unmarshal([]byte(upgrade), &h.Upgrade); err != nil {
+			return Host{}, fmt.Errorf("store: host %s upgrade: %w", h.ID, err)
+		}
+	}
 	return h, nil
+}
+
+func upgradeJSON(u HostUpgrade) string {
+	if u == (HostUpgrade{}) {
+		return ""
+	}
+	b, _ := json.Marshal(u) // strings, a number and a time always marshal
+	return string(b)
 }
 
 func insertHost(ctx context.Context, tx *sql.Tx, h Host) error {
 	if h.ID == "" || len(h.CredentialHash) == 0 {
 		return errors.New("store: host needs an id and a credential hash")
 	}
-	_, err := tx.ExecContext(ctx, `INSERT INTO hosts (`+hostCols+`) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
-		h.ID, h.Name, h.CredentialHash, h.AgentVersion, h.Address, h.Accelerator, h.AcceleratorReason, nanos(h.CreatedAt), nullNanos(h.LastSeenAt))
+	_, err := tx.ExecContext(ctx, `INSERT INTO hosts (`+hostCols+`) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)`,
+		h.ID, h.Name, h.CredentialHash, h.AgentVersion, h.Address, h.Accelerator, h.AcceleratorReason, nanos(h.CreatedAt), nullNanos(h.LastSeenAt),
+		h.OS, h.Arch, upgradeJSON(h.Upgrade))
 	if isUniqueViolation(err) {
 		return fmt.Errorf("%w: host %s or its credential already exists", ErrConflict, h.ID)
 	}
@@ -99,14 +132,24 @@ func (s *Store) ListHosts(ctx context.Context) ([]Host, error) {
 // HostHello is what an agent says about itself on connecting.
 type HostHello struct {
 	AgentVersion, Address, Accelerator, AcceleratorReason string
+	OS, Arch                                              string
 }
 
 // UpdateHostHello records what the agent said about itself on connecting;
 // hearing from it also counts as seeing it.
 func (s *Store) UpdateHostHello(ctx context.Context, id string, h HostHello, at time.Time) error {
 	return s.write(ctx, func(tx *sql.Tx) error {
-		res, err := tx.ExecContext(ctx, `UPDATE hosts SET agent_version = $1, address = $2, accelerator = $3, accelerator_reason = $4, last_seen_at = $5 WHERE id = $6`,
-			h.AgentVersion, h.Address, h.Accelerator, h.AcceleratorReason, nanos(at), id)
+		res, err := tx.ExecContext(ctx, `UPDATE hosts SET agent_version = $1, address = $2, accelerator = $3, accelerator_reason = $4, last_seen_at = $5,
+			os = $6, arch = $7 WHERE id = $8`,
+			h.AgentVersion, h.Address, h.Accelerator, h.AcceleratorReason, nanos(at), h.OS, h.Arch, id)
+		return mustAffect(res, err, "host "+id)
+	})
+}
+
+// SetHostUpgrade records the agent's word on its upgrade.
+func (s *Store) SetHostUpgrade(ctx context.Context, id string, u HostUpgrade) error {
+	return s.write(ctx, func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, `UPDATE hosts SET upgrade = $1 WHERE id = $2`, upgradeJSON(u), id)
 		return mustAffect(res, err, "host "+id)
 	})
 }

@@ -318,8 +318,12 @@ type Hello struct {
 	ControlPlaneId    string `protobuf:"bytes,8,opt,name=control_plane_id,json=controlPlaneId,proto3" json:"control_plane_id,omitempty"`
 	AppliedEpoch      uint64 `protobuf:"varint,9,opt,name=applied_epoch,json=appliedEpoch,proto3" json:"applied_epoch,omitempty"`
 	AppliedGeneration uint64 `protobuf:"varint,10,opt,name=applied_generation,json=appliedGeneration,proto3" json:"applied_generation,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// The agent binary's platform (GOOS, GOARCH): which build an upgrade
+	// offers it. Empty from older agents, which are offered none.
+	Os            string `protobuf:"bytes,11,opt,name=os,proto3" json:"os,omitempty"`
+	Arch          string `protobuf:"bytes,12,opt,name=arch,proto3" json:"arch,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -422,6 +426,20 @@ func (x *Hello) GetAppliedGeneration() uint64 {
 	return 0
 }
 
+func (x *Hello) GetOs() string {
+	if x != nil {
+		return x.Os
+	}
+	return ""
+}
+
+func (x *Hello) GetArch() string {
+	if x != nil {
+		return x.Arch
+	}
+	return ""
+}
+
 // ActualStateReport is everything the agent sees, every time. A VM or
 // exposure missing from a report is not being reported on; it is never
 // "unchanged since last time".
@@ -458,8 +476,11 @@ type ActualStateReport struct {
 	// Set while the agent refuses the control plane's snapshots; unset once it
 	// applies one again.
 	SnapshotRefused *SnapshotRefusal `protobuf:"bytes,12,opt,name=snapshot_refused,json=snapshotRefused,proto3" json:"snapshot_refused,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The agent's own upgrade: what it is doing about the last offer, or how
+	// that ended. Unset when it was never offered one (or predates upgrades).
+	Upgrade       *AgentUpgradeStatus `protobuf:"bytes,13,opt,name=upgrade,proto3" json:"upgrade,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ActualStateReport) Reset() {
@@ -576,6 +597,125 @@ func (x *ActualStateReport) GetSnapshotRefused() *SnapshotRefusal {
 	return nil
 }
 
+func (x *ActualStateReport) GetUpgrade() *AgentUpgradeStatus {
+	if x != nil {
+		return x.Upgrade
+	}
+	return nil
+}
+
+// AgentUpgradeStatus is one host's upgrade as the host itself tells it.
+type AgentUpgradeStatus struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The version offered.
+	TargetVersion string `protobuf:"bytes,1,opt,name=target_version,json=targetVersion,proto3" json:"target_version,omitempty"`
+	// Where it is, as a stable word: "downloading", "verifying", "testing"
+	// (running the new build to ask its version), "restarting", "done"
+	// (running the target), "failed" (refused or rolled back; error says
+	// why). New words may be added.
+	Step string `protobuf:"bytes,2,opt,name=step,proto3" json:"step,omitempty"`
+	// What the host is doing, in its own words ("downloading agent v1.4
+	// 12/40 MiB", "verifying signature", "reconnected as v1.4"). Free text.
+	Detail string `protobuf:"bytes,3,opt,name=detail,proto3" json:"detail,omitempty"`
+	// The measure of the step, while it has one ("download").
+	Progress *Progress `protobuf:"bytes,4,opt,name=progress,proto3" json:"progress,omitempty"`
+	// Why it failed; empty unless step is "failed".
+	Error string `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
+	// When the step began, in unix seconds by the host's clock.
+	SinceUnix int64 `protobuf:"varint,6,opt,name=since_unix,json=sinceUnix,proto3" json:"since_unix,omitempty"`
+	// The offer this answers (AgentUpgrade.rollout_id and attempt).
+	RolloutId     string `protobuf:"bytes,7,opt,name=rollout_id,json=rolloutId,proto3" json:"rollout_id,omitempty"`
+	Attempt       uint64 `protobuf:"varint,8,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AgentUpgradeStatus) Reset() {
+	*x = AgentUpgradeStatus{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AgentUpgradeStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AgentUpgradeStatus) ProtoMessage() {}
+
+func (x *AgentUpgradeStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AgentUpgradeStatus.ProtoReflect.Descriptor instead.
+func (*AgentUpgradeStatus) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *AgentUpgradeStatus) GetTargetVersion() string {
+	if x != nil {
+		return x.TargetVersion
+	}
+	return ""
+}
+
+func (x *AgentUpgradeStatus) GetStep() string {
+	if x != nil {
+		return x.Step
+	}
+	return ""
+}
+
+func (x *AgentUpgradeStatus) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *AgentUpgradeStatus) GetProgress() *Progress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
+}
+
+func (x *AgentUpgradeStatus) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *AgentUpgradeStatus) GetSinceUnix() int64 {
+	if x != nil {
+		return x.SinceUnix
+	}
+	return 0
+}
+
+func (x *AgentUpgradeStatus) GetRolloutId() string {
+	if x != nil {
+		return x.RolloutId
+	}
+	return ""
+}
+
+func (x *AgentUpgradeStatus) GetAttempt() uint64 {
+	if x != nil {
+		return x.Attempt
+	}
+	return 0
+}
+
 // SnapshotRefusal is a snapshot the agent would not apply, and why.
 type SnapshotRefusal struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -591,7 +731,7 @@ type SnapshotRefusal struct {
 
 func (x *SnapshotRefusal) Reset() {
 	*x = SnapshotRefusal{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	mi := &file_eitri_v1_agent_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -603,7 +743,7 @@ func (x *SnapshotRefusal) String() string {
 func (*SnapshotRefusal) ProtoMessage() {}
 
 func (x *SnapshotRefusal) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	mi := &file_eitri_v1_agent_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -616,7 +756,7 @@ func (x *SnapshotRefusal) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRefusal.ProtoReflect.Descriptor instead.
 func (*SnapshotRefusal) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{6}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *SnapshotRefusal) GetControlPlaneId() string {
@@ -697,7 +837,7 @@ type ActualVM struct {
 
 func (x *ActualVM) Reset() {
 	*x = ActualVM{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[7]
+	mi := &file_eitri_v1_agent_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -709,7 +849,7 @@ func (x *ActualVM) String() string {
 func (*ActualVM) ProtoMessage() {}
 
 func (x *ActualVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[7]
+	mi := &file_eitri_v1_agent_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -722,7 +862,7 @@ func (x *ActualVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActualVM.ProtoReflect.Descriptor instead.
 func (*ActualVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{7}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ActualVM) GetVmId() string {
@@ -833,7 +973,7 @@ type GuestExit struct {
 
 func (x *GuestExit) Reset() {
 	*x = GuestExit{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	mi := &file_eitri_v1_agent_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -845,7 +985,7 @@ func (x *GuestExit) String() string {
 func (*GuestExit) ProtoMessage() {}
 
 func (x *GuestExit) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	mi := &file_eitri_v1_agent_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -858,7 +998,7 @@ func (x *GuestExit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestExit.ProtoReflect.Descriptor instead.
 func (*GuestExit) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{8}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GuestExit) GetReason() string {
@@ -912,7 +1052,7 @@ type QuarantinedVM struct {
 
 func (x *QuarantinedVM) Reset() {
 	*x = QuarantinedVM{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[9]
+	mi := &file_eitri_v1_agent_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -924,7 +1064,7 @@ func (x *QuarantinedVM) String() string {
 func (*QuarantinedVM) ProtoMessage() {}
 
 func (x *QuarantinedVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[9]
+	mi := &file_eitri_v1_agent_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -937,7 +1077,7 @@ func (x *QuarantinedVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use QuarantinedVM.ProtoReflect.Descriptor instead.
 func (*QuarantinedVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{9}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *QuarantinedVM) GetVmId() string {
@@ -1030,7 +1170,7 @@ type DesiredStateSnapshot struct {
 
 func (x *DesiredStateSnapshot) Reset() {
 	*x = DesiredStateSnapshot{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[10]
+	mi := &file_eitri_v1_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1042,7 +1182,7 @@ func (x *DesiredStateSnapshot) String() string {
 func (*DesiredStateSnapshot) ProtoMessage() {}
 
 func (x *DesiredStateSnapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[10]
+	mi := &file_eitri_v1_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1055,7 +1195,7 @@ func (x *DesiredStateSnapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DesiredStateSnapshot.ProtoReflect.Descriptor instead.
 func (*DesiredStateSnapshot) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{10}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DesiredStateSnapshot) GetGeneration() uint64 {
@@ -1148,7 +1288,7 @@ type VMDesired struct {
 
 func (x *VMDesired) Reset() {
 	*x = VMDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[11]
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1160,7 +1300,7 @@ func (x *VMDesired) String() string {
 func (*VMDesired) ProtoMessage() {}
 
 func (x *VMDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[11]
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1173,7 +1313,7 @@ func (x *VMDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMDesired.ProtoReflect.Descriptor instead.
 func (*VMDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *VMDesired) GetVmId() string {
@@ -1288,20 +1428,39 @@ func (x *VMDesired) GetSshUserCaKeys() []string {
 	return nil
 }
 
-// AgentUpgrade offers the agent a newer build. The agent reports it and
-// keeps running its own version until upgrades are implemented.
+// AgentUpgrade offers the agent another build of itself. The agent fetches
+// it from url, checks it against the release key it learned at enrollment
+// (never against anything the control plane says), makes sure it runs and
+// says this version, and restarts into it with its guests left running. It
+// reports how that goes in ActualStateReport.upgrade.
 type AgentUpgrade struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Version       string                 `protobuf:"bytes,1,opt,name=version,proto3" json:"version,omitempty"`
-	Url           string                 `protobuf:"bytes,2,opt,name=url,proto3" json:"url,omitempty"`
-	Sha256        string                 `protobuf:"bytes,3,opt,name=sha256,proto3" json:"sha256,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Version string                 `protobuf:"bytes,1,opt,name=version,proto3" json:"version,omitempty"`
+	// Where to fetch the build: a path on the control plane's own URL
+	// ("/releases/<sha256>"), fetched with the host credential; ranges are
+	// honoured so a download resumes.
+	Url string `protobuf:"bytes,2,opt,name=url,proto3" json:"url,omitempty"`
+	// 64 lowercase hex characters.
+	Sha256 string `protobuf:"bytes,3,opt,name=sha256,proto3" json:"sha256,omitempty"`
+	Os     string `protobuf:"bytes,4,opt,name=os,proto3" json:"os,omitempty"`
+	Arch   string `protobuf:"bytes,5,opt,name=arch,proto3" json:"arch,omitempty"`
+	Size   int64  `protobuf:"varint,6,opt,name=size,proto3" json:"size,omitempty"`
+	// The release signature over version, os, arch, sha256 and size
+	// (wire/release), and the id of the key that made it.
+	Signature []byte `protobuf:"bytes,7,opt,name=signature,proto3" json:"signature,omitempty"`
+	KeyId     string `protobuf:"bytes,8,opt,name=key_id,json=keyId,proto3" json:"key_id,omitempty"`
+	// The rollout offering it, and how many times this host was offered it in
+	// that rollout: a host that failed an offer does not take the same one
+	// again, only a later attempt.
+	RolloutId     string `protobuf:"bytes,9,opt,name=rollout_id,json=rolloutId,proto3" json:"rollout_id,omitempty"`
+	Attempt       uint64 `protobuf:"varint,10,opt,name=attempt,proto3" json:"attempt,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *AgentUpgrade) Reset() {
 	*x = AgentUpgrade{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1313,7 +1472,7 @@ func (x *AgentUpgrade) String() string {
 func (*AgentUpgrade) ProtoMessage() {}
 
 func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1326,7 +1485,7 @@ func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentUpgrade.ProtoReflect.Descriptor instead.
 func (*AgentUpgrade) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *AgentUpgrade) GetVersion() string {
@@ -1350,6 +1509,55 @@ func (x *AgentUpgrade) GetSha256() string {
 	return ""
 }
 
+func (x *AgentUpgrade) GetOs() string {
+	if x != nil {
+		return x.Os
+	}
+	return ""
+}
+
+func (x *AgentUpgrade) GetArch() string {
+	if x != nil {
+		return x.Arch
+	}
+	return ""
+}
+
+func (x *AgentUpgrade) GetSize() int64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *AgentUpgrade) GetSignature() []byte {
+	if x != nil {
+		return x.Signature
+	}
+	return nil
+}
+
+func (x *AgentUpgrade) GetKeyId() string {
+	if x != nil {
+		return x.KeyId
+	}
+	return ""
+}
+
+func (x *AgentUpgrade) GetRolloutId() string {
+	if x != nil {
+		return x.RolloutId
+	}
+	return ""
+}
+
+func (x *AgentUpgrade) GetAttempt() uint64 {
+	if x != nil {
+		return x.Attempt
+	}
+	return 0
+}
+
 // ExposureDesired is one published port: host_port on this host forwarded to
 // guest_port on the VM.
 type ExposureDesired struct {
@@ -1370,7 +1578,7 @@ type ExposureDesired struct {
 
 func (x *ExposureDesired) Reset() {
 	*x = ExposureDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1382,7 +1590,7 @@ func (x *ExposureDesired) String() string {
 func (*ExposureDesired) ProtoMessage() {}
 
 func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1395,7 +1603,7 @@ func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureDesired.ProtoReflect.Descriptor instead.
 func (*ExposureDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ExposureDesired) GetId() string {
@@ -1463,7 +1671,7 @@ type ExposureActual struct {
 
 func (x *ExposureActual) Reset() {
 	*x = ExposureActual{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[14]
+	mi := &file_eitri_v1_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1475,7 +1683,7 @@ func (x *ExposureActual) String() string {
 func (*ExposureActual) ProtoMessage() {}
 
 func (x *ExposureActual) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[14]
+	mi := &file_eitri_v1_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1488,7 +1696,7 @@ func (x *ExposureActual) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureActual.ProtoReflect.Descriptor instead.
 func (*ExposureActual) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ExposureActual) GetId() string {
@@ -1535,14 +1743,17 @@ type JoinToken struct {
 	// balancer), url first. All present the certificate cert_fingerprint
 	// pins. The agent fails over between them; an agent that knows only url
 	// keeps dialing that one.
-	Urls          []string `protobuf:"bytes,4,rep,name=urls,proto3" json:"urls,omitempty"`
+	Urls []string `protobuf:"bytes,4,rep,name=urls,proto3" json:"urls,omitempty"`
+	// The release public key (wire/release text form) the agent trusts for
+	// its own upgrades; empty when the control plane was given none.
+	ReleaseKey    string `protobuf:"bytes,5,opt,name=release_key,json=releaseKey,proto3" json:"release_key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *JoinToken) Reset() {
 	*x = JoinToken{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[15]
+	mi := &file_eitri_v1_agent_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1554,7 +1765,7 @@ func (x *JoinToken) String() string {
 func (*JoinToken) ProtoMessage() {}
 
 func (x *JoinToken) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[15]
+	mi := &file_eitri_v1_agent_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1567,7 +1778,7 @@ func (x *JoinToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
 func (*JoinToken) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{15}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *JoinToken) GetUrl() string {
@@ -1598,6 +1809,13 @@ func (x *JoinToken) GetUrls() []string {
 	return nil
 }
 
+func (x *JoinToken) GetReleaseKey() string {
+	if x != nil {
+		return x.ReleaseKey
+	}
+	return ""
+}
+
 type CallsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// As Hello.instance_id: a Calls stream from another agent process than
@@ -1609,7 +1827,7 @@ type CallsRequest struct {
 
 func (x *CallsRequest) Reset() {
 	*x = CallsRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[16]
+	mi := &file_eitri_v1_agent_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1621,7 +1839,7 @@ func (x *CallsRequest) String() string {
 func (*CallsRequest) ProtoMessage() {}
 
 func (x *CallsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[16]
+	mi := &file_eitri_v1_agent_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1634,7 +1852,7 @@ func (x *CallsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallsRequest.ProtoReflect.Descriptor instead.
 func (*CallsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{16}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CallsRequest) GetInstanceId() string {
@@ -1667,7 +1885,7 @@ type CallsResponse struct {
 
 func (x *CallsResponse) Reset() {
 	*x = CallsResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[17]
+	mi := &file_eitri_v1_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1679,7 +1897,7 @@ func (x *CallsResponse) String() string {
 func (*CallsResponse) ProtoMessage() {}
 
 func (x *CallsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[17]
+	mi := &file_eitri_v1_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1692,7 +1910,7 @@ func (x *CallsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallsResponse.ProtoReflect.Descriptor instead.
 func (*CallsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{17}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CallsResponse) GetId() string {
@@ -1781,7 +1999,7 @@ type ConsoleOutputCall struct {
 
 func (x *ConsoleOutputCall) Reset() {
 	*x = ConsoleOutputCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[18]
+	mi := &file_eitri_v1_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1793,7 +2011,7 @@ func (x *ConsoleOutputCall) String() string {
 func (*ConsoleOutputCall) ProtoMessage() {}
 
 func (x *ConsoleOutputCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[18]
+	mi := &file_eitri_v1_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1806,7 +2024,7 @@ func (x *ConsoleOutputCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleOutputCall.ProtoReflect.Descriptor instead.
 func (*ConsoleOutputCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{18}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ConsoleOutputCall) GetVmId() string {
@@ -1855,7 +2073,7 @@ type ConsoleInputCall struct {
 
 func (x *ConsoleInputCall) Reset() {
 	*x = ConsoleInputCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[19]
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1867,7 +2085,7 @@ func (x *ConsoleInputCall) String() string {
 func (*ConsoleInputCall) ProtoMessage() {}
 
 func (x *ConsoleInputCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[19]
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1880,7 +2098,7 @@ func (x *ConsoleInputCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleInputCall.ProtoReflect.Descriptor instead.
 func (*ConsoleInputCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{19}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ConsoleInputCall) GetVmId() string {
@@ -1910,7 +2128,7 @@ type TunnelCall struct {
 
 func (x *TunnelCall) Reset() {
 	*x = TunnelCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1922,7 +2140,7 @@ func (x *TunnelCall) String() string {
 func (*TunnelCall) ProtoMessage() {}
 
 func (x *TunnelCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1935,7 +2153,7 @@ func (x *TunnelCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelCall.ProtoReflect.Descriptor instead.
 func (*TunnelCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *TunnelCall) GetVmId() string {
@@ -1976,7 +2194,7 @@ type ConsoleRequest struct {
 
 func (x *ConsoleRequest) Reset() {
 	*x = ConsoleRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	mi := &file_eitri_v1_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1988,7 +2206,7 @@ func (x *ConsoleRequest) String() string {
 func (*ConsoleRequest) ProtoMessage() {}
 
 func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	mi := &file_eitri_v1_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2001,7 +2219,7 @@ func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleRequest.ProtoReflect.Descriptor instead.
 func (*ConsoleRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ConsoleRequest) GetCallId() string {
@@ -2070,7 +2288,7 @@ type ConsoleResponse struct {
 
 func (x *ConsoleResponse) Reset() {
 	*x = ConsoleResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[22]
+	mi := &file_eitri_v1_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2082,7 +2300,7 @@ func (x *ConsoleResponse) String() string {
 func (*ConsoleResponse) ProtoMessage() {}
 
 func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[22]
+	mi := &file_eitri_v1_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2095,7 +2313,7 @@ func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleResponse.ProtoReflect.Descriptor instead.
 func (*ConsoleResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{22}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{23}
 }
 
 // TunnelRequest is one frame from the agent on a Tunnel stream.
@@ -2120,7 +2338,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[23]
+	mi := &file_eitri_v1_agent_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2132,7 +2350,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[23]
+	mi := &file_eitri_v1_agent_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2145,7 +2363,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{23}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *TunnelRequest) GetCallId() string {
@@ -2204,7 +2422,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[24]
+	mi := &file_eitri_v1_agent_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2216,7 +2434,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[24]
+	mi := &file_eitri_v1_agent_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2229,7 +2447,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{24}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *TunnelResponse) GetData() []byte {
@@ -2257,7 +2475,7 @@ type SignHostKeyRequest struct {
 
 func (x *SignHostKeyRequest) Reset() {
 	*x = SignHostKeyRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	mi := &file_eitri_v1_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2269,7 +2487,7 @@ func (x *SignHostKeyRequest) String() string {
 func (*SignHostKeyRequest) ProtoMessage() {}
 
 func (x *SignHostKeyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	mi := &file_eitri_v1_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2282,7 +2500,7 @@ func (x *SignHostKeyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignHostKeyRequest.ProtoReflect.Descriptor instead.
 func (*SignHostKeyRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{25}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *SignHostKeyRequest) GetVmId() string {
@@ -2312,7 +2530,7 @@ type SignHostKeyResponse struct {
 
 func (x *SignHostKeyResponse) Reset() {
 	*x = SignHostKeyResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[26]
+	mi := &file_eitri_v1_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2324,7 +2542,7 @@ func (x *SignHostKeyResponse) String() string {
 func (*SignHostKeyResponse) ProtoMessage() {}
 
 func (x *SignHostKeyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[26]
+	mi := &file_eitri_v1_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2337,7 +2555,7 @@ func (x *SignHostKeyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignHostKeyResponse.ProtoReflect.Descriptor instead.
 func (*SignHostKeyResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{26}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *SignHostKeyResponse) GetCertificate() string {
@@ -2366,7 +2584,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x03msg\"S\n" +
 	"\fSyncResponse\x12<\n" +
 	"\bsnapshot\x18\x01 \x01(\v2\x1e.eitri.v1.DesiredStateSnapshotH\x00R\bsnapshotB\x05\n" +
-	"\x03msg\"\xeb\x02\n" +
+	"\x03msg\"\x8f\x03\n" +
 	"\x05Hello\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12#\n" +
 	"\ragent_version\x18\x02 \x01(\tR\fagentVersion\x12\x1a\n" +
@@ -2379,7 +2597,9 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x10control_plane_id\x18\b \x01(\tR\x0econtrolPlaneId\x12#\n" +
 	"\rapplied_epoch\x18\t \x01(\x04R\fappliedEpoch\x12-\n" +
 	"\x12applied_generation\x18\n" +
-	" \x01(\x04R\x11appliedGeneration\"\xbc\x04\n" +
+	" \x01(\x04R\x11appliedGeneration\x12\x0e\n" +
+	"\x02os\x18\v \x01(\tR\x02os\x12\x12\n" +
+	"\x04arch\x18\f \x01(\tR\x04arch\"\xf4\x04\n" +
 	"\x11ActualStateReport\x12$\n" +
 	"\x03vms\x18\x01 \x03(\v2\x12.eitri.v1.ActualVMR\x03vms\x12\x1c\n" +
 	"\tdestroyed\x18\x02 \x03(\tR\tdestroyed\x129\n" +
@@ -2393,7 +2613,19 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\rapplied_epoch\x18\n" +
 	" \x01(\x04R\fappliedEpoch\x12(\n" +
 	"\x10control_plane_id\x18\v \x01(\tR\x0econtrolPlaneId\x12D\n" +
-	"\x10snapshot_refused\x18\f \x01(\v2\x19.eitri.v1.SnapshotRefusalR\x0fsnapshotRefused\"\x89\x01\n" +
+	"\x10snapshot_refused\x18\f \x01(\v2\x19.eitri.v1.SnapshotRefusalR\x0fsnapshotRefused\x126\n" +
+	"\aupgrade\x18\r \x01(\v2\x1c.eitri.v1.AgentUpgradeStatusR\aupgrade\"\x85\x02\n" +
+	"\x12AgentUpgradeStatus\x12%\n" +
+	"\x0etarget_version\x18\x01 \x01(\tR\rtargetVersion\x12\x12\n" +
+	"\x04step\x18\x02 \x01(\tR\x04step\x12\x16\n" +
+	"\x06detail\x18\x03 \x01(\tR\x06detail\x12.\n" +
+	"\bprogress\x18\x04 \x01(\v2\x12.eitri.v1.ProgressR\bprogress\x12\x14\n" +
+	"\x05error\x18\x05 \x01(\tR\x05error\x12\x1d\n" +
+	"\n" +
+	"since_unix\x18\x06 \x01(\x03R\tsinceUnix\x12\x1d\n" +
+	"\n" +
+	"rollout_id\x18\a \x01(\tR\trolloutId\x12\x18\n" +
+	"\aattempt\x18\b \x01(\x04R\aattempt\"\x89\x01\n" +
 	"\x0fSnapshotRefusal\x12(\n" +
 	"\x10control_plane_id\x18\x01 \x01(\tR\x0econtrolPlaneId\x12\x14\n" +
 	"\x05epoch\x18\x02 \x01(\x04R\x05epoch\x12\x1e\n" +
@@ -2462,11 +2694,20 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\adestroy\x18\r \x01(\bR\adestroy\x12\x18\n" +
 	"\aversion\x18\x0e \x01(\x04R\aversion\x12\x14\n" +
 	"\x05retry\x18\x0f \x01(\x04R\x05retry\x12'\n" +
-	"\x10ssh_user_ca_keys\x18\x10 \x03(\tR\rsshUserCaKeys\"R\n" +
+	"\x10ssh_user_ca_keys\x18\x10 \x03(\tR\rsshUserCaKeys\"\xf8\x01\n" +
 	"\fAgentUpgrade\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x12\x16\n" +
-	"\x06sha256\x18\x03 \x01(\tR\x06sha256\"\xc7\x01\n" +
+	"\x06sha256\x18\x03 \x01(\tR\x06sha256\x12\x0e\n" +
+	"\x02os\x18\x04 \x01(\tR\x02os\x12\x12\n" +
+	"\x04arch\x18\x05 \x01(\tR\x04arch\x12\x12\n" +
+	"\x04size\x18\x06 \x01(\x03R\x04size\x12\x1c\n" +
+	"\tsignature\x18\a \x01(\fR\tsignature\x12\x15\n" +
+	"\x06key_id\x18\b \x01(\tR\x05keyId\x12\x1d\n" +
+	"\n" +
+	"rollout_id\x18\t \x01(\tR\trolloutId\x12\x18\n" +
+	"\aattempt\x18\n" +
+	" \x01(\x04R\aattempt\"\xc7\x01\n" +
 	"\x0fExposureDesired\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x13\n" +
 	"\x05vm_id\x18\x02 \x01(\tR\x04vmId\x12\x1d\n" +
@@ -2480,12 +2721,14 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x16\n" +
 	"\x06reason\x18\x03 \x01(\tR\x06reason\x126\n" +
-	"\bsessions\x18\x04 \x01(\v2\x1a.eitri.v1.ExposureSessionsR\bsessions\"t\n" +
+	"\bsessions\x18\x04 \x01(\v2\x1a.eitri.v1.ExposureSessionsR\bsessions\"\x95\x01\n" +
 	"\tJoinToken\x12\x10\n" +
 	"\x03url\x18\x01 \x01(\tR\x03url\x12)\n" +
 	"\x10cert_fingerprint\x18\x02 \x01(\tR\x0fcertFingerprint\x12\x16\n" +
 	"\x06secret\x18\x03 \x01(\tR\x06secret\x12\x12\n" +
-	"\x04urls\x18\x04 \x03(\tR\x04urls\"/\n" +
+	"\x04urls\x18\x04 \x03(\tR\x04urls\x12\x1f\n" +
+	"\vrelease_key\x18\x05 \x01(\tR\n" +
+	"releaseKey\"/\n" +
 	"\fCallsRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\"\xff\x01\n" +
@@ -2559,7 +2802,7 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
@@ -2567,69 +2810,72 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*SyncResponse)(nil),         // 3: eitri.v1.SyncResponse
 	(*Hello)(nil),                // 4: eitri.v1.Hello
 	(*ActualStateReport)(nil),    // 5: eitri.v1.ActualStateReport
-	(*SnapshotRefusal)(nil),      // 6: eitri.v1.SnapshotRefusal
-	(*ActualVM)(nil),             // 7: eitri.v1.ActualVM
-	(*GuestExit)(nil),            // 8: eitri.v1.GuestExit
-	(*QuarantinedVM)(nil),        // 9: eitri.v1.QuarantinedVM
-	(*DesiredStateSnapshot)(nil), // 10: eitri.v1.DesiredStateSnapshot
-	(*VMDesired)(nil),            // 11: eitri.v1.VMDesired
-	(*AgentUpgrade)(nil),         // 12: eitri.v1.AgentUpgrade
-	(*ExposureDesired)(nil),      // 13: eitri.v1.ExposureDesired
-	(*ExposureActual)(nil),       // 14: eitri.v1.ExposureActual
-	(*JoinToken)(nil),            // 15: eitri.v1.JoinToken
-	(*CallsRequest)(nil),         // 16: eitri.v1.CallsRequest
-	(*CallsResponse)(nil),        // 17: eitri.v1.CallsResponse
-	(*ConsoleOutputCall)(nil),    // 18: eitri.v1.ConsoleOutputCall
-	(*ConsoleInputCall)(nil),     // 19: eitri.v1.ConsoleInputCall
-	(*TunnelCall)(nil),           // 20: eitri.v1.TunnelCall
-	(*ConsoleRequest)(nil),       // 21: eitri.v1.ConsoleRequest
-	(*ConsoleResponse)(nil),      // 22: eitri.v1.ConsoleResponse
-	(*TunnelRequest)(nil),        // 23: eitri.v1.TunnelRequest
-	(*TunnelResponse)(nil),       // 24: eitri.v1.TunnelResponse
-	(*SignHostKeyRequest)(nil),   // 25: eitri.v1.SignHostKeyRequest
-	(*SignHostKeyResponse)(nil),  // 26: eitri.v1.SignHostKeyResponse
-	(*Capacity)(nil),             // 27: eitri.v1.Capacity
-	(*Metrics)(nil),              // 28: eitri.v1.Metrics
-	(*Progress)(nil),             // 29: eitri.v1.Progress
-	(*ExposureSessions)(nil),     // 30: eitri.v1.ExposureSessions
+	(*AgentUpgradeStatus)(nil),   // 6: eitri.v1.AgentUpgradeStatus
+	(*SnapshotRefusal)(nil),      // 7: eitri.v1.SnapshotRefusal
+	(*ActualVM)(nil),             // 8: eitri.v1.ActualVM
+	(*GuestExit)(nil),            // 9: eitri.v1.GuestExit
+	(*QuarantinedVM)(nil),        // 10: eitri.v1.QuarantinedVM
+	(*DesiredStateSnapshot)(nil), // 11: eitri.v1.DesiredStateSnapshot
+	(*VMDesired)(nil),            // 12: eitri.v1.VMDesired
+	(*AgentUpgrade)(nil),         // 13: eitri.v1.AgentUpgrade
+	(*ExposureDesired)(nil),      // 14: eitri.v1.ExposureDesired
+	(*ExposureActual)(nil),       // 15: eitri.v1.ExposureActual
+	(*JoinToken)(nil),            // 16: eitri.v1.JoinToken
+	(*CallsRequest)(nil),         // 17: eitri.v1.CallsRequest
+	(*CallsResponse)(nil),        // 18: eitri.v1.CallsResponse
+	(*ConsoleOutputCall)(nil),    // 19: eitri.v1.ConsoleOutputCall
+	(*ConsoleInputCall)(nil),     // 20: eitri.v1.ConsoleInputCall
+	(*TunnelCall)(nil),           // 21: eitri.v1.TunnelCall
+	(*ConsoleRequest)(nil),       // 22: eitri.v1.ConsoleRequest
+	(*ConsoleResponse)(nil),      // 23: eitri.v1.ConsoleResponse
+	(*TunnelRequest)(nil),        // 24: eitri.v1.TunnelRequest
+	(*TunnelResponse)(nil),       // 25: eitri.v1.TunnelResponse
+	(*SignHostKeyRequest)(nil),   // 26: eitri.v1.SignHostKeyRequest
+	(*SignHostKeyResponse)(nil),  // 27: eitri.v1.SignHostKeyResponse
+	(*Capacity)(nil),             // 28: eitri.v1.Capacity
+	(*Metrics)(nil),              // 29: eitri.v1.Metrics
+	(*Progress)(nil),             // 30: eitri.v1.Progress
+	(*ExposureSessions)(nil),     // 31: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
 	5,  // 1: eitri.v1.SyncRequest.report:type_name -> eitri.v1.ActualStateReport
-	10, // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
-	7,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
-	9,  // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	27, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	28, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
-	14, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
-	6,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
-	8,  // 9: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
-	29, // 10: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
-	11, // 11: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
-	11, // 12: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
-	12, // 13: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
-	13, // 14: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	30, // 15: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	18, // 16: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
-	19, // 17: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
-	20, // 18: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
-	0,  // 19: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 20: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	16, // 21: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
-	21, // 22: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
-	23, // 23: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
-	25, // 24: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
-	1,  // 25: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 26: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	17, // 27: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
-	22, // 28: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
-	24, // 29: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
-	26, // 30: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
-	25, // [25:31] is the sub-list for method output_type
-	19, // [19:25] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	11, // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
+	8,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
+	10, // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
+	28, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	29, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	15, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
+	7,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
+	6,  // 9: eitri.v1.ActualStateReport.upgrade:type_name -> eitri.v1.AgentUpgradeStatus
+	30, // 10: eitri.v1.AgentUpgradeStatus.progress:type_name -> eitri.v1.Progress
+	9,  // 11: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
+	30, // 12: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
+	12, // 13: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
+	12, // 14: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
+	13, // 15: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
+	14, // 16: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
+	31, // 17: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	19, // 18: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
+	20, // 19: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
+	21, // 20: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
+	0,  // 21: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 22: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	17, // 23: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
+	22, // 24: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
+	24, // 25: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
+	26, // 26: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
+	1,  // 27: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 28: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	18, // 29: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
+	23, // 30: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
+	25, // 31: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
+	27, // 32: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
+	27, // [27:33] is the sub-list for method output_type
+	21, // [21:27] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -2645,7 +2891,7 @@ func file_eitri_v1_agent_proto_init() {
 	file_eitri_v1_agent_proto_msgTypes[3].OneofWrappers = []any{
 		(*SyncResponse_Snapshot)(nil),
 	}
-	file_eitri_v1_agent_proto_msgTypes[17].OneofWrappers = []any{
+	file_eitri_v1_agent_proto_msgTypes[18].OneofWrappers = []any{
 		(*CallsResponse_ConsoleOutput)(nil),
 		(*CallsResponse_ConsoleInput)(nil),
 		(*CallsResponse_Tunnel)(nil),
@@ -2656,7 +2902,7 @@ func file_eitri_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   27,
+			NumMessages:   28,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

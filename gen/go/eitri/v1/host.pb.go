@@ -49,7 +49,13 @@ type Host struct {
 	AcceleratorReason string `protobuf:"bytes,12,opt,name=accelerator_reason,json=acceleratorReason,proto3" json:"accelerator_reason,omitempty"`
 	// What is wrong with the host right now, beyond being disconnected; empty
 	// when nothing is.
-	Conditions    []*HostCondition `protobuf:"bytes,13,rep,name=conditions,proto3" json:"conditions,omitempty"`
+	Conditions []*HostCondition `protobuf:"bytes,13,rep,name=conditions,proto3" json:"conditions,omitempty"`
+	// A release newer than agent_version is held for this host's platform.
+	AgentUpdateAvailable bool `protobuf:"varint,14,opt,name=agent_update_available,json=agentUpdateAvailable,proto3" json:"agent_update_available,omitempty"`
+	// The host's agent upgrade; unset when none was ever offered.
+	Upgrade *HostUpgrade `protobuf:"bytes,15,opt,name=upgrade,proto3" json:"upgrade,omitempty"`
+	// The agent's platform ("linux/amd64"); empty when not reported.
+	Platform      string `protobuf:"bytes,16,opt,name=platform,proto3" json:"platform,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -175,6 +181,136 @@ func (x *Host) GetConditions() []*HostCondition {
 	return nil
 }
 
+func (x *Host) GetAgentUpdateAvailable() bool {
+	if x != nil {
+		return x.AgentUpdateAvailable
+	}
+	return false
+}
+
+func (x *Host) GetUpgrade() *HostUpgrade {
+	if x != nil {
+		return x.Upgrade
+	}
+	return nil
+}
+
+func (x *Host) GetPlatform() string {
+	if x != nil {
+		return x.Platform
+	}
+	return ""
+}
+
+// HostUpgrade is a host's agent upgrade: what it was offered and where it is.
+type HostUpgrade struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The version offered.
+	Target string `protobuf:"bytes,1,opt,name=target,proto3" json:"target,omitempty"`
+	// As AgentUpgradeStatus.step; "offered" before the host says anything.
+	Step string `protobuf:"bytes,2,opt,name=step,proto3" json:"step,omitempty"`
+	// When the current step began.
+	Since *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=since,proto3" json:"since,omitempty"`
+	// Why it failed; empty unless step is "failed".
+	Error string `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
+	// The host's words on what it is doing, while connected.
+	Detail    string    `protobuf:"bytes,5,opt,name=detail,proto3" json:"detail,omitempty"`
+	Progress  *Progress `protobuf:"bytes,6,opt,name=progress,proto3" json:"progress,omitempty"`
+	RolloutId string    `protobuf:"bytes,7,opt,name=rollout_id,json=rolloutId,proto3" json:"rollout_id,omitempty"`
+	// Offered and still on the old version past the stuck bound, while
+	// connected ("stuck: offered v1.4 6 min ago, still on v1.3" is its
+	// condition). An offline host is offline, never stuck.
+	Stuck         bool `protobuf:"varint,8,opt,name=stuck,proto3" json:"stuck,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HostUpgrade) Reset() {
+	*x = HostUpgrade{}
+	mi := &file_eitri_v1_host_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HostUpgrade) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HostUpgrade) ProtoMessage() {}
+
+func (x *HostUpgrade) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HostUpgrade.ProtoReflect.Descriptor instead.
+func (*HostUpgrade) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *HostUpgrade) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *HostUpgrade) GetStep() string {
+	if x != nil {
+		return x.Step
+	}
+	return ""
+}
+
+func (x *HostUpgrade) GetSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Since
+	}
+	return nil
+}
+
+func (x *HostUpgrade) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *HostUpgrade) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *HostUpgrade) GetProgress() *Progress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
+}
+
+func (x *HostUpgrade) GetRolloutId() string {
+	if x != nil {
+		return x.RolloutId
+	}
+	return ""
+}
+
+func (x *HostUpgrade) GetStuck() bool {
+	if x != nil {
+		return x.Stuck
+	}
+	return false
+}
+
 // HostCondition is one ongoing problem with a host, for people to act on.
 type HostCondition struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -186,6 +322,10 @@ type HostCondition struct {
 	// than it applied); it lasts while the agent says so.
 	// "orphaned_vms": the host holds VMs it will not take this control
 	// plane's word on; an admin adopts or destroys them (ListOrphanedVMs).
+	// "upgrade_stuck": the host was offered an agent upgrade and still runs
+	// the old version past the bound, while connected.
+	// "version_skew": the agent is older than the control plane (one version
+	// older is supported; more is not).
 	Type string `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
 	// What is going on and what to do, in one or two sentences.
 	Message string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
@@ -198,7 +338,7 @@ type HostCondition struct {
 
 func (x *HostCondition) Reset() {
 	*x = HostCondition{}
-	mi := &file_eitri_v1_host_proto_msgTypes[1]
+	mi := &file_eitri_v1_host_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -210,7 +350,7 @@ func (x *HostCondition) String() string {
 func (*HostCondition) ProtoMessage() {}
 
 func (x *HostCondition) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[1]
+	mi := &file_eitri_v1_host_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -223,7 +363,7 @@ func (x *HostCondition) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HostCondition.ProtoReflect.Descriptor instead.
 func (*HostCondition) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{1}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *HostCondition) GetType() string {
@@ -262,7 +402,7 @@ type ListHostsRequest struct {
 
 func (x *ListHostsRequest) Reset() {
 	*x = ListHostsRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[2]
+	mi := &file_eitri_v1_host_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -274,7 +414,7 @@ func (x *ListHostsRequest) String() string {
 func (*ListHostsRequest) ProtoMessage() {}
 
 func (x *ListHostsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[2]
+	mi := &file_eitri_v1_host_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -287,7 +427,7 @@ func (x *ListHostsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListHostsRequest.ProtoReflect.Descriptor instead.
 func (*ListHostsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{2}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{3}
 }
 
 type ListHostsResponse struct {
@@ -299,7 +439,7 @@ type ListHostsResponse struct {
 
 func (x *ListHostsResponse) Reset() {
 	*x = ListHostsResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[3]
+	mi := &file_eitri_v1_host_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -311,7 +451,7 @@ func (x *ListHostsResponse) String() string {
 func (*ListHostsResponse) ProtoMessage() {}
 
 func (x *ListHostsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[3]
+	mi := &file_eitri_v1_host_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -324,7 +464,7 @@ func (x *ListHostsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListHostsResponse.ProtoReflect.Descriptor instead.
 func (*ListHostsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{3}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ListHostsResponse) GetHosts() []*Host {
@@ -343,7 +483,7 @@ type GetHostRequest struct {
 
 func (x *GetHostRequest) Reset() {
 	*x = GetHostRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[4]
+	mi := &file_eitri_v1_host_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -355,7 +495,7 @@ func (x *GetHostRequest) String() string {
 func (*GetHostRequest) ProtoMessage() {}
 
 func (x *GetHostRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[4]
+	mi := &file_eitri_v1_host_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -368,7 +508,7 @@ func (x *GetHostRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetHostRequest.ProtoReflect.Descriptor instead.
 func (*GetHostRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{4}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GetHostRequest) GetId() string {
@@ -387,7 +527,7 @@ type GetHostResponse struct {
 
 func (x *GetHostResponse) Reset() {
 	*x = GetHostResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[5]
+	mi := &file_eitri_v1_host_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -399,7 +539,7 @@ func (x *GetHostResponse) String() string {
 func (*GetHostResponse) ProtoMessage() {}
 
 func (x *GetHostResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[5]
+	mi := &file_eitri_v1_host_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -412,7 +552,7 @@ func (x *GetHostResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetHostResponse.ProtoReflect.Descriptor instead.
 func (*GetHostResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{5}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *GetHostResponse) GetHost() *Host {
@@ -432,7 +572,7 @@ type CreateJoinTokenRequest struct {
 
 func (x *CreateJoinTokenRequest) Reset() {
 	*x = CreateJoinTokenRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[6]
+	mi := &file_eitri_v1_host_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -444,7 +584,7 @@ func (x *CreateJoinTokenRequest) String() string {
 func (*CreateJoinTokenRequest) ProtoMessage() {}
 
 func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[6]
+	mi := &file_eitri_v1_host_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -457,7 +597,7 @@ func (x *CreateJoinTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenRequest.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{6}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *CreateJoinTokenRequest) GetTtl() *durationpb.Duration {
@@ -481,7 +621,7 @@ type CreateJoinTokenResponse struct {
 
 func (x *CreateJoinTokenResponse) Reset() {
 	*x = CreateJoinTokenResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[7]
+	mi := &file_eitri_v1_host_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -493,7 +633,7 @@ func (x *CreateJoinTokenResponse) String() string {
 func (*CreateJoinTokenResponse) ProtoMessage() {}
 
 func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[7]
+	mi := &file_eitri_v1_host_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -506,7 +646,7 @@ func (x *CreateJoinTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateJoinTokenResponse.ProtoReflect.Descriptor instead.
 func (*CreateJoinTokenResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{7}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CreateJoinTokenResponse) GetToken() string {
@@ -546,7 +686,7 @@ type DecommissionHostRequest struct {
 
 func (x *DecommissionHostRequest) Reset() {
 	*x = DecommissionHostRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[8]
+	mi := &file_eitri_v1_host_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -558,7 +698,7 @@ func (x *DecommissionHostRequest) String() string {
 func (*DecommissionHostRequest) ProtoMessage() {}
 
 func (x *DecommissionHostRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[8]
+	mi := &file_eitri_v1_host_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -571,7 +711,7 @@ func (x *DecommissionHostRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecommissionHostRequest.ProtoReflect.Descriptor instead.
 func (*DecommissionHostRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{8}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *DecommissionHostRequest) GetId() string {
@@ -601,7 +741,7 @@ type DecommissionHostResponse struct {
 
 func (x *DecommissionHostResponse) Reset() {
 	*x = DecommissionHostResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[9]
+	mi := &file_eitri_v1_host_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -613,7 +753,7 @@ func (x *DecommissionHostResponse) String() string {
 func (*DecommissionHostResponse) ProtoMessage() {}
 
 func (x *DecommissionHostResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[9]
+	mi := &file_eitri_v1_host_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -626,7 +766,7 @@ func (x *DecommissionHostResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecommissionHostResponse.ProtoReflect.Descriptor instead.
 func (*DecommissionHostResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{9}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *DecommissionHostResponse) GetLostVmIds() []string {
@@ -651,7 +791,7 @@ type WatchHostsRequest struct {
 
 func (x *WatchHostsRequest) Reset() {
 	*x = WatchHostsRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[10]
+	mi := &file_eitri_v1_host_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -663,7 +803,7 @@ func (x *WatchHostsRequest) String() string {
 func (*WatchHostsRequest) ProtoMessage() {}
 
 func (x *WatchHostsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[10]
+	mi := &file_eitri_v1_host_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -676,7 +816,7 @@ func (x *WatchHostsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchHostsRequest.ProtoReflect.Descriptor instead.
 func (*WatchHostsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{10}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{11}
 }
 
 type HostList struct {
@@ -688,7 +828,7 @@ type HostList struct {
 
 func (x *HostList) Reset() {
 	*x = HostList{}
-	mi := &file_eitri_v1_host_proto_msgTypes[11]
+	mi := &file_eitri_v1_host_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -700,7 +840,7 @@ func (x *HostList) String() string {
 func (*HostList) ProtoMessage() {}
 
 func (x *HostList) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[11]
+	mi := &file_eitri_v1_host_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -713,7 +853,7 @@ func (x *HostList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HostList.ProtoReflect.Descriptor instead.
 func (*HostList) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *HostList) GetHosts() []*Host {
@@ -737,7 +877,7 @@ type WatchHostsResponse struct {
 
 func (x *WatchHostsResponse) Reset() {
 	*x = WatchHostsResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[12]
+	mi := &file_eitri_v1_host_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -749,7 +889,7 @@ func (x *WatchHostsResponse) String() string {
 func (*WatchHostsResponse) ProtoMessage() {}
 
 func (x *WatchHostsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[12]
+	mi := &file_eitri_v1_host_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -762,7 +902,7 @@ func (x *WatchHostsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchHostsResponse.ProtoReflect.Descriptor instead.
 func (*WatchHostsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *WatchHostsResponse) GetEvent() isWatchHostsResponse_Event {
@@ -825,7 +965,7 @@ var File_eitri_v1_host_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_host_proto_rawDesc = "" +
 	"\n" +
-	"\x13eitri/v1/host.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9a\x04\n" +
+	"\x13eitri/v1/host.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9d\x05\n" +
 	"\x04Host\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x18\n" +
@@ -844,7 +984,20 @@ const file_eitri_v1_host_proto_rawDesc = "" +
 	"\x12accelerator_reason\x18\f \x01(\tR\x11acceleratorReason\x127\n" +
 	"\n" +
 	"conditions\x18\r \x03(\v2\x17.eitri.v1.HostConditionR\n" +
-	"conditions\"\xad\x01\n" +
+	"conditions\x124\n" +
+	"\x16agent_update_available\x18\x0e \x01(\bR\x14agentUpdateAvailable\x12/\n" +
+	"\aupgrade\x18\x0f \x01(\v2\x15.eitri.v1.HostUpgradeR\aupgrade\x12\x1a\n" +
+	"\bplatform\x18\x10 \x01(\tR\bplatform\"\xfe\x01\n" +
+	"\vHostUpgrade\x12\x16\n" +
+	"\x06target\x18\x01 \x01(\tR\x06target\x12\x12\n" +
+	"\x04step\x18\x02 \x01(\tR\x04step\x120\n" +
+	"\x05since\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12\x14\n" +
+	"\x05error\x18\x04 \x01(\tR\x05error\x12\x16\n" +
+	"\x06detail\x18\x05 \x01(\tR\x06detail\x12.\n" +
+	"\bprogress\x18\x06 \x01(\v2\x12.eitri.v1.ProgressR\bprogress\x12\x1d\n" +
+	"\n" +
+	"rollout_id\x18\a \x01(\tR\trolloutId\x12\x14\n" +
+	"\x05stuck\x18\b \x01(\bR\x05stuck\"\xad\x01\n" +
 	"\rHostCondition\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x120\n" +
@@ -900,58 +1053,63 @@ func file_eitri_v1_host_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_host_proto_rawDescData
 }
 
-var file_eitri_v1_host_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_eitri_v1_host_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_eitri_v1_host_proto_goTypes = []any{
 	(*Host)(nil),                     // 0: eitri.v1.Host
-	(*HostCondition)(nil),            // 1: eitri.v1.HostCondition
-	(*ListHostsRequest)(nil),         // 2: eitri.v1.ListHostsRequest
-	(*ListHostsResponse)(nil),        // 3: eitri.v1.ListHostsResponse
-	(*GetHostRequest)(nil),           // 4: eitri.v1.GetHostRequest
-	(*GetHostResponse)(nil),          // 5: eitri.v1.GetHostResponse
-	(*CreateJoinTokenRequest)(nil),   // 6: eitri.v1.CreateJoinTokenRequest
-	(*CreateJoinTokenResponse)(nil),  // 7: eitri.v1.CreateJoinTokenResponse
-	(*DecommissionHostRequest)(nil),  // 8: eitri.v1.DecommissionHostRequest
-	(*DecommissionHostResponse)(nil), // 9: eitri.v1.DecommissionHostResponse
-	(*WatchHostsRequest)(nil),        // 10: eitri.v1.WatchHostsRequest
-	(*HostList)(nil),                 // 11: eitri.v1.HostList
-	(*WatchHostsResponse)(nil),       // 12: eitri.v1.WatchHostsResponse
-	(*Capacity)(nil),                 // 13: eitri.v1.Capacity
-	(*Allocated)(nil),                // 14: eitri.v1.Allocated
-	(*Metrics)(nil),                  // 15: eitri.v1.Metrics
-	(*timestamppb.Timestamp)(nil),    // 16: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 17: google.protobuf.Duration
+	(*HostUpgrade)(nil),              // 1: eitri.v1.HostUpgrade
+	(*HostCondition)(nil),            // 2: eitri.v1.HostCondition
+	(*ListHostsRequest)(nil),         // 3: eitri.v1.ListHostsRequest
+	(*ListHostsResponse)(nil),        // 4: eitri.v1.ListHostsResponse
+	(*GetHostRequest)(nil),           // 5: eitri.v1.GetHostRequest
+	(*GetHostResponse)(nil),          // 6: eitri.v1.GetHostResponse
+	(*CreateJoinTokenRequest)(nil),   // 7: eitri.v1.CreateJoinTokenRequest
+	(*CreateJoinTokenResponse)(nil),  // 8: eitri.v1.CreateJoinTokenResponse
+	(*DecommissionHostRequest)(nil),  // 9: eitri.v1.DecommissionHostRequest
+	(*DecommissionHostResponse)(nil), // 10: eitri.v1.DecommissionHostResponse
+	(*WatchHostsRequest)(nil),        // 11: eitri.v1.WatchHostsRequest
+	(*HostList)(nil),                 // 12: eitri.v1.HostList
+	(*WatchHostsResponse)(nil),       // 13: eitri.v1.WatchHostsResponse
+	(*Capacity)(nil),                 // 14: eitri.v1.Capacity
+	(*Allocated)(nil),                // 15: eitri.v1.Allocated
+	(*Metrics)(nil),                  // 16: eitri.v1.Metrics
+	(*timestamppb.Timestamp)(nil),    // 17: google.protobuf.Timestamp
+	(*Progress)(nil),                 // 18: eitri.v1.Progress
+	(*durationpb.Duration)(nil),      // 19: google.protobuf.Duration
 }
 var file_eitri_v1_host_proto_depIdxs = []int32{
-	13, // 0: eitri.v1.Host.capacity:type_name -> eitri.v1.Capacity
-	14, // 1: eitri.v1.Host.allocated:type_name -> eitri.v1.Allocated
-	15, // 2: eitri.v1.Host.metrics:type_name -> eitri.v1.Metrics
-	16, // 3: eitri.v1.Host.created_at:type_name -> google.protobuf.Timestamp
-	16, // 4: eitri.v1.Host.last_seen_at:type_name -> google.protobuf.Timestamp
-	1,  // 5: eitri.v1.Host.conditions:type_name -> eitri.v1.HostCondition
-	16, // 6: eitri.v1.HostCondition.since:type_name -> google.protobuf.Timestamp
-	16, // 7: eitri.v1.HostCondition.last_seen_at:type_name -> google.protobuf.Timestamp
-	0,  // 8: eitri.v1.ListHostsResponse.hosts:type_name -> eitri.v1.Host
-	0,  // 9: eitri.v1.GetHostResponse.host:type_name -> eitri.v1.Host
-	17, // 10: eitri.v1.CreateJoinTokenRequest.ttl:type_name -> google.protobuf.Duration
-	16, // 11: eitri.v1.CreateJoinTokenResponse.expires_at:type_name -> google.protobuf.Timestamp
-	0,  // 12: eitri.v1.HostList.hosts:type_name -> eitri.v1.Host
-	11, // 13: eitri.v1.WatchHostsResponse.snapshot:type_name -> eitri.v1.HostList
-	0,  // 14: eitri.v1.WatchHostsResponse.changed:type_name -> eitri.v1.Host
-	2,  // 15: eitri.v1.HostService.ListHosts:input_type -> eitri.v1.ListHostsRequest
-	4,  // 16: eitri.v1.HostService.GetHost:input_type -> eitri.v1.GetHostRequest
-	6,  // 17: eitri.v1.HostService.CreateJoinToken:input_type -> eitri.v1.CreateJoinTokenRequest
-	8,  // 18: eitri.v1.HostService.DecommissionHost:input_type -> eitri.v1.DecommissionHostRequest
-	10, // 19: eitri.v1.HostService.WatchHosts:input_type -> eitri.v1.WatchHostsRequest
-	3,  // 20: eitri.v1.HostService.ListHosts:output_type -> eitri.v1.ListHostsResponse
-	5,  // 21: eitri.v1.HostService.GetHost:output_type -> eitri.v1.GetHostResponse
-	7,  // 22: eitri.v1.HostService.CreateJoinToken:output_type -> eitri.v1.CreateJoinTokenResponse
-	9,  // 23: eitri.v1.HostService.DecommissionHost:output_type -> eitri.v1.DecommissionHostResponse
-	12, // 24: eitri.v1.HostService.WatchHosts:output_type -> eitri.v1.WatchHostsResponse
-	20, // [20:25] is the sub-list for method output_type
-	15, // [15:20] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	14, // 0: eitri.v1.Host.capacity:type_name -> eitri.v1.Capacity
+	15, // 1: eitri.v1.Host.allocated:type_name -> eitri.v1.Allocated
+	16, // 2: eitri.v1.Host.metrics:type_name -> eitri.v1.Metrics
+	17, // 3: eitri.v1.Host.created_at:type_name -> google.protobuf.Timestamp
+	17, // 4: eitri.v1.Host.last_seen_at:type_name -> google.protobuf.Timestamp
+	2,  // 5: eitri.v1.Host.conditions:type_name -> eitri.v1.HostCondition
+	1,  // 6: eitri.v1.Host.upgrade:type_name -> eitri.v1.HostUpgrade
+	17, // 7: eitri.v1.HostUpgrade.since:type_name -> google.protobuf.Timestamp
+	18, // 8: eitri.v1.HostUpgrade.progress:type_name -> eitri.v1.Progress
+	17, // 9: eitri.v1.HostCondition.since:type_name -> google.protobuf.Timestamp
+	17, // 10: eitri.v1.HostCondition.last_seen_at:type_name -> google.protobuf.Timestamp
+	0,  // 11: eitri.v1.ListHostsResponse.hosts:type_name -> eitri.v1.Host
+	0,  // 12: eitri.v1.GetHostResponse.host:type_name -> eitri.v1.Host
+	19, // 13: eitri.v1.CreateJoinTokenRequest.ttl:type_name -> google.protobuf.Duration
+	17, // 14: eitri.v1.CreateJoinTokenResponse.expires_at:type_name -> google.protobuf.Timestamp
+	0,  // 15: eitri.v1.HostList.hosts:type_name -> eitri.v1.Host
+	12, // 16: eitri.v1.WatchHostsResponse.snapshot:type_name -> eitri.v1.HostList
+	0,  // 17: eitri.v1.WatchHostsResponse.changed:type_name -> eitri.v1.Host
+	3,  // 18: eitri.v1.HostService.ListHosts:input_type -> eitri.v1.ListHostsRequest
+	5,  // 19: eitri.v1.HostService.GetHost:input_type -> eitri.v1.GetHostRequest
+	7,  // 20: eitri.v1.HostService.CreateJoinToken:input_type -> eitri.v1.CreateJoinTokenRequest
+	9,  // 21: eitri.v1.HostService.DecommissionHost:input_type -> eitri.v1.DecommissionHostRequest
+	11, // 22: eitri.v1.HostService.WatchHosts:input_type -> eitri.v1.WatchHostsRequest
+	4,  // 23: eitri.v1.HostService.ListHosts:output_type -> eitri.v1.ListHostsResponse
+	6,  // 24: eitri.v1.HostService.GetHost:output_type -> eitri.v1.GetHostResponse
+	8,  // 25: eitri.v1.HostService.CreateJoinToken:output_type -> eitri.v1.CreateJoinTokenResponse
+	10, // 26: eitri.v1.HostService.DecommissionHost:output_type -> eitri.v1.DecommissionHostResponse
+	13, // 27: eitri.v1.HostService.WatchHosts:output_type -> eitri.v1.WatchHostsResponse
+	23, // [23:28] is the sub-list for method output_type
+	18, // [18:23] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_host_proto_init() }
@@ -960,7 +1118,7 @@ func file_eitri_v1_host_proto_init() {
 		return
 	}
 	file_eitri_v1_resources_proto_init()
-	file_eitri_v1_host_proto_msgTypes[12].OneofWrappers = []any{
+	file_eitri_v1_host_proto_msgTypes[13].OneofWrappers = []any{
 		(*WatchHostsResponse_Snapshot)(nil),
 		(*WatchHostsResponse_Changed)(nil),
 		(*WatchHostsResponse_RemovedId)(nil),
@@ -971,7 +1129,7 @@ func file_eitri_v1_host_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_host_proto_rawDesc), len(file_eitri_v1_host_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -197,6 +197,19 @@ export declare type Hello = Message<"eitri.v1.Hello"> & {
    * @generated from field: uint64 applied_generation = 10;
    */
   appliedGeneration: bigint;
+
+  /**
+   * The agent binary's platform (GOOS, GOARCH): which build an upgrade
+   * offers it. Empty from older agents, which are offered none.
+   *
+   * @generated from field: string os = 11;
+   */
+  os: string;
+
+  /**
+   * @generated from field: string arch = 12;
+   */
+  arch: string;
 };
 
 /**
@@ -299,6 +312,14 @@ export declare type ActualStateReport = Message<"eitri.v1.ActualStateReport"> & 
    * @generated from field: eitri.v1.SnapshotRefusal snapshot_refused = 12;
    */
   snapshotRefused?: SnapshotRefusal | undefined;
+
+  /**
+   * The agent's own upgrade: what it is doing about the last offer, or how
+   * that ended. Unset when it was never offered one (or predates upgrades).
+   *
+   * @generated from field: eitri.v1.AgentUpgradeStatus upgrade = 13;
+   */
+  upgrade?: AgentUpgradeStatus | undefined;
 };
 
 /**
@@ -306,6 +327,77 @@ export declare type ActualStateReport = Message<"eitri.v1.ActualStateReport"> & 
  * Use `create(ActualStateReportSchema)` to create a new message.
  */
 export declare const ActualStateReportSchema: GenMessage<ActualStateReport>;
+
+/**
+ * AgentUpgradeStatus is one host's upgrade as the host itself tells it.
+ *
+ * @generated from message eitri.v1.AgentUpgradeStatus
+ */
+export declare type AgentUpgradeStatus = Message<"eitri.v1.AgentUpgradeStatus"> & {
+  /**
+   * The version offered.
+   *
+   * @generated from field: string target_version = 1;
+   */
+  targetVersion: string;
+
+  /**
+   * Where it is, as a stable word: "downloading", "verifying", "testing"
+   * (running the new build to ask its version), "restarting", "done"
+   * (running the target), "failed" (refused or rolled back; error says
+   * why). New words may be added.
+   *
+   * @generated from field: string step = 2;
+   */
+  step: string;
+
+  /**
+   * What the host is doing, in its own words ("downloading agent v1.4
+   * 12/40 MiB", "verifying signature", "reconnected as v1.4"). Free text.
+   *
+   * @generated from field: string detail = 3;
+   */
+  detail: string;
+
+  /**
+   * The measure of the step, while it has one ("download").
+   *
+   * @generated from field: eitri.v1.Progress progress = 4;
+   */
+  progress?: Progress | undefined;
+
+  /**
+   * Why it failed; empty unless step is "failed".
+   *
+   * @generated from field: string error = 5;
+   */
+  error: string;
+
+  /**
+   * When the step began, in unix seconds by the host's clock.
+   *
+   * @generated from field: int64 since_unix = 6;
+   */
+  sinceUnix: bigint;
+
+  /**
+   * The offer this answers (AgentUpgrade.rollout_id and attempt).
+   *
+   * @generated from field: string rollout_id = 7;
+   */
+  rolloutId: string;
+
+  /**
+   * @generated from field: uint64 attempt = 8;
+   */
+  attempt: bigint;
+};
+
+/**
+ * Describes the message eitri.v1.AgentUpgradeStatus.
+ * Use `create(AgentUpgradeStatusSchema)` to create a new message.
+ */
+export declare const AgentUpgradeStatusSchema: GenMessage<AgentUpgradeStatus>;
 
 /**
  * SnapshotRefusal is a snapshot the agent would not apply, and why.
@@ -761,8 +853,11 @@ export declare type VMDesired = Message<"eitri.v1.VMDesired"> & {
 export declare const VMDesiredSchema: GenMessage<VMDesired>;
 
 /**
- * AgentUpgrade offers the agent a newer build. The agent reports it and
- * keeps running its own version until upgrades are implemented.
+ * AgentUpgrade offers the agent another build of itself. The agent fetches
+ * it from url, checks it against the release key it learned at enrollment
+ * (never against anything the control plane says), makes sure it runs and
+ * says this version, and restarts into it with its guests left running. It
+ * reports how that goes in ActualStateReport.upgrade.
  *
  * @generated from message eitri.v1.AgentUpgrade
  */
@@ -773,14 +868,62 @@ export declare type AgentUpgrade = Message<"eitri.v1.AgentUpgrade"> & {
   version: string;
 
   /**
+   * Where to fetch the build: a path on the control plane's own URL
+   * ("/releases/<sha256>"), fetched with the host credential; ranges are
+   * honoured so a download resumes.
+   *
    * @generated from field: string url = 2;
    */
   url: string;
 
   /**
+   * 64 lowercase hex characters.
+   *
    * @generated from field: string sha256 = 3;
    */
   sha256: string;
+
+  /**
+   * @generated from field: string os = 4;
+   */
+  os: string;
+
+  /**
+   * @generated from field: string arch = 5;
+   */
+  arch: string;
+
+  /**
+   * @generated from field: int64 size = 6;
+   */
+  size: bigint;
+
+  /**
+   * The release signature over version, os, arch, sha256 and size
+   * (wire/release), and the id of the key that made it.
+   *
+   * @generated from field: bytes signature = 7;
+   */
+  signature: Uint8Array;
+
+  /**
+   * @generated from field: string key_id = 8;
+   */
+  keyId: string;
+
+  /**
+   * The rollout offering it, and how many times this host was offered it in
+   * that rollout: a host that failed an offer does not take the same one
+   * again, only a later attempt.
+   *
+   * @generated from field: string rollout_id = 9;
+   */
+  rolloutId: string;
+
+  /**
+   * @generated from field: uint64 attempt = 10;
+   */
+  attempt: bigint;
 };
 
 /**
@@ -922,6 +1065,14 @@ export declare type JoinToken = Message<"eitri.v1.JoinToken"> & {
    * @generated from field: repeated string urls = 4;
    */
   urls: string[];
+
+  /**
+   * The release public key (wire/release text form) the agent trusts for
+   * its own upgrades; empty when the control plane was given none.
+   *
+   * @generated from field: string release_key = 5;
+   */
+  releaseKey: string;
 };
 
 /**

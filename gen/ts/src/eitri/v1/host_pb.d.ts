@@ -4,7 +4,7 @@
 
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import type { Message } from "@bufbuild/protobuf";
-import type { Allocated, Capacity, Metrics } from "./resources_pb.js";
+import type { Allocated, Capacity, Metrics, Progress } from "./resources_pb.js";
 import type { Duration, Timestamp } from "@bufbuild/protobuf/wkt";
 
 /**
@@ -101,6 +101,27 @@ export declare type Host = Message<"eitri.v1.Host"> & {
    * @generated from field: repeated eitri.v1.HostCondition conditions = 13;
    */
   conditions: HostCondition[];
+
+  /**
+   * A release newer than agent_version is held for this host's platform.
+   *
+   * @generated from field: bool agent_update_available = 14;
+   */
+  agentUpdateAvailable: boolean;
+
+  /**
+   * The host's agent upgrade; unset when none was ever offered.
+   *
+   * @generated from field: eitri.v1.HostUpgrade upgrade = 15;
+   */
+  upgrade?: HostUpgrade | undefined;
+
+  /**
+   * The agent's platform ("linux/amd64"); empty when not reported.
+   *
+   * @generated from field: string platform = 16;
+   */
+  platform: string;
 };
 
 /**
@@ -108,6 +129,73 @@ export declare type Host = Message<"eitri.v1.Host"> & {
  * Use `create(HostSchema)` to create a new message.
  */
 export declare const HostSchema: GenMessage<Host>;
+
+/**
+ * HostUpgrade is a host's agent upgrade: what it was offered and where it is.
+ *
+ * @generated from message eitri.v1.HostUpgrade
+ */
+export declare type HostUpgrade = Message<"eitri.v1.HostUpgrade"> & {
+  /**
+   * The version offered.
+   *
+   * @generated from field: string target = 1;
+   */
+  target: string;
+
+  /**
+   * As AgentUpgradeStatus.step; "offered" before the host says anything.
+   *
+   * @generated from field: string step = 2;
+   */
+  step: string;
+
+  /**
+   * When the current step began.
+   *
+   * @generated from field: google.protobuf.Timestamp since = 3;
+   */
+  since?: Timestamp | undefined;
+
+  /**
+   * Why it failed; empty unless step is "failed".
+   *
+   * @generated from field: string error = 4;
+   */
+  error: string;
+
+  /**
+   * The host's words on what it is doing, while connected.
+   *
+   * @generated from field: string detail = 5;
+   */
+  detail: string;
+
+  /**
+   * @generated from field: eitri.v1.Progress progress = 6;
+   */
+  progress?: Progress | undefined;
+
+  /**
+   * @generated from field: string rollout_id = 7;
+   */
+  rolloutId: string;
+
+  /**
+   * Offered and still on the old version past the stuck bound, while
+   * connected ("stuck: offered v1.4 6 min ago, still on v1.3" is its
+   * condition). An offline host is offline, never stuck.
+   *
+   * @generated from field: bool stuck = 8;
+   */
+  stuck: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.HostUpgrade.
+ * Use `create(HostUpgradeSchema)` to create a new message.
+ */
+export declare const HostUpgradeSchema: GenMessage<HostUpgrade>;
 
 /**
  * HostCondition is one ongoing problem with a host, for people to act on.
@@ -124,6 +212,10 @@ export declare type HostCondition = Message<"eitri.v1.HostCondition"> & {
    * than it applied); it lasts while the agent says so.
    * "orphaned_vms": the host holds VMs it will not take this control
    * plane's word on; an admin adopts or destroys them (ListOrphanedVMs).
+   * "upgrade_stuck": the host was offered an agent upgrade and still runs
+   * the old version past the bound, while connected.
+   * "version_skew": the agent is older than the control plane (one version
+   * older is supported; more is not).
    *
    * @generated from field: string type = 1;
    */

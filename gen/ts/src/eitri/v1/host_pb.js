@@ -10,7 +10,7 @@ import { file_google_protobuf_duration, file_google_protobuf_timestamp } from "@
  * Describes the file eitri/v1/host.proto.
  */
 export const file_eitri_v1_host = /*@__PURE__*/
-  fileDesc("ChNlaXRyaS92MS9ob3N0LnByb3RvEghlaXRyaS52MSKNAwoESG9zdBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSFQoNYWdlbnRfdmVyc2lvbhgEIAEoCRITCgthY2NlbGVyYXRvchgFIAEoCRIRCgljb25uZWN0ZWQYBiABKAgSJAoIY2FwYWNpdHkYByABKAsyEi5laXRyaS52MS5DYXBhY2l0eRImCglhbGxvY2F0ZWQYCCABKAsyEy5laXRyaS52MS5BbGxvY2F0ZWQSIgoHbWV0cmljcxgJIAEoCzIRLmVpdHJpLnYxLk1ldHJpY3MSLgoKY3JlYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF9zZWVuX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIaChJhY2NlbGVyYXRvcl9yZWFzb24YDCABKAkSKwoKY29uZGl0aW9ucxgNIAMoCzIXLmVpdHJpLnYxLkhvc3RDb25kaXRpb24iiwEKDUhvc3RDb25kaXRpb24SDAoEdHlwZRgBIAEoCRIPCgdtZXNzYWdlGAIgASgJEikKBXNpbmNlGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIwCgxsYXN0X3NlZW5fYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIhIKEExpc3RIb3N0c1JlcXVlc3QiMgoRTGlzdEhvc3RzUmVzcG9uc2USHQoFaG9zdHMYASADKAsyDi5laXRyaS52MS5Ib3N0IhwKDkdldEhvc3RSZXF1ZXN0EgoKAmlkGAEgASgJIi8KD0dldEhvc3RSZXNwb25zZRIcCgRob3N0GAEgASgLMg4uZWl0cmkudjEuSG9zdCJAChZDcmVhdGVKb2luVG9rZW5SZXF1ZXN0EiYKA3R0bBgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJpChdDcmVhdGVKb2luVG9rZW5SZXNwb25zZRINCgV0b2tlbhgBIAEoCRIuCgpleHBpcmVzX2F0GAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdjb21tYW5kGAMgASgJIjQKF0RlY29tbWlzc2lvbkhvc3RSZXF1ZXN0EgoKAmlkGAEgASgJEg0KBWZvcmNlGAIgASgIIkkKGERlY29tbWlzc2lvbkhvc3RSZXNwb25zZRITCgtsb3N0X3ZtX2lkcxgBIAMoCRIYChBmb3Jnb3R0ZW5fdm1faWRzGAIgAygJIhMKEVdhdGNoSG9zdHNSZXF1ZXN0IikKCEhvc3RMaXN0Eh0KBWhvc3RzGAEgAygLMg4uZWl0cmkudjEuSG9zdCJ+ChJXYXRjaEhvc3RzUmVzcG9uc2USJgoIc25hcHNob3QYASABKAsyEi5laXRyaS52MS5Ib3N0TGlzdEgAEiEKB2NoYW5nZWQYAiABKAsyDi5laXRyaS52MS5Ib3N0SAASFAoKcmVtb3ZlZF9pZBgDIAEoCUgAQgcKBWV2ZW50MpEDCgtIb3N0U2VydmljZRJECglMaXN0SG9zdHMSGi5laXRyaS52MS5MaXN0SG9zdHNSZXF1ZXN0GhsuZWl0cmkudjEuTGlzdEhvc3RzUmVzcG9uc2USPgoHR2V0SG9zdBIYLmVpdHJpLnYxLkdldEhvc3RSZXF1ZXN0GhkuZWl0cmkudjEuR2V0SG9zdFJlc3BvbnNlElYKD0NyZWF0ZUpvaW5Ub2tlbhIgLmVpdHJpLnYxLkNyZWF0ZUpvaW5Ub2tlblJlcXVlc3QaIS5laXRyaS52MS5DcmVhdGVKb2luVG9rZW5SZXNwb25zZRJZChBEZWNvbW1pc3Npb25Ib3N0EiEuZWl0cmkudjEuRGVjb21taXNzaW9uSG9zdFJlcXVlc3QaIi5laXRyaS52MS5EZWNvbW1pc3Npb25Ib3N0UmVzcG9uc2USSQoKV2F0Y2hIb3N0cxIbLmVpdHJpLnYxLldhdGNoSG9zdHNSZXF1ZXN0GhwuZWl0cmkudjEuV2F0Y2hIb3N0c1Jlc3BvbnNlMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_eitri_v1_resources, file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChNlaXRyaS92MS9ob3N0LnByb3RvEghlaXRyaS52MSLnAwoESG9zdBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEg8KB2FkZHJlc3MYAyABKAkSFQoNYWdlbnRfdmVyc2lvbhgEIAEoCRITCgthY2NlbGVyYXRvchgFIAEoCRIRCgljb25uZWN0ZWQYBiABKAgSJAoIY2FwYWNpdHkYByABKAsyEi5laXRyaS52MS5DYXBhY2l0eRImCglhbGxvY2F0ZWQYCCABKAsyEy5laXRyaS52MS5BbGxvY2F0ZWQSIgoHbWV0cmljcxgJIAEoCzIRLmVpdHJpLnYxLk1ldHJpY3MSLgoKY3JlYXRlZF9hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF9zZWVuX2F0GAsgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIaChJhY2NlbGVyYXRvcl9yZWFzb24YDCABKAkSKwoKY29uZGl0aW9ucxgNIAMoCzIXLmVpdHJpLnYxLkhvc3RDb25kaXRpb24SHgoWYWdlbnRfdXBkYXRlX2F2YWlsYWJsZRgOIAEoCBImCgd1cGdyYWRlGA8gASgLMhUuZWl0cmkudjEuSG9zdFVwZ3JhZGUSEAoIcGxhdGZvcm0YECABKAkivgEKC0hvc3RVcGdyYWRlEg4KBnRhcmdldBgBIAEoCRIMCgRzdGVwGAIgASgJEikKBXNpbmNlGAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBINCgVlcnJvchgEIAEoCRIOCgZkZXRhaWwYBSABKAkSJAoIcHJvZ3Jlc3MYBiABKAsyEi5laXRyaS52MS5Qcm9ncmVzcxISCgpyb2xsb3V0X2lkGAcgASgJEg0KBXN0dWNrGAggASgIIosBCg1Ib3N0Q29uZGl0aW9uEgwKBHR5cGUYASABKAkSDwoHbWVzc2FnZRgCIAEoCRIpCgVzaW5jZRgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMbGFzdF9zZWVuX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCISChBMaXN0SG9zdHNSZXF1ZXN0IjIKEUxpc3RIb3N0c1Jlc3BvbnNlEh0KBWhvc3RzGAEgAygLMg4uZWl0cmkudjEuSG9zdCIcCg5HZXRIb3N0UmVxdWVzdBIKCgJpZBgBIAEoCSIvCg9HZXRIb3N0UmVzcG9uc2USHAoEaG9zdBgBIAEoCzIOLmVpdHJpLnYxLkhvc3QiQAoWQ3JlYXRlSm9pblRva2VuUmVxdWVzdBImCgN0dGwYASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iaQoXQ3JlYXRlSm9pblRva2VuUmVzcG9uc2USDQoFdG9rZW4YASABKAkSLgoKZXhwaXJlc19hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDwoHY29tbWFuZBgDIAEoCSI0ChdEZWNvbW1pc3Npb25Ib3N0UmVxdWVzdBIKCgJpZBgBIAEoCRINCgVmb3JjZRgCIAEoCCJJChhEZWNvbW1pc3Npb25Ib3N0UmVzcG9uc2USEwoLbG9zdF92bV9pZHMYASADKAkSGAoQZm9yZ290dGVuX3ZtX2lkcxgCIAMoCSITChFXYXRjaEhvc3RzUmVxdWVzdCIpCghIb3N0TGlzdBIdCgVob3N0cxgBIAMoCzIOLmVpdHJpLnYxLkhvc3QifgoSV2F0Y2hIb3N0c1Jlc3BvbnNlEiYKCHNuYXBzaG90GAEgASgLMhIuZWl0cmkudjEuSG9zdExpc3RIABIhCgdjaGFuZ2VkGAIgASgLMg4uZWl0cmkudjEuSG9zdEgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudDKRAwoLSG9zdFNlcnZpY2USRAoJTGlzdEhvc3RzEhouZWl0cmkudjEuTGlzdEhvc3RzUmVxdWVzdBobLmVpdHJpLnYxLkxpc3RIb3N0c1Jlc3BvbnNlEj4KB0dldEhvc3QSGC5laXRyaS52MS5HZXRIb3N0UmVxdWVzdBoZLmVpdHJpLnYxLkdldEhvc3RSZXNwb25zZRJWCg9DcmVhdGVKb2luVG9rZW4SIC5laXRyaS52MS5DcmVhdGVKb2luVG9rZW5SZXF1ZXN0GiEuZWl0cmkudjEuQ3JlYXRlSm9pblRva2VuUmVzcG9uc2USWQoQRGVjb21taXNzaW9uSG9zdBIhLmVpdHJpLnYxLkRlY29tbWlzc2lvbkhvc3RSZXF1ZXN0GiIuZWl0cmkudjEuRGVjb21taXNzaW9uSG9zdFJlc3BvbnNlEkkKCldhdGNoSG9zdHMSGy5laXRyaS52MS5XYXRjaEhvc3RzUmVxdWVzdBocLmVpdHJpLnYxLldhdGNoSG9zdHNSZXNwb25zZTABQi9aLWdpdGh1Yi5jb20vYTczeC9laXRyaS9nZW4vZ28vZWl0cmkvdjE7ZWl0cml2MWIGcHJvdG8z", [file_eitri_v1_resources, file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * Describes the message eitri.v1.Host.
@@ -20,88 +20,95 @@ export const HostSchema = /*@__PURE__*/
   messageDesc(file_eitri_v1_host, 0);
 
 /**
+ * Describes the message eitri.v1.HostUpgrade.
+ * Use `create(HostUpgradeSchema)` to create a new message.
+ */
+export const HostUpgradeSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_host, 1);
+
+/**
  * Describes the message eitri.v1.HostCondition.
  * Use `create(HostConditionSchema)` to create a new message.
  */
 export const HostConditionSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 1);
+  messageDesc(file_eitri_v1_host, 2);
 
 /**
  * Describes the message eitri.v1.ListHostsRequest.
  * Use `create(ListHostsRequestSchema)` to create a new message.
  */
 export const ListHostsRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 2);
+  messageDesc(file_eitri_v1_host, 3);
 
 /**
  * Describes the message eitri.v1.ListHostsResponse.
  * Use `create(ListHostsResponseSchema)` to create a new message.
  */
 export const ListHostsResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 3);
+  messageDesc(file_eitri_v1_host, 4);
 
 /**
  * Describes the message eitri.v1.GetHostRequest.
  * Use `create(GetHostRequestSchema)` to create a new message.
  */
 export const GetHostRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 4);
+  messageDesc(file_eitri_v1_host, 5);
 
 /**
  * Describes the message eitri.v1.GetHostResponse.
  * Use `create(GetHostResponseSchema)` to create a new message.
  */
 export const GetHostResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 5);
+  messageDesc(file_eitri_v1_host, 6);
 
 /**
  * Describes the message eitri.v1.CreateJoinTokenRequest.
  * Use `create(CreateJoinTokenRequestSchema)` to create a new message.
  */
 export const CreateJoinTokenRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 6);
+  messageDesc(file_eitri_v1_host, 7);
 
 /**
  * Describes the message eitri.v1.CreateJoinTokenResponse.
  * Use `create(CreateJoinTokenResponseSchema)` to create a new message.
  */
 export const CreateJoinTokenResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 7);
+  messageDesc(file_eitri_v1_host, 8);
 
 /**
  * Describes the message eitri.v1.DecommissionHostRequest.
  * Use `create(DecommissionHostRequestSchema)` to create a new message.
  */
 export const DecommissionHostRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 8);
+  messageDesc(file_eitri_v1_host, 9);
 
 /**
  * Describes the message eitri.v1.DecommissionHostResponse.
  * Use `create(DecommissionHostResponseSchema)` to create a new message.
  */
 export const DecommissionHostResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 9);
+  messageDesc(file_eitri_v1_host, 10);
 
 /**
  * Describes the message eitri.v1.WatchHostsRequest.
  * Use `create(WatchHostsRequestSchema)` to create a new message.
  */
 export const WatchHostsRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 10);
+  messageDesc(file_eitri_v1_host, 11);
 
 /**
  * Describes the message eitri.v1.HostList.
  * Use `create(HostListSchema)` to create a new message.
  */
 export const HostListSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 11);
+  messageDesc(file_eitri_v1_host, 12);
 
 /**
  * Describes the message eitri.v1.WatchHostsResponse.
  * Use `create(WatchHostsResponseSchema)` to create a new message.
  */
 export const WatchHostsResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_host, 12);
+  messageDesc(file_eitri_v1_host, 13);
 
 /**
  * HostService is the fleet's machines. Listing is open to every user;
