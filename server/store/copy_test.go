@@ -149,7 +149,7 @@ func fillEverything(t *testing.T, s *Store) {
 	require.NoError(t, s.CreateRelease(ctx, Release{SHA256: "cc", Version: "v1.4", OS: "linux", Arch: "amd64", Size: 4, KeyID: "k",
 		Signature: []byte("sig"), UploadedBy: "u1", UploadedAt: t0}, []byte{0, 1, 2, 0xff}))
 	require.NoError(t, s.CreateRollout(ctx, Rollout{ID: "r1", Version: "v1.4", State: RolloutHalted, Reason: "h1 failed", MaxUnavailable: 1,
-		Hosts: []RolloutHost{{HostID: "h1", HostName: "beta", State: HostFailed, Error: "no", StartedAt: ptr(t0), Attempt: 1}},
+		Hosts:     []RolloutHost{{HostID: "h1", HostName: "beta", State: HostFailed, Error: "no", StartedAt: ptr(t0), Attempt: 1}},
 		CreatedBy: "u1", CreatedAt: t0}))
 }
 
