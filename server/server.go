@@ -30,6 +30,7 @@ import (
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/wire/connclient"
+	"github.com/a73x/eitri/wire/release"
 )
 
 // Config is how the control plane is started.
@@ -68,6 +69,13 @@ type Config struct {
 	// BodyTimeout and IdleTimeout replace DefaultBodyTimeout and
 	// DefaultIdleTimeout (tests shorten them).
 	BodyTimeout, IdleTimeout time.Duration
+	// ReleaseKey checks uploaded agent builds and goes into join tokens;
+	// zero: no builds are taken.
+	ReleaseKey release.PublicKey
+	// Version is the control plane's own (agents older than it are shown).
+	Version string
+	// StuckAfter and RolloutTick: see fleet.Config.
+	StuckAfter, RolloutTick time.Duration
 }
 
 // Server is a started control plane.
@@ -142,6 +150,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 			DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
 			RestoreMargin: cfg.RestoreMargin, DestroySweep: cfg.DestroySweep, Now: cfg.Now,
 			MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,
+			ReleaseKey:        cfg.ReleaseKey, Version: cfg.Version,
+			StuckAfter: cfg.StuckAfter, RolloutTick: cfg.RolloutTick,
 			SSHCA:             ca,
 			SecretsChanged:    sec.push,
 			OthersChangedSecrets: func(ctx context.Context) error {
@@ -163,14 +173,18 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	// Followed as long as the server lives, not just ctx.
 	follow, stop := context.WithCancel(context.WithoutCancel(ctx))
 	followed := make(chan struct{})
+	rolled := make(chan struct{})
 	go func() { defer close(followed); s.Fleet.FollowReplicas(follow) }()
-	s.stopFollow = func() { stop(); <-followed }
+	go func() { defer close(rolled); s.Fleet.RunRollouts(follow) }()
+	s.stopFollow = func() { stop(); <-followed; <-rolled }
 
 	r := chi.NewRouter()
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
 	api.Mount(r, s.Fleet, cfg.Log)
 	api.MountSession(r, s.Fleet)
 	api.MountReflection(r)
+	// Agents fetch their upgrades here (ranges resume a download).
+	api.MountReleases(r, s.Fleet)
 	// AI agents: MCP over streamable HTTP, bearer-token auth.
 	r.Handle("/mcp", mcp.Handler(s.Fleet, cfg.Log))
 	if cfg.Routes != nil {
@@ -209,6 +223,12 @@ func (s *Server) route(r *http.Request) httpguard.Rule {
 	case strings.HasPrefix(p, "/"+eitriv1connect.AgentServiceName+"/"):
 		// Sync lasts as long as the host is up; Connect bounds each report.
 		return httpguard.Rule{Check: s.checkHost, Stream: true, RPC: true}
+	case p == eitriv1connect.ReleaseServiceUploadReleaseProcedure:
+		// A build is large: only an admin may send one, checked before a
+		// byte of it is read, and Connect bounds each chunk.
+		return httpguard.Rule{Check: s.checkAdmin, MaxBody: fleet.MaxReleaseSize + fleet.MaxSignatureSize + 1<<20, Stream: true, RPC: true}
+	case strings.HasPrefix(p, api.ReleasesPath):
+		return httpguard.Rule{Check: s.checkHost, MaxBody: MaxOpenBody}
 	case p == eitriv1connect.VMServiceOpenTunnelProcedure:
 		// A tunnel's body lasts as long as its connection; Connect bounds
 		// each message.
@@ -274,6 +294,18 @@ func (s *Server) checkHost(r *http.Request) (context.Context, error) {
 		return nil, credentialError(err)
 	}
 	return r.Context(), nil
+}
+
+// checkAdmin is checkUser for a route only admins may use.
+func (s *Server) checkAdmin(r *http.Request) (context.Context, error) {
+	ctx, err := s.checkUser(r)
+	if err != nil {
+		return nil, err
+	}
+	if p, ok := auth.FromContext(ctx); !ok || !p.Admin {
+		return nil, connect.NewError(connect.CodePermissionDenied, errors.New("only an admin may do this"))
+	}
+	return ctx, nil
 }
 
 func credentialError(err error) error {

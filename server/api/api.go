@@ -51,6 +51,9 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 		func() (string, http.Handler) { return eitriv1connect.NewQuotaServiceHandler(quotaService{h}, opts...) },
 		func() (string, http.Handler) { return eitriv1connect.NewAgentServiceHandler(agentService{h}, opts...) },
 		func() (string, http.Handler) { return eitriv1connect.NewSSHServiceHandler(sshService{h}, opts...) },
+		func() (string, http.Handler) {
+			return eitriv1connect.NewReleaseServiceHandler(releaseService{h}, opts...)
+		},
 	} {
 		path, handler := mount()
 		// auth.Console: the console's cookie is good here (from its own pages).

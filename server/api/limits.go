@@ -59,6 +59,8 @@ func MessageLimit(procedure string) int64 {
 		return MaxUserMessage
 	case strings.HasPrefix(procedure, "/"+eitriv1connect.AgentServiceName+"/"):
 		return MaxReportMessage
+	case procedure == eitriv1connect.ReleaseServiceUploadReleaseProcedure:
+		return MaxReleaseChunk + 1<<10
 	case IsReflection(procedure):
 		return MaxReflectionMessage
 	default:

@@ -17,6 +17,7 @@ var UserServices = []string{
 	eitriv1connect.VMServiceName,
 	eitriv1connect.ExposureServiceName,
 	eitriv1connect.HostServiceName,
+	eitriv1connect.ReleaseServiceName,
 	eitriv1connect.TokenServiceName,
 	eitriv1connect.QuotaServiceName,
 	eitriv1connect.SSHServiceName,

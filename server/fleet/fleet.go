@@ -23,6 +23,7 @@ import (
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/release"
 )
 
 // Kind classifies a domain error; the API maps each to a Connect code.
@@ -127,6 +128,18 @@ type Config struct {
 	// MaxTunnelsPerUser caps each user's open tunnels (default
 	// DefaultMaxTunnelsPerUser).
 	MaxTunnelsPerUser int
+	// ReleaseKey checks uploaded agent builds, and join tokens carry it to
+	// new agents; zero: no builds are taken, and agents learn no key here.
+	ReleaseKey release.PublicKey
+	// Version is this control plane's own, to show agents older than it.
+	Version string
+	// StuckAfter is how long a connected host may stay on its old version
+	// after an upgrade offer before it shows stuck (default
+	// DefaultStuckAfter).
+	StuckAfter time.Duration
+	// RolloutTick is how often the rollout loop looks again without being
+	// woken (default 2s).
+	RolloutTick time.Duration
 	Log               *slog.Logger
 	Now               func() time.Time
 }
@@ -163,6 +176,11 @@ type Fleet struct {
 	userCerts certLimits // SSH certificates per user (sshcerts.go)
 
 	replicas replicas // the other replicas sharing the database (replicas.go)
+
+	Rollouts    *watch.Topic[*eitriv1.Rollout]
+	rollouts    rollouts       // the newest rollout (rollouts.go)
+	newest      newestReleases // the newest build per platform (releases.go)
+	lastRelease cachedRelease  // the build hosts are downloading (releases.go)
 }
 
 // New returns a fleet over st.
@@ -181,6 +199,12 @@ func New(cfg Config, st *store.Store) *Fleet {
 	}
 	if cfg.PortMin == 0 {
 		cfg.PortMin, cfg.PortMax = 30000, 32767
+	}
+	if cfg.StuckAfter == 0 {
+		cfg.StuckAfter = DefaultStuckAfter
+	}
+	if cfg.RolloutTick == 0 {
+		cfg.RolloutTick = 2 * time.Second
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
@@ -201,6 +225,8 @@ func New(cfg Config, st *store.Store) *Fleet {
 		dups:      make(map[string]*duplicate),
 		reserved:  builtinReserved(cfg.PublicURL),
 		replicas:  replicas{flush: make(chan struct{}, 1)},
+		Rollouts:  watch.NewTopic[*eitriv1.Rollout](),
+		rollouts:  rollouts{wake: make(chan struct{}, 1)},
 	}
 }
 

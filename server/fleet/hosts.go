@@ -33,7 +33,8 @@ func (f *Fleet) CreateJoinToken(ctx context.Context, ttl time.Duration) (*eitriv
 	if err := f.st.CreateJoinToken(ctx, jt); err != nil {
 		return nil, err
 	}
-	jtok := &eitriv1.JoinToken{Urls: connclient.SplitURLs(f.cfg.PublicURL), CertFingerprint: f.cfg.CertFingerprint, Secret: secret}
+	jtok := &eitriv1.JoinToken{Urls: connclient.SplitURLs(f.cfg.PublicURL), CertFingerprint: f.cfg.CertFingerprint, Secret: secret,
+		ReleaseKey: f.cfg.ReleaseKey.String()}
 	if len(jtok.Urls) > 0 {
 		jtok.Url = jtok.Urls[0] // what an agent that knows one URL dials
 	}
@@ -184,10 +185,27 @@ func (f *Fleet) hostView(ctx context.Context, h store.Host) (*eitriv1.Host, erro
 		Accelerator: h.Accelerator, AcceleratorReason: h.AcceleratorReason, Allocated: alloc, CreatedAt: timestamppb.New(h.CreatedAt),
 		Conditions: f.conditions(h.ID),
 	}
+	if h.OS != "" {
+		out.Platform = h.OS + "/" + h.Arch
+	}
 	if h.LastSeenAt != nil {
 		out.LastSeenAt = timestamppb.New(*h.LastSeenAt)
 	}
-	if live, ok := f.reg.Host(h.ID); ok {
+	live, connected := f.reg.Host(h.ID)
+	var liveUpgrade *eitriv1.AgentUpgradeStatus
+	if connected {
+		liveUpgrade = live.Report.GetUpgrade()
+	}
+	var stuck *eitriv1.HostCondition
+	out.Upgrade, stuck = f.hostUpgradeView(h, connected, liveUpgrade)
+	if stuck != nil {
+		out.Conditions = append(out.Conditions, stuck)
+	}
+	if skew := f.versionSkew(h); skew != nil {
+		out.Conditions = append(out.Conditions, skew)
+	}
+	out.AgentUpdateAvailable = out.Platform != "" && f.newest.newerThan(out.Platform, h.AgentVersion)
+	if connected {
 		out.Connected = true
 		out.LastSeenAt = timestamppb.New(live.LastSeen)
 		if hello := live.Hello; hello != nil {

@@ -33,6 +33,10 @@ type Session struct {
 	// nextDestroy: the earliest destroy_at the last snapshot did not yet
 	// order, zero when none (f.mu). The sweep compares the clock with it.
 	nextDestroy time.Time
+	// offered names the upgrade offer the last snapshot carried ("" for
+	// none), and upgrade what the agent last said of its upgrade (f.mu).
+	offered string
+	upgrade store.HostUpgrade
 }
 
 // OpenSession registers a host's new stream and queues the snapshot every
@@ -58,9 +62,12 @@ func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.H
 	if err := f.st.UpdateHostHello(ctx, hostID, store.HostHello{
 		AgentVersion: hello.GetAgentVersion(), Address: hello.GetAddress(),
 		Accelerator: hello.GetAccelerator(), AcceleratorReason: hello.GetAcceleratorReason(),
+		OS: hello.GetOs(), Arch: hello.GetArch(),
 	}, now); err != nil {
 		f.log.Warn("record host hello", "host", hostID, "err", err)
 	}
+	// A host back on a new version may finish its part in a rollout.
+	f.wakeRollouts()
 	sctx, cancel := context.WithCancelCause(ctx)
 	s := &Session{f: f, hostID: hostID, instance: hello.GetInstanceId(), claim: claim, peer: peer, since: now,
 		ctx: sctx, cancel: cancel, kicks: make(chan struct{}, 1)}
@@ -181,6 +188,11 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 			Protocol: e.Protocol, Scope: e.Scope, MaxSessions: e.MaxSessions,
 		})
 	}
+	offer, offered, err := f.upgradeOffer(ctx, s.hostID)
+	if err != nil {
+		return nil, err
+	}
+	snap.AgentUpgrade = offer
 	l, err := f.st.NextGeneration(ctx)
 	if err != nil {
 		return nil, err
@@ -188,6 +200,7 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 	f.mu.Lock()
 	f.noteLineage(l)
 	s.nextDestroy = next
+	s.offered = offered
 	f.mu.Unlock()
 	snap.ControlPlaneId, snap.Epoch, snap.Generation = l.ID, l.Epoch, l.Generation
 	return snap, nil
@@ -236,6 +249,7 @@ func (s *Session) Apply(ctx context.Context, rep *eitriv1.ActualStateReport) {
 	}
 	f.publishWritten(ctx, s.hostID, d, written)
 	f.shareReport(s)
+	s.noteUpgrade(ctx, rep.GetUpgrade())
 
 	f.mu.Lock()
 	last := f.touched[s.hostID]

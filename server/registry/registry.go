@@ -137,6 +137,7 @@ func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateRep
 	d.Host = old == nil || d.Accelerator || d.Refusal ||
 		!proto.Equal(old.GetCapacity(), rep.GetCapacity()) ||
 		!proto.Equal(old.GetMetrics(), rep.GetMetrics()) ||
+		!proto.Equal(old.GetUpgrade(), rep.GetUpgrade()) ||
 		!sameHeld(old.GetQuarantined(), rep.GetQuarantined())
 	// Replace rather than mutate: readers may hold the previous Live.
 	nl := *l
