@@ -152,8 +152,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 			MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,
 			ReleaseKey:        cfg.ReleaseKey, Version: cfg.Version,
 			StuckAfter: cfg.StuckAfter, RolloutTick: cfg.RolloutTick,
-			SSHCA:             ca,
-			SecretsChanged:    sec.push,
+			SSHCA:          ca,
+			SecretsChanged: sec.push,
 			OthersChangedSecrets: func(ctx context.Context) error {
 				if err := sec.pull(ctx); err != nil {
 					return err

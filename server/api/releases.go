@@ -128,4 +128,3 @@ func (s releaseService) WatchRollouts(ctx context.Context, _ *connect.Request[ei
 		return &eitriv1.WatchRolloutsResponse{Event: &eitriv1.WatchRolloutsResponse_Changed{Changed: ev.Obj}}
 	})
 }
-

@@ -140,8 +140,8 @@ type Config struct {
 	// RolloutTick is how often the rollout loop looks again without being
 	// woken (default 2s).
 	RolloutTick time.Duration
-	Log               *slog.Logger
-	Now               func() time.Time
+	Log         *slog.Logger
+	Now         func() time.Time
 }
 
 // Fleet is safe for concurrent use.
