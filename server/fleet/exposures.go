@@ -15,6 +15,7 @@ import (
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
 	"github.com/a73x/eitri/wire/connclient"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 // CreateExposure publishes a guest port on the VM's host.
@@ -52,7 +53,7 @@ func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureReq
 	if vm.DeletedAt != nil {
 		return nil, errorf(Precondition, "vm %s is deleted", vm.ID)
 	}
-	if vm.Status == store.StatusLost {
+	if vm.Status == vmstate.LifecycleLost {
 		return nil, errorf(Precondition, "vm %s is lost: %s", vm.ID, vm.LastError)
 	}
 	port := uint16(r.GetHostPort())

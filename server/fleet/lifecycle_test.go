@@ -8,6 +8,7 @@ import (
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 func TestLifecycleIsDerivedFromTheRowAndTheLiveReport(t *testing.T) {
@@ -44,7 +45,7 @@ func TestLifecycleIsDerivedFromTheRowAndTheLiveReport(t *testing.T) {
 		{"retried, host not seen it yet", vm{Status: "pending", PowerState: "running", Retry: 2}, answering(row("failed", "stopped"), 1), true, "retrying"},
 		{"retried, failed again", vm{Status: "failed", PowerState: "running", Retry: 2}, answering(row("failed", "stopped"), 2), true, "failed"},
 		{"retried, host disconnected", vm{Status: "pending", PowerState: "running", Retry: 2}, nil, false, "pending"},
-		{"lost wins over everything", vm{Status: store.StatusLost, PowerState: "running"}, nil, false, "lost"},
+		{"lost wins over everything", vm{Status: vmstate.LifecycleLost, PowerState: "running"}, nil, false, "lost"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -45,7 +45,7 @@ type quotaState struct {
 // its disk is kept until it is destroyed, for a restore. A lost VM's host
 // is gone: it holds nothing anywhere.
 func vmHolds(v store.VM) (vcpus, memMB, diskGB int64) {
-	if v.Status == vmstate.PhaseFailed || v.Status == store.StatusLost {
+	if v.Status == vmstate.PhaseFailed || v.Status == vmstate.LifecycleLost {
 		return 0, 0, 0
 	}
 	if v.DeletedAt != nil {
@@ -73,7 +73,7 @@ func (f *Fleet) usage(ctx context.Context, rd reader, userID string) (Usage, err
 		return u, err
 	}
 	for _, v := range vms {
-		if v.DeletedAt == nil && v.Status != store.StatusLost {
+		if v.DeletedAt == nil && v.Status != vmstate.LifecycleLost {
 			u.VMs++ // a lost VM runs nowhere; its row waits to be read and deleted
 		}
 		c, m, d := vmHolds(v)

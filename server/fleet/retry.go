@@ -78,7 +78,7 @@ func (f *Fleet) retryable(v store.VM) error {
 	switch lc := f.lifecycle(v); {
 	case v.DeletedAt != nil:
 		return errorf(Precondition, "vm %s is deleted; restore it first", v.ID)
-	case v.Status == store.StatusLost:
+	case v.Status == vmstate.LifecycleLost:
 		return errorf(Precondition, "vm %s is lost: %s", v.ID, v.LastError)
 	case lc == vmstate.LifecycleFailed, lc == vmstate.LifecycleRetrying:
 		return nil

@@ -313,7 +313,7 @@ func (f *Fleet) SetPower(ctx context.Context, id, power string) (*eitriv1.VM, er
 		if v.DeletedAt != nil {
 			return errorf(Precondition, "vm %s is deleted; restore it first", id)
 		}
-		if v.Status == store.StatusLost {
+		if v.Status == vmstate.LifecycleLost {
 			return errorf(Precondition, "vm %s is lost: %s", id, v.LastError)
 		}
 		v.PowerState = power
@@ -336,7 +336,7 @@ func (f *Fleet) DeleteVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 	if err != nil {
 		return nil, err
 	}
-	if cur.Status == store.StatusLost {
+	if cur.Status == vmstate.LifecycleLost {
 		return f.deleteLost(ctx, cur)
 	}
 	now := f.now()
@@ -483,7 +483,7 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 // report catches up, the word says where the VM is going ("starting",
 // "stopping", "restoring", "retrying"), and the next report confirms it.
 func Lifecycle(v store.VM, row *eitriv1.ActualVM, reporting bool) string {
-	if v.Status == store.StatusLost {
+	if v.Status == vmstate.LifecycleLost {
 		return vmstate.LifecycleLost // no host is left to say anything else
 	}
 	if v.DeletedAt != nil {

@@ -5,16 +5,14 @@ import (
 	"database/sql"
 	"fmt"
 	"time"
-)
 
-// StatusLost is the status of a VM whose host was decommissioned while it
-// could not report: the row stays for its owner to read and delete, and no
-// host runs it.
-const StatusLost = "lost"
+	"github.com/a73x/eitri/wire/vmstate"
+)
 
 // HostLoss is what forgetting an unreachable host did to its rows.
 type HostLoss struct {
-	// Lost are the host's VMs as they are stored now: no host, StatusLost.
+	// Lost are the host's VMs as they are stored now: no host, status
+	// vmstate.LifecycleLost.
 	Lost []VM
 	// Forgotten are its soft-deleted VMs, removed with their events.
 	Forgotten []VM
@@ -23,9 +21,11 @@ type HostLoss struct {
 }
 
 // ForgetUnreachableHost removes a host that is gone for good, in one
-// transaction: its live VMs are kept with no host, StatusLost and the
-// lastError it says; its soft-deleted VMs (whose destroy can never be
-// confirmed) and every exposure on it are removed; then the host row goes.
+// transaction: its live VMs are kept with no host, status
+// vmstate.LifecycleLost (the row stays for its owner to read and delete; no
+// host runs it) and the lastError it says; its soft-deleted VMs (whose
+// destroy can never be confirmed) and every exposure on it are removed; then
+// the host row goes.
 // A host seen after seenBefore (it came back in the meantime) is
 // ErrConflict and nothing is written.
 func (s *Store) ForgetUnreachableHost(ctx context.Context, id string, seenBefore, at time.Time, lastError func(VM) string) (HostLoss, error) {
@@ -69,7 +69,7 @@ func (s *Store) ForgetUnreachableHost(ctx context.Context, id string, seenBefore
 				updated = v.UpdatedAt.Add(time.Nanosecond)
 			}
 			if _, err := tx.ExecContext(ctx, `UPDATE vms SET host_id = NULL, status = $2, last_error = $3, updated_at = $4 WHERE id = $1`,
-				v.ID, StatusLost, lastError(v), nanos(updated)); err != nil {
+				v.ID, vmstate.LifecycleLost, lastError(v), nanos(updated)); err != nil {
 				return err
 			}
 			lost, err := getVM(ctx, tx, v.ID)

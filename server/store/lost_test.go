@@ -7,6 +7,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/wire/vmstate"
 )
 
 func TestForgettingADeadHostKeepsItsVMsAsLostRows(t *testing.T) {
@@ -42,7 +44,7 @@ func testForgettingADeadHostKeepsItsVMsAsLostRows(t *testing.T, e engine) {
 
 	v1, err := s.GetVM(ctx, "v1")
 	require.NoError(t, err, "a lost VM stays as a row")
-	assert.Equal(t, StatusLost, v1.Status)
+	assert.Equal(t, vmstate.LifecycleLost, v1.Status)
 	assert.Equal(t, "lost with beta: web", v1.LastError)
 	assert.Empty(t, v1.HostID)
 	assert.Equal(t, "web", v1.Name, "spec, owner and name are kept")
@@ -82,7 +84,7 @@ func testAHostSeenAfterTheCutoffIsNotForgotten(t *testing.T, e engine) {
 	v1, err := s.GetVM(ctx, "v1")
 	require.NoError(t, err)
 	assert.Equal(t, "h1", v1.HostID, "nothing was written")
-	assert.NotEqual(t, StatusLost, v1.Status)
+	assert.NotEqual(t, vmstate.LifecycleLost, v1.Status)
 	_, err = s.HostByID(ctx, "h1")
 	assert.NoError(t, err)
 }

@@ -24,7 +24,9 @@ type VM struct {
 	MemMB       int64
 	DiskGB      int64
 	PowerState  string // desired: vmstate.PowerRunning or vmstate.PowerStopped
-	// Last reported by the host, kept across disconnects and restarts.
+	// Last reported by the host, kept across disconnects and restarts;
+	// Status is a vmstate phase, or vmstate.LifecycleLost once its host is
+	// forgotten (see ForgetUnreachableHost).
 	Status, LastError, AssignedIP string
 	SSHAuthorizedKey              string
 	SSHHostPubkey                 string

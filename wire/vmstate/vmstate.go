@@ -40,7 +40,9 @@ const (
 	LifecycleStopped  = PhaseStopped
 	LifecycleFailed   = PhaseFailed
 	LifecycleDeleting = PhaseDeleting
-	// Its host was decommissioned by force: nothing runs it anywhere.
+	// Its host was decommissioned by force: nothing runs it anywhere. No
+	// host will report on it again, so the control plane stores this word
+	// as its status too.
 	LifecycleLost = "lost"
 
 	// A request on its way, shown from the moment it is made until the
