@@ -14,6 +14,7 @@ import (
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/bounds"
 	"github.com/a73x/eitri/wire/connclient"
 	"github.com/a73x/eitri/wire/vmstate"
 )
@@ -37,10 +38,10 @@ func (f *Fleet) CreateExposure(ctx context.Context, r *eitriv1.CreateExposureReq
 		scope = "lan"
 	}
 	switch {
-	case r.GetGuestPort() < 1 || r.GetGuestPort() > 65535:
-		return nil, invalid("guest_port", "must be between 1 and 65535, got %d", r.GetGuestPort())
-	case r.GetHostPort() > 65535:
-		return nil, invalid("host_port", "must be between 1 and 65535 (or 0 to allocate), got %d", r.GetHostPort())
+	case r.GetGuestPort() < 1 || r.GetGuestPort() > bounds.MaxPort:
+		return nil, invalid("guest_port", "must be between 1 and %d, got %d", bounds.MaxPort, r.GetGuestPort())
+	case r.GetHostPort() > bounds.MaxPort:
+		return nil, invalid("host_port", "must be between 1 and %d (or 0 to allocate), got %d", bounds.MaxPort, r.GetHostPort())
 	case proto != "tcp" && proto != "udp":
 		return nil, invalid("protocol", `must be "tcp" or "udp", got %q`, r.GetProtocol())
 	case scope != "lan" && scope != "local":
@@ -145,7 +146,7 @@ func (f *Fleet) DeleteExposure(ctx context.Context, id string) error {
 	if id == "" {
 		return invalid("id", "required")
 	}
-	if err := checkLen("id", id, maxIDLen); err != nil {
+	if err := checkLen("id", id, bounds.MaxIDLen); err != nil {
 		return err
 	}
 	e, err := f.st.GetExposure(ctx, id)

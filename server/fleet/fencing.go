@@ -12,6 +12,7 @@ import (
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/bounds"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -235,10 +236,10 @@ func (f *Fleet) findOrphan(hostID, vmID string) (*eitriv1.QuarantinedVM, error) 
 	case vmID == "":
 		return nil, invalid("vm_id", "required")
 	}
-	if err := checkLen("host_id", hostID, maxIDLen); err != nil {
+	if err := checkLen("host_id", hostID, bounds.MaxIDLen); err != nil {
 		return nil, err
 	}
-	if err := checkLen("vm_id", vmID, maxIDLen); err != nil {
+	if err := checkLen("vm_id", vmID, bounds.MaxIDLen); err != nil {
 		return nil, err
 	}
 	live, ok := f.reg.Host(hostID)
@@ -271,7 +272,7 @@ func (f *Fleet) AdoptOrphanedVM(ctx context.Context, r *eitriv1.AdoptOrphanedVMR
 		return nil, errorf(Precondition, "host %s's agent does not say what it holds vm %s to (an older agent); upgrade it first", r.GetHostId(), r.GetVmId())
 	}
 	owner := cmp.Or(r.GetOwnerId(), held.GetOwner())
-	if err := checkLen("owner_id", owner, maxIDLen); err != nil {
+	if err := checkLen("owner_id", owner, bounds.MaxIDLen); err != nil {
 		return nil, err
 	}
 	if _, err := f.st.UserByID(ctx, owner); errors.Is(err, store.ErrNotFound) || owner == "" {

@@ -11,6 +11,7 @@ import (
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/bounds"
 	"github.com/a73x/eitri/wire/connclient"
 	"github.com/a73x/eitri/wire/jointoken"
 )
@@ -131,7 +132,7 @@ func (f *Fleet) hostByID(ctx context.Context, id string) (store.Host, error) {
 	if id == "" {
 		return store.Host{}, invalid("id", "required")
 	}
-	if err := checkLen("id", id, maxIDLen); err != nil {
+	if err := checkLen("id", id, bounds.MaxIDLen); err != nil {
 		return store.Host{}, err
 	}
 	h, err := f.st.HostByID(ctx, id)

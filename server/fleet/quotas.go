@@ -9,6 +9,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/bounds"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -187,7 +188,7 @@ func (f *Fleet) OpenStream(ctx context.Context) (release func(), err error) {
 // quotaSubject resolves whose quota a request names: the caller's for "",
 // another user's for an admin only.
 func (f *Fleet) quotaSubject(ctx context.Context, p auth.Principal, userName string) (store.User, error) {
-	if err := checkLen("user_name", userName, maxNameLen); err != nil {
+	if err := checkLen("user_name", userName, bounds.MaxNameLen); err != nil {
 		return store.User{}, err
 	}
 	if userName == "" || userName == p.Name {

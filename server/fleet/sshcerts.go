@@ -17,6 +17,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/bounds"
 	"github.com/a73x/eitri/wire/sshcert"
 )
 
@@ -173,7 +174,7 @@ func (f *Fleet) trustedUserCAKeys() []string {
 // its login user, briefly, and records it on the VM.
 func (f *Fleet) SignUserKey(ctx context.Context, r *eitriv1.SignUserKeyRequest) (*eitriv1.SignUserKeyResponse, error) {
 	// Validate what costs nothing before touching the store.
-	if err := checkLen("public_key", r.GetPublicKey(), maxSSHKeyLen); err != nil {
+	if err := checkLen("public_key", r.GetPublicKey(), bounds.MaxSSHKeyLen); err != nil {
 		return nil, err
 	}
 	ttl := DefaultUserCertTTL
@@ -305,10 +306,10 @@ func hostPrincipals(vmID string) []string { return []string{vmID, sshcert.HostAl
 // on, for hostPrincipals, for HostCertValidity. Agents call it again to
 // renew.
 func (f *Fleet) SignHostKey(ctx context.Context, hostID string, r *eitriv1.SignHostKeyRequest) (*eitriv1.SignHostKeyResponse, error) {
-	if err := checkLen("vm_id", r.GetVmId(), maxIDLen); err != nil {
+	if err := checkLen("vm_id", r.GetVmId(), bounds.MaxIDLen); err != nil {
 		return nil, err
 	}
-	if err := checkLen("public_key", r.GetPublicKey(), maxSSHKeyLen); err != nil {
+	if err := checkLen("public_key", r.GetPublicKey(), bounds.MaxSSHKeyLen); err != nil {
 		return nil, err
 	}
 	if r.GetVmId() == "" {

@@ -11,6 +11,7 @@ import (
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/wire/bounds"
 )
 
 // A tunnel carries one TCP connection between a user and a port of a VM's
@@ -90,8 +91,8 @@ func (f *Fleet) OpenTunnel(ctx context.Context, recv func() (*eitriv1.OpenTunnel
 		return err
 	}
 	port := first.GetPort()
-	if port == 0 || port > 65535 {
-		return invalid("port", "must be 1 to 65535, got %d", port)
+	if port == 0 || port > bounds.MaxPort {
+		return invalid("port", "must be 1 to %d, got %d", bounds.MaxPort, port)
 	}
 	if n := len(first.GetData()); n > MaxTunnelChunk {
 		return invalid("data", "%d bytes is more than %d in one message", n, MaxTunnelChunk)

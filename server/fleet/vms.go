@@ -16,6 +16,7 @@ import (
 	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/bounds"
 	"github.com/a73x/eitri/wire/sshcert"
 	"github.com/a73x/eitri/wire/vmstate"
 )
@@ -23,16 +24,6 @@ import (
 var (
 	dnsLabel = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`)
 	sha256Re = regexp.MustCompile(`^[0-9a-f]{64}$`)
-)
-
-// Size limits on free text. Everything a caller sends is stored, sent to a
-// host and may be echoed in an error, so none of it may be as big as a
-// request can be.
-const (
-	maxNameLen   = 63
-	maxIDLen     = 64
-	maxURLLen    = 2048
-	maxSSHKeyLen = 8 << 10 // a line of several long keys' worth
 )
 
 // checkLen refuses a value longer than max bytes, without echoing it.
@@ -68,11 +59,11 @@ func validateVM(r *eitriv1.CreateVMRequest) error {
 		field, v string
 		max      int
 	}{
-		{"name", r.GetName(), maxNameLen},
-		{"host_id", r.GetHostId(), maxIDLen},
-		{"image_url", r.GetImageUrl(), maxURLLen},
+		{"name", r.GetName(), bounds.MaxNameLen},
+		{"host_id", r.GetHostId(), bounds.MaxIDLen},
+		{"image_url", r.GetImageUrl(), bounds.MaxURLLen},
 		{"image_sha256", r.GetImageSha256(), 64},
-		{"ssh_authorized_key", r.GetSshAuthorizedKey(), maxSSHKeyLen},
+		{"ssh_authorized_key", r.GetSshAuthorizedKey(), bounds.MaxSSHKeyLen},
 		{"power_state", r.GetPowerState(), len(vmstate.PowerRunning)},
 	} {
 		if err := checkLen(c.field, c.v, c.max); err != nil {
@@ -93,12 +84,12 @@ func validateVM(r *eitriv1.CreateVMRequest) error {
 	switch {
 	case !sha256Re.MatchString(r.GetImageSha256()):
 		return invalid("image_sha256", "must be 64 lowercase hex characters")
-	case r.GetVcpus() < 1 || r.GetVcpus() > 256:
-		return invalid("vcpus", "must be between 1 and 256, got %d", r.GetVcpus())
-	case r.GetMemMb() < 64 || r.GetMemMb() > 4<<20:
-		return invalid("mem_mb", "must be between 64 and 4194304, got %d", r.GetMemMb())
-	case r.GetDiskGb() < 1 || r.GetDiskGb() > 64<<10:
-		return invalid("disk_gb", "must be between 1 and 65536, got %d", r.GetDiskGb())
+	case r.GetVcpus() < bounds.MinVCPUs || r.GetVcpus() > bounds.MaxVCPUs:
+		return invalid("vcpus", "must be between %d and %d, got %d", bounds.MinVCPUs, bounds.MaxVCPUs, r.GetVcpus())
+	case r.GetMemMb() < bounds.MinMemMB || r.GetMemMb() > bounds.MaxMemMB:
+		return invalid("mem_mb", "must be between %d and %d, got %d", bounds.MinMemMB, bounds.MaxMemMB, r.GetMemMb())
+	case r.GetDiskGb() < bounds.MinDiskGB || r.GetDiskGb() > bounds.MaxDiskGB:
+		return invalid("disk_gb", "must be between %d and %d, got %d", bounds.MinDiskGB, bounds.MaxDiskGB, r.GetDiskGb())
 	}
 	switch r.GetPowerState() {
 	case "", vmstate.PowerRunning, vmstate.PowerStopped:
@@ -264,7 +255,7 @@ func (f *Fleet) visible(ctx context.Context, id string) (store.VM, auth.Principa
 	if id == "" {
 		return store.VM{}, p, invalid("id", "required")
 	}
-	if err := checkLen("id", id, maxIDLen); err != nil {
+	if err := checkLen("id", id, bounds.MaxIDLen); err != nil {
 		return store.VM{}, p, err
 	}
 	vm, err := f.st.GetVM(ctx, id)

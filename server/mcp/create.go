@@ -11,6 +11,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/fleet"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/bounds"
 	"github.com/a73x/eitri/wire/vmstate"
 )
 
@@ -44,14 +45,14 @@ type VMCreateOut struct {
 }
 
 var vmCreateSchema = schemaFor[VMCreateIn](func(p map[string]*jsonschema.Schema) {
-	length(p["name"], 1, maxNameLen)
-	length(p["image_url"], 1, maxURLLen)
+	length(p["name"], 1, bounds.MaxNameLen)
+	length(p["image_url"], 1, bounds.MaxURLLen)
 	length(p["image_sha256"], 0, 64) // the fleet says what a sha256 looks like
-	between(p["vcpus"], minVCPUs, maxVCPUs)
-	between(p["mem_mb"], minMemMB, maxMemMB)
-	between(p["disk_gb"], minDiskGB, maxDiskGB)
-	length(p["ssh_authorized_key"], 0, maxSSHKeyLen)
-	length(p["host_id"], 0, maxIDLen)
+	between(p["vcpus"], bounds.MinVCPUs, bounds.MaxVCPUs)
+	between(p["mem_mb"], bounds.MinMemMB, bounds.MaxMemMB)
+	between(p["disk_gb"], bounds.MinDiskGB, bounds.MaxDiskGB)
+	length(p["ssh_authorized_key"], 0, bounds.MaxSSHKeyLen)
+	length(p["host_id"], 0, bounds.MaxIDLen)
 	oneOf(p["power_state"], vmstate.PowerRunning, vmstate.PowerStopped)
 	atLeast(p["wait_seconds"], 0)
 })

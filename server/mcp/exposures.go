@@ -7,6 +7,7 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/wire/bounds"
 )
 
 // Exposure is a guest port published on its host.
@@ -77,8 +78,8 @@ func (t *tools) registerExposures(s *mcp.Server) {
 			"opened it.",
 		InputSchema: schemaFor[ExposureCreateIn](func(p map[string]*jsonschema.Schema) {
 			idProp(p["vm_id"], exampleVMID)
-			between(p["guest_port"], 1, maxPort)
-			between(p["host_port"], 0, maxPort)
+			between(p["guest_port"], 1, bounds.MaxPort)
+			between(p["host_port"], 0, bounds.MaxPort)
 			oneOf(p["protocol"], "tcp", "udp")
 			oneOf(p["scope"], "lan", "local")
 		}),
@@ -87,7 +88,7 @@ func (t *tools) registerExposures(s *mcp.Server) {
 		Name:        "exposure_list",
 		Description: "List the exposures of one VM, or every exposure you can see, with their state and address.",
 		InputSchema: schemaFor[ExposureListIn](func(p map[string]*jsonschema.Schema) {
-			length(p["vm_id"], 0, maxIDLen)
+			length(p["vm_id"], 0, bounds.MaxIDLen)
 			p["vm_id"].Examples = []any{exampleVMID}
 		}),
 	}, t.exposureList)

@@ -4,21 +4,8 @@ import (
 	"fmt"
 
 	"github.com/google/jsonschema-go/jsonschema"
-)
 
-// The bounds the fleet enforces on a create (server/fleet validateVM and
-// CreateExposure), published in the input schemas so a model sees them
-// before it calls. The fleet still checks every call: a schema is advice to
-// the client and a first gate here, never the only one.
-const (
-	minVCPUs, maxVCPUs   = 1, 256
-	minMemMB, maxMemMB   = 64, 4 << 20
-	minDiskGB, maxDiskGB = 1, 64 << 10
-	maxIDLen             = 64
-	maxNameLen           = 63
-	maxURLLen            = 2048
-	maxSSHKeyLen         = 8 << 10
-	maxPort              = 65535
+	"github.com/a73x/eitri/wire/bounds"
 )
 
 // Id examples, shaped as the fleet mints them (prefix, '-', 16 base32).
@@ -40,6 +27,11 @@ func schemaFor[T any](fix func(props map[string]*jsonschema.Schema)) *jsonschema
 	}
 	return s
 }
+
+// The helpers below publish the fleet's bounds (wire/bounds) in the input
+// schemas, so a model sees them before it calls. The fleet still checks
+// every call: a schema is advice to the client and a first gate here, never
+// the only one.
 
 // between bounds an integer property.
 func between(s *jsonschema.Schema, lo, hi float64) {
@@ -70,6 +62,6 @@ func oneOf(s *jsonschema.Schema, words ...string) {
 
 // idProp is a required id: never empty, never longer than an id can be.
 func idProp(s *jsonschema.Schema, example string) {
-	length(s, 1, maxIDLen)
+	length(s, 1, bounds.MaxIDLen)
 	s.Examples = []any{example}
 }

@@ -13,6 +13,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/fleet"
 	eitrimcp "github.com/a73x/eitri/server/mcp"
+	"github.com/a73x/eitri/wire/bounds"
 )
 
 // schemaProp is the part of a property's JSON Schema the tests read.
@@ -79,12 +80,12 @@ func TestInputSchemaBounds(t *testing.T) {
 		tool, prop string
 		min, max   *float64
 	}{
-		{"vm_create", "vcpus", f(1), f(256)},
-		{"vm_create", "mem_mb", f(64), f(4194304)},
-		{"vm_create", "disk_gb", f(1), f(65536)},
+		{"vm_create", "vcpus", f(bounds.MinVCPUs), f(bounds.MaxVCPUs)},
+		{"vm_create", "mem_mb", f(bounds.MinMemMB), f(bounds.MaxMemMB)},
+		{"vm_create", "disk_gb", f(bounds.MinDiskGB), f(bounds.MaxDiskGB)},
 		{"vm_create", "wait_seconds", f(0), nil},
-		{"exposure_create", "guest_port", f(1), f(65535)},
-		{"exposure_create", "host_port", f(0), f(65535)},
+		{"exposure_create", "guest_port", f(1), f(bounds.MaxPort)},
+		{"exposure_create", "host_port", f(0), f(bounds.MaxPort)},
 		{"exposure_create", "max_sessions", f(0), f(4294967295)},
 	}
 	for _, tc := range cases {
@@ -113,7 +114,7 @@ func TestInputSchemaBounds(t *testing.T) {
 		require.Len(t, p.Examples, 1, "%s.%s", id.tool, id.prop)
 		assert.Regexp(t, idShape[id.kind], p.Examples[0], "%s.%s", id.tool, id.prop)
 		require.NotNil(t, p.MaxLength)
-		assert.Equal(t, 64, *p.MaxLength)
+		assert.Equal(t, bounds.MaxIDLen, *p.MaxLength)
 	}
 	// No description tells a model ids look like vm_...
 	raw, err := json.Marshal([]any{descs, ins})
@@ -122,11 +123,12 @@ func TestInputSchemaBounds(t *testing.T) {
 	assert.NotRegexp(t, `e\.g\. (vm|x|h)_`, string(raw))
 }
 
-// Just inside each bound the schema lets a create through to the fleet
-// (which then finds no host); just outside both the schema and the fleet
-// refuse it, naming the field, and nothing is created: the schema and
-// the API agree.
-func TestSchemaBoundsMatchTheAPI(t *testing.T) {
+// The schema and the fleet read the same bounds (wire/bounds), but each
+// says for itself which side of an edge is allowed: just inside each bound
+// the schema lets a create through to the fleet, which accepts it too (and
+// then finds no host); just outside, both refuse it, naming the field, and
+// nothing is created.
+func TestSchemaAndAPIAgreeOnEachEdge(t *testing.T) {
 	e := start(t)
 	cs := connect(t, e, nil)
 	cases := []struct {
@@ -134,12 +136,12 @@ func TestSchemaBoundsMatchTheAPI(t *testing.T) {
 		in, out   int64
 		setOnWire func(*eitriv1.CreateVMRequest, int64)
 	}{
-		{"vcpus", 1, 0, func(r *eitriv1.CreateVMRequest, v int64) { r.Vcpus = int32(v) }},
-		{"vcpus", 256, 257, func(r *eitriv1.CreateVMRequest, v int64) { r.Vcpus = int32(v) }},
-		{"mem_mb", 64, 63, func(r *eitriv1.CreateVMRequest, v int64) { r.MemMb = v }},
-		{"mem_mb", 4194304, 4194305, func(r *eitriv1.CreateVMRequest, v int64) { r.MemMb = v }},
-		{"disk_gb", 1, 0, func(r *eitriv1.CreateVMRequest, v int64) { r.DiskGb = v }},
-		{"disk_gb", 65536, 65537, func(r *eitriv1.CreateVMRequest, v int64) { r.DiskGb = v }},
+		{"vcpus", bounds.MinVCPUs, bounds.MinVCPUs - 1, func(r *eitriv1.CreateVMRequest, v int64) { r.Vcpus = int32(v) }},
+		{"vcpus", bounds.MaxVCPUs, bounds.MaxVCPUs + 1, func(r *eitriv1.CreateVMRequest, v int64) { r.Vcpus = int32(v) }},
+		{"mem_mb", bounds.MinMemMB, bounds.MinMemMB - 1, func(r *eitriv1.CreateVMRequest, v int64) { r.MemMb = v }},
+		{"mem_mb", bounds.MaxMemMB, bounds.MaxMemMB + 1, func(r *eitriv1.CreateVMRequest, v int64) { r.MemMb = v }},
+		{"disk_gb", bounds.MinDiskGB, bounds.MinDiskGB - 1, func(r *eitriv1.CreateVMRequest, v int64) { r.DiskGb = v }},
+		{"disk_gb", bounds.MaxDiskGB, bounds.MaxDiskGB + 1, func(r *eitriv1.CreateVMRequest, v int64) { r.DiskGb = v }},
 	}
 	for _, tc := range cases {
 		t.Run(tc.field, func(t *testing.T) {
