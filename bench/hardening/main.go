@@ -1,4 +1,4 @@
-// Command hardening replays issue 9's "one unauthenticated request can take
+// Command hardening replays the "one unauthenticated request can take
 // gigabytes" attack against a real control plane and prints what it cost:
 // it starts `eitri server` (loopback, its own data dir), measures the
 // server's resident memory idle, then has N clients, each on its own

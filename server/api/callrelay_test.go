@@ -1,11 +1,11 @@
 package api_test
 
-// Replays of issue 22's attacks on the call relay (serial consoles and
-// tunnels): item 5 (one user takes every call slot of a host), item 7 (a
-// host credential makes the control plane buffer gigabytes) and the calls
-// stream that names no agent process. The host's side is played by hand
-// with the generated AgentService client, against the real server over
-// HTTP/2; each test fails if the attack works.
+// Attacks on the call relay (serial consoles and tunnels), replayed: one
+// user taking every call slot of a host, a host credential making the
+// control plane buffer gigabytes, and a calls stream that names no agent
+// process. The host's side is played by hand with the generated
+// AgentService client, against the real server over HTTP/2; each test fails
+// if the attack works.
 
 import (
 	"bytes"
@@ -156,11 +156,12 @@ func (r *relayAgent) nextCall(t *testing.T, vms eitriv1connect.VMServiceClient, 
 	}
 }
 
-// Item 5, the attack as reported: one user types one byte at a time into
-// a guest that reads nothing, far more calls at once than a host has
-// slots, while another user opens their console 50 times. Before the fix
-// each input held one of the host's 256 slots for up to 15 s, and the other
-// user was refused ("host serves 256 consoles already").
+// A host's call slots are shared by every user with a VM on it, so one user
+// must not be able to hold them all: here one types one byte at a time into
+// a guest that reads nothing, far more calls at once than a host has slots,
+// while another user opens their console 50 times. An input held a slot
+// until the guest read it, up to 15 s, so the other user would be refused
+// ("host serves 256 consoles already").
 func TestOneUsersInputFloodLeavesAnotherUserTheirConsole(t *testing.T) {
 	e := newEnv(t)
 	r := e.relayAgent("h1")
@@ -207,9 +208,9 @@ func TestOneUsersInputFloodLeavesAnotherUserTheirConsole(t *testing.T) {
 	assert.NoError(t, err, "the next input goes through")
 }
 
-// Item 5's per-user share: a user allowed any number of streams still holds
-// at most a quarter of a host's call slots, and another user gets a
-// console. Before the fix one user could take all 256.
+// The per-user share: a user allowed any number of streams still holds at
+// most a quarter of a host's call slots, so another user always gets a
+// console.
 func TestOneUserHoldsAtMostTheirShareOfAHostsCallSlots(t *testing.T) {
 	e := newEnv(t)
 	r := e.relayAgent("h1")
@@ -255,9 +256,10 @@ func consoleFrame(t *testing.T, m *eitriv1.ConsoleRequest) []byte {
 	return envelope(0, b)
 }
 
-// Item 7, the attack as reported: 120 Console streams, each one 7 MiB
-// frame, from a host with no call to answer. Before the fix each frame was
-// read whole (8 MiB allowed) before anything looked at its call: 1.8 GiB.
+// A host's credential may be stolen, or its agent compromised: 120 Console
+// streams, each one 7 MiB frame, from a host with no call to answer. Each
+// frame read whole (8 MiB allowed) before anything looked at its call would
+// cost 1.8 GiB, so a stream no call waits for is refused unread.
 func TestAnAnswerStreamFromAHostWithNoCallWaitingIsRefusedUnread(t *testing.T) {
 	e, probe := probedEnv(t, server.Config{})
 	_, cred := e.enroll("h1")
@@ -288,8 +290,9 @@ func unansweredConsoleCall(t *testing.T) (*env, *bodyProbe, *relayAgent, *eitriv
 	return e, probe, r, c, out
 }
 
-// Item 7: a host answering a real call is held to a chunk per message, as
-// tunnels are: its 7 MiB frame is refused without being buffered.
+// A host answering a real call is held to a chunk per message, as tunnels
+// are, so an answer costs the control plane no more than a chunk: its 7 MiB
+// frame is refused without being buffered.
 func TestAConsoleAnswerIsBoundedToAChunk(t *testing.T) {
 	e, _, r, c, _ := unansweredConsoleCall(t)
 
@@ -304,9 +307,10 @@ func TestAConsoleAnswerIsBoundedToAChunk(t *testing.T) {
 	assert.Less(t, grew, uint64(7<<20), "less than the frame: it is never buffered whole")
 }
 
-// Item 7: a host may open no more answer streams than it has calls
-// waiting; one past that is refused before a byte of it is read, and the
-// stream that does answer the call still carries it.
+// Every answer stream costs the control plane a buffer, so a host may open
+// no more of them than it has calls waiting; one past that is refused before
+// a byte of it is read, and the stream that does answer the call still
+// carries it.
 func TestAHostOpensNoMoreAnswerStreamsThanCallsWaiting(t *testing.T) {
 	e, probe, r, c, out := unansweredConsoleCall(t)
 

@@ -1,8 +1,8 @@
 package api_test
 
-// Each test here replays an attack on the console's credentials against the
-// real server over real HTTP (issue 9, items 5, 6 and 8) and asserts that it
-// fails.
+// Each test here replays an attack on the console's credentials (its
+// cookie, token and session lifetimes, login CSRF) against the real server
+// over real HTTP and asserts that it fails.
 
 import (
 	"context"
@@ -103,8 +103,9 @@ func listVMs(e *env, opt connect.ClientOption) error {
 	return err
 }
 
-// Item 5: a tenant's page on the console's host receives the console cookie;
-// replayed as a bearer token it must be worth nothing.
+// A tenant's page published on the console's host receives the console's
+// cookie (cookies do not separate ports), and its script can read what it
+// receives; replayed as a bearer token, the cookie must be worth nothing.
 func TestSessionCookieReplayedAsBearerIsUnauthenticated(t *testing.T) {
 	e := newEnv(t)
 	cookie := e.session(e.admin)
@@ -137,9 +138,9 @@ func TestSessionCookieReplayedAsBearerIsUnauthenticated(t *testing.T) {
 	assert.Equal(t, http.StatusUnauthorized, e.login(cookie.Value, nil).StatusCode)
 }
 
-// Item 5: the page at a tenant's port is same-site with the console (ports
-// do not separate sites) but not same-origin; its requests carry the cookie
-// and must not be served with it.
+// The page at a tenant's port is same-site with the console (ports do not
+// separate sites) but not same-origin; its requests carry the cookie, and a
+// tenant must not act as whoever is signed in to the console.
 func TestSessionCookieSentFromATenantsPortIsIgnored(t *testing.T) {
 	e := newEnv(t)
 	cookie := e.session(e.admin)
@@ -187,7 +188,8 @@ func TestSessionCookieOnPlainHTTPKeepsAPlainName(t *testing.T) {
 	require.NoError(t, listVMs(e, asConsole(c)))
 }
 
-// Item 6: a token with a 5 s TTL minted a token that never expires.
+// A token can mint tokens; if a child could outlive its parent, whoever
+// holds a short-lived token could turn it into one that never expires.
 func TestShortLivedTokenCannotMintALongerLivedOne(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -226,7 +228,8 @@ func expiryOf(t *testing.T, e *env, secret string) time.Time {
 	return l.Msg.Tokens[0].ExpiresAt.AsTime()
 }
 
-// Item 6: login turned any token into a 7-day session.
+// Signing in turns a token into a session; a session that outlived its token
+// would stretch a short-lived token past the life it was given.
 func TestLoginSessionNeverOutlivesItsToken(t *testing.T) {
 	e := newEnv(t)
 	short, _ := e.userToken("alice", time.Hour)
@@ -242,7 +245,8 @@ func TestLoginSessionNeverOutlivesItsToken(t *testing.T) {
 	assert.Equal(t, exp, l.Msg.Sessions[0].ExpiresAt.AsTime())
 }
 
-// Item 6: revoking the token left its sessions (and their streams) alive.
+// Revoking a token is how its owner takes back a leaked one: the console
+// sessions it opened, and their streams, must end with it.
 func TestSessionDiesWithItsToken(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -261,8 +265,8 @@ func TestSessionDiesWithItsToken(t *testing.T) {
 	assert.Empty(t, l.Msg.Sessions, "the session went with its token")
 }
 
-// Item 6: sessions could not be listed or ended, and nobody may list or end
-// another user's.
+// A user ends a session they left open somewhere (or do not recognise) by
+// listing their own; nobody may list or end another user's.
 func TestUsersListAndEndOnlyTheirOwnSessions(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -358,7 +362,9 @@ func openWatch(t *testing.T, e *env, opt connect.ClientOption) openStream {
 	return watchStream(t, st, err)
 }
 
-// Item 6: an open Watch stream kept delivering after its token was revoked.
+// A stream is authorized once, when it opens; revoking its token must still
+// stop what it delivers, within a second, and leave other tokens' streams
+// alone.
 func TestRevokedTokensWatchStreamsCloseWithinASecond(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -386,7 +392,8 @@ func TestRevokedTokensWatchStreamsCloseWithinASecond(t *testing.T) {
 	}
 }
 
-// Item 6: an open stream outlived its token's expiry.
+// Likewise an open stream ends when its token expires, rather than
+// delivering for as long as its connection lasts.
 func TestWatchStreamEndsWhenItsTokenExpires(t *testing.T) {
 	e := newEnv(t)
 	secret, _ := e.userToken("alice", 2*time.Second)
@@ -395,8 +402,9 @@ func TestWatchStreamEndsWhenItsTokenExpires(t *testing.T) {
 	s.endsWithin(t, time.Until(exp)+time.Second)
 }
 
-// Item 8: /auth/login took text/plain from a foreign Origin (login CSRF:
-// the victim's browser signed in as the attacker).
+// Login CSRF: a foreign page that could post to /auth/login (text/plain
+// needs no preflight) would sign the victim's browser in as the attacker, and
+// what the victim then does lands in the attacker's account.
 func TestLoginCSRFWithTextPlainOrAForeignOriginIsRefused(t *testing.T) {
 	e := newEnv(t)
 	post := func(path, contentType, body string, hdr http.Header) *http.Response {

@@ -17,9 +17,9 @@ import (
 	"github.com/a73x/eitri/server/store"
 )
 
-// Issue 22, item 6: thousands of tunnel events made one ListVMEvents reply
-// 2.1 MB. Now a VM keeps its newest store.MaxVMEvents events and the list
-// comes in pages, the newest first.
+// Anyone who can open tunnels to a VM can make it events by the thousand
+// (one reply would be megabytes), so a VM keeps its newest
+// store.MaxVMEvents events and the list comes in pages, the newest first.
 func TestAFloodedTimelineIsKeptShortAndListedInPages(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -99,10 +99,10 @@ func TestAFloodedTimelineIsKeptShortAndListedInPages(t *testing.T) {
 	}
 }
 
-// Issue 22, lower finding: console lines a host copied into a VM's events
-// lost their C0 control characters but kept C1 (U+0080–U+009F), which some
-// terminals obey as escapes — `eitri vm events` printed a guest's U+009B
-// ("CSI 2J": clear the screen) to its user's terminal.
+// Console lines a host copies into a VM's events are the guest's words, and
+// `eitri vm events` prints them to its user's terminal: they must carry no
+// C1 controls (U+0080–U+009F) either, which some terminals obey as escapes
+// as they do C0 (a guest's U+009B "CSI 2J" would clear the screen).
 func TestConsoleLinesInAVMsEventsCarryNoC1Escapes(t *testing.T) {
 	e := newEnv(t)
 	h, cred := e.enroll("h1")

@@ -1,9 +1,10 @@
 package api_test
 
-// Replays of issue 9's attacks on the HTTP surface (item 2: one request must
-// not cost the control plane gigabytes, or a connection minutes; item 9:
-// headers). Each runs the real handler over real HTTP (HTTP/2 over TLS via
-// httptest, or Serve on a loopback listener) and fails if the attack works.
+// Attacks on the HTTP surface, replayed: one request must not cost the
+// control plane gigabytes, or a connection minutes, and every response
+// carries the headers that keep the console's page its own. Each runs the
+// real handler over real HTTP (HTTP/2 over TLS via httptest, or Serve on a
+// loopback listener) and fails if the attack works.
 
 import (
 	"bufio"
@@ -200,10 +201,11 @@ func allocated() uint64 {
 	return m.TotalAlloc
 }
 
-// Item 2: a 1 MiB gzip body that inflates to a gigabyte, sent with no
-// credential or a wrong one, to every route that needs one and in every
-// protocol. Before the fix the body was read and inflated before the
-// interceptor looked at the token (29 MiB → 2,079 MiB).
+// A 1 MiB gzip body that inflates to a gigabyte, sent with no credential or
+// a wrong one, to every route that needs one and in every protocol. Anyone
+// can send it, so the token is checked before a byte of the body is read:
+// a body inflated first costs the server a gigabyte per request, whoever
+// sent it.
 func TestUnauthenticatedGzipBombIsRefusedUnread(t *testing.T) {
 	e, probe := probedEnv(t, server.Config{})
 	gz, inflated := bomb.Gzip(1 << 20)
@@ -248,8 +250,9 @@ func TestUnauthenticatedGzipBombIsRefusedUnread(t *testing.T) {
 	assert.Less(t, grew, uint64(n)*4<<20, "a few MiB per bomb at most; one inflated alone would be 1 GiB")
 }
 
-// Item 2 on the routes anyone may call: Enroll (its join token is in the
-// body), /auth/login (a token in the body), the console and /healthz. Their
+// The same bomb on the routes anyone may call, where no header can refuse it:
+// Enroll (its join token is in the body), /auth/login (a token in the body),
+// the console and /healthz. Their
 // bodies are small by nature, so a large one is refused from its
 // Content-Length before a byte is read; one that hides its length is cut off
 // at the bound and never inflated past the message limit.
@@ -294,8 +297,9 @@ func TestGzipBombOnAnOpenRouteIsRefusedUnread(t *testing.T) {
 	assert.Less(t, allocated()-before, uint64(inflated/4), "not inflated to the end")
 }
 
-// Item 2 with a valid token: a body over the bound fails with
-// ResourceExhausted and says what the bound is, however it is sent.
+// A caller with a valid token is still held to the body bound, and is told
+// what the bound is (ResourceExhausted), however the body is sent, so an
+// honest client that sends too much can see why.
 func TestOversizedAuthenticatedCallIsResourceExhausted(t *testing.T) {
 	e, probe := probedEnv(t, server.Config{})
 	key := "ssh-ed25519 " + strings.Repeat("A", 100<<10)
@@ -340,9 +344,10 @@ func TestOversizedAuthenticatedCallIsResourceExhausted(t *testing.T) {
 	assert.NotEqual(t, connect.CodeResourceExhausted, connect.CodeOf(err), "%v", err)
 }
 
-// Item 2 for an enrolled host: one Sync frame that inflates to a gigabyte is
-// cut off at the report limit (8 MiB) and the stream fails, quickly: Connect
-// alone would inflate it to the end to say how large it was.
+// A host's credential may be stolen, or its agent compromised: one Sync
+// frame that inflates to a gigabyte is cut off at the report limit (8 MiB)
+// and the stream fails, quickly: Connect alone would inflate it to the end
+// to say how large it was.
 func TestHostGzipBombOnSyncIsCutOffAtTheReportLimit(t *testing.T) {
 	e, _ := probedEnv(t, server.Config{})
 	_, cred := e.enroll("h1")
@@ -379,10 +384,10 @@ func TestALargeHostsReportStillFits(t *testing.T) {
 	}, 5*time.Second, 10*time.Millisecond, "the report lands")
 }
 
-// Item 2: a body trickled one byte at a time used to hold a connection open
-// for minutes. Now the body must be in within the body timeout, on an open
-// route (Enroll, login) over HTTP/1.1 and on an authenticated call over
-// HTTP/2.
+// A body trickled one byte at a time holds a connection (and a goroutine)
+// for as long as the sender likes, so a few thousand cost the server its
+// connections: the body must be in within the body timeout, on an open route
+// (Enroll, login) over HTTP/1.1 and on an authenticated call over HTTP/2.
 func TestTrickledBodyIsCutOffAtTheBodyTimeout(t *testing.T) {
 	const timeout = time.Second
 	s := serve(t, server.Config{BodyTimeout: timeout})
@@ -465,8 +470,9 @@ func (c watchConn) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// Item 2: an idle keep-alive connection used to stay open for minutes. Now
-// it is closed after the idle timeout, over HTTP/1.1 and HTTP/2.
+// An idle keep-alive connection costs the server a socket for nothing, and
+// anyone can open thousands: it is closed after the idle timeout, over
+// HTTP/1.1 and HTTP/2.
 func TestIdleKeepAliveIsClosedAfterTheIdleTimeout(t *testing.T) {
 	const idle = time.Second
 	s := serve(t, server.Config{IdleTimeout: idle})
@@ -565,10 +571,12 @@ func TestStreamsOutliveTheBodyAndIdleTimeouts(t *testing.T) {
 	assert.Equal(t, vm.Msg.Vm.Id, snap.GetVms()[0].GetVmId(), "the agent's stream still delivers")
 }
 
-// Item 9: the console may not be framed or content-sniffed, and runs only
-// its own scripts: the one inline script SvelteKit's static build boots
-// from is allowed by its hash, no other inline script. (That the real
-// console still runs under this policy was checked in Chromium.)
+// The console holds a signed-in session, so no other site may frame it
+// (clickjacking) and no response may be sniffed into a script; it runs only
+// its own scripts, so an injected one cannot act for whoever is signed in:
+// the one inline script SvelteKit's static build boots from is allowed by
+// its hash, no other inline script. (That the real console still runs under
+// this policy was checked in Chromium.)
 func TestConsoleAndAPIResponsesForbidFramingAndSniffing(t *testing.T) {
 	const boot = "\n\t\t\t\t{\n\t\t\t\t\t__sveltekit_x = { base: \"\" };\n\t\t\t\t\tPromise.all([import(\"/_app/immutable/entry/start.js\")]);\n\t\t\t\t}\n\t\t\t"
 	page := `<!doctype html><html><head><link href="/_app/immutable/entry/start.js" rel="modulepreload"></head>` +

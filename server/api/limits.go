@@ -89,9 +89,9 @@ func messageLimits(spec connect.Spec) []connect.HandlerOption {
 		// A Watch stream's changes go out uncompressed: each is a few hundred
 		// bytes, encoded once for every watcher, and gzip would run again
 		// for each watcher — resetting a compressor costs more than the
-		// whole rest of a delivery (issue 13: two thirds of the control
-		// plane's CPU at 1,000 watchers). The starting list is large and
-		// sent once per stream, so it still compresses.
+		// whole rest of a delivery (two thirds of the control plane's CPU
+		// at 1,000 watchers, measured by bench/scale). The starting list is
+		// large and sent once per stream, so it still compresses.
 		opts = append(opts, connect.WithCompressMinBytes(watchCompressMin))
 	}
 	return opts

@@ -17,8 +17,9 @@ import (
 	"github.com/a73x/eitri/server"
 )
 
-// The attacks of issue 9 items 4 and 7 (and item 9's leaks), replayed
-// against the real server over real HTTP with the generated clients.
+// Attacks by one tenant on the others (taking host ports, filling hosts past
+// a quota, hearing of removals not theirs), replayed against the real server
+// over real HTTP with the generated clients.
 
 func (e *env) quotas(tok string) eitriv1connect.QuotaServiceClient {
 	return eitriv1connect.NewQuotaServiceClient(e.http, e.url, bearer(tok))
@@ -57,7 +58,7 @@ func expose(e *env, tok, vmID string, port uint32, proto string) (*eitriv1.Expos
 
 func n64(v int64) *int64 { return &v }
 
-// --- item 4: host ports ---
+// --- host ports ---
 
 func TestATenantCannotTakeAWellKnownPortOrOneOutsideTheRange(t *testing.T) {
 	e := newEnv(t)
@@ -173,7 +174,7 @@ func TestATakenPortDoesNotNameAnotherUsersExposure(t *testing.T) {
 	assert.Contains(t, err.Error(), held.Id, "its owner is told which of its exposures holds it")
 }
 
-// --- item 9: removals reach only their owner ---
+// --- removals reach only their owner ---
 
 // collect reads a stream in the background.
 func collect[T any](t *testing.T, st *connect.ServerStreamForClient[T]) <-chan *T {
@@ -253,7 +254,7 @@ func TestWatchersDoNotHearOfOtherUsersRemovedIDs(t *testing.T) {
 	}
 }
 
-// --- item 7: quotas ---
+// --- quotas ---
 
 func TestOneUserCannotFillEveryHostPastItsQuota(t *testing.T) {
 	cases := []struct {

@@ -26,10 +26,11 @@ import (
 // the answer.
 const refusedWithin = 5 * time.Second
 
-// Issue 22, item 8: a POST refused from its headers (no credentials)
-// still held its connection while its declared body trickled in, a byte
-// every 5 s: after the answer, net/http read on to find the body's end.
-// Now the connection is closed with the answer.
+// A POST refused from its headers (no credentials) must not hold its
+// connection while its declared body trickles in, a byte every 5 s:
+// net/http reads on after the answer to find the body's end, so anyone
+// could hold connections at no cost. The connection is closed with the
+// answer.
 func TestARequestRefusedFromItsHeadersClosesItsConnection(t *testing.T) {
 	s := serve(t, server.Config{})
 	for _, c := range []struct {

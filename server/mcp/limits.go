@@ -20,7 +20,7 @@ import (
 
 // Limits bound what one user holds through MCP. An SDK session costs about
 // 15 KB and lives until it is closed or idle, so without them one token
-// could open sessions until the control plane runs out of memory (issue 22).
+// could open sessions until the control plane runs out of memory.
 // Zero fields take DefaultLimits'.
 type Limits struct {
 	// SessionsPerUser is the most sessions one user keeps open. One more

@@ -109,9 +109,10 @@ func heapLive() uint64 {
 	return m.HeapAlloc
 }
 
-// Issue 22: 20,000 initializes from one token kept 20,000 sessions. Now the
-// user's oldest idle sessions make way: every initialize works, only the
-// newest few stay open, and the heap does not grow with the flood.
+// Every initialize opens a session that lives until it is idle, so a flood
+// of them from one token would keep thousands: the user's oldest idle
+// sessions make way instead. Every initialize works, only the newest few
+// stay open, and the heap does not grow with the flood.
 func TestAnInitializeFloodKeepsOnlyTheUsersNewestSessions(t *testing.T) {
 	const perUser, flood = 4, 400
 	e := startWith(t, eitrimcp.Limits{SessionsPerUser: perUser, SessionRate: rate.Inf, SessionBurst: 1})
@@ -216,9 +217,10 @@ func TestASessionIsOnlyItsOwnersToUse(t *testing.T) {
 	assert.Equal(t, http.StatusOK, pingStatus(t, e, bob, id))
 }
 
-// Issue 22: 150 event streams (GET /mcp) held while GetQuota said 0 of 64.
-// They count as Watch streams do, are refused past the quota with the same
-// message, and give their slot back when they end.
+// An MCP event stream (GET /mcp) holds the control plane's resources as a
+// Watch stream does, so the streams quota must see it: it counts as Watch
+// streams do, is refused past the quota with the same message, and gives
+// its slot back when it ends.
 func TestMCPEventStreamsCountInTheStreamsQuota(t *testing.T) {
 	e := start(t)
 	bob := e.userToken(t, "bob")
