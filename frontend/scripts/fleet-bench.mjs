@@ -147,7 +147,7 @@ const types = { '.js': 'text/javascript', '.css': 'text/css', '.html': 'text/htm
 const server = createServer(async (req, res) => {
 	const url = new URL(req.url, 'http://x');
 	requests.push({ t: Date.now(), method: req.method, path: url.pathname });
-	if (url.pathname === '/auth/me') return unary(res, { name: 'admin', admin: true });
+	if (url.pathname === '/auth/me') return unary(res, { signedIn: true, name: 'admin', admin: true });
 	if (url.pathname === '/guest-image.json') return unary(res, { url: 'http://127.0.0.1/guest.raw.gz', sha256: 'b'.repeat(64) });
 	const h = api[url.pathname];
 	if (h) {

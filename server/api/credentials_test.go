@@ -6,6 +6,7 @@ package api_test
 
 import (
 	"context"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -243,6 +244,59 @@ func TestLoginSessionNeverOutlivesItsToken(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, l.Msg.Sessions, 1)
 	assert.Equal(t, exp, l.Msg.Sessions[0].ExpiresAt.AsTime())
+}
+
+// whoAmI asks /auth/me as the console's page does, with cookie if not nil,
+// and returns the status and the body.
+func (e *env) whoAmI(cookie *http.Cookie) (int, string) {
+	e.t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, e.url+"/auth/me", nil)
+	req.Header.Set("Sec-Fetch-Site", "same-origin")
+	if cookie != nil {
+		req.AddCookie(cookie)
+	}
+	resp, err := e.http.Do(req)
+	require.NoError(e.t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(e.t, err)
+	assert.Equal(e.t, "no-store", resp.Header.Get("Cache-Control"), "the answer is this browser's alone")
+	return resp.StatusCode, string(b)
+}
+
+// The console asks /auth/me on every visit, and a browser logs every error
+// status in its console: a signed-out visitor (no cookie, or one whose
+// session has ended) gets an answer that says so and nothing more, not an
+// error.
+func TestMeAnswersASignedOutVisitorWithoutAnError(t *testing.T) {
+	e := newEnv(t)
+	signedOut := `{"signedIn":false}`
+	status, body := e.whoAmI(nil)
+	assert.Equal(t, http.StatusOK, status)
+	assert.JSONEq(t, signedOut, body)
+
+	cookie := e.session(e.admin)
+	status, body = e.whoAmI(cookie)
+	assert.Equal(t, http.StatusOK, status)
+	assert.JSONEq(t, `{"signedIn":true,"name":"admin","admin":true}`, body)
+
+	made := *cookie
+	made.Value = "eitri_ses_" + strings.Repeat("x", 40)
+	status, body = e.whoAmI(&made)
+	assert.Equal(t, http.StatusOK, status)
+	assert.JSONEq(t, signedOut, body, "a session nobody issued is no session")
+
+	resp, err := e.http.Do(func() *http.Request {
+		req, _ := http.NewRequest(http.MethodPost, e.url+"/auth/logout", nil)
+		req.AddCookie(cookie)
+		return req
+	}())
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusNoContent, resp.StatusCode)
+	status, body = e.whoAmI(cookie)
+	assert.Equal(t, http.StatusOK, status)
+	assert.JSONEq(t, signedOut, body, "an ended session is no session")
 }
 
 // Revoking a token is how its owner takes back a leaked one: the console

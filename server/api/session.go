@@ -28,16 +28,36 @@ func MountSession(r chi.Router, f *fleet.Fleet) {
 			http.SetCookie(w, sessionCookie(req, "", time.Time{}))
 			w.WriteHeader(http.StatusNoContent)
 		})
-		r.Get("/me", func(w http.ResponseWriter, req *http.Request) {
-			p, err := resolve(f, req)
-			if err != nil {
-				jsonError(w, http.StatusUnauthorized, "not logged in")
-				return
-			}
-			w.Header().Set("Content-Type", "application/json")
-			_ = json.NewEncoder(w).Encode(map[string]any{"name": p.Name, "admin": p.Admin})
-		})
+		r.Get("/me", func(w http.ResponseWriter, req *http.Request) { me(f, w, req) })
 	})
+}
+
+// whoAmI is /auth/me's answer. Signed out, it is all a caller learns.
+type whoAmI struct {
+	SignedIn bool   `json:"signedIn"`
+	Name     string `json:"name,omitempty"`
+	Admin    bool   `json:"admin,omitempty"`
+}
+
+// me says who the browser's session acts for, or that it has none. Signed
+// out is an answer, not an error status: the console asks on every visit,
+// and a browser logs every error status in its console, so each signed-out
+// visit would log one. A store failure is still an error: the answer would
+// otherwise send a signed-in user to the login page.
+func me(f *fleet.Fleet, w http.ResponseWriter, req *http.Request) {
+	var who whoAmI
+	p, err := resolve(f, req)
+	switch {
+	case errors.Is(err, errNoSession), errors.Is(err, auth.ErrBadCredential):
+	case err != nil:
+		jsonError(w, http.StatusInternalServerError, "internal error")
+		return
+	default:
+		who = whoAmI{SignedIn: true, Name: p.Name, Admin: p.Admin}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
+	_ = json.NewEncoder(w).Encode(who)
 }
 
 func login(f *fleet.Fleet, w http.ResponseWriter, req *http.Request) {
@@ -104,12 +124,16 @@ func sameOrigin(next http.Handler) http.Handler {
 	})
 }
 
+// errNoSession: the request carries no console session cookie (or did not
+// come from the console's own pages).
+var errNoSession = errors.New("no session")
+
 // resolve finds the console session of req: its cookie only, never a bearer
 // token.
 func resolve(f *fleet.Fleet, req *http.Request) (auth.Principal, error) {
 	secret := auth.SessionSecret(req)
 	if secret == "" {
-		return auth.Principal{}, errors.New("no session")
+		return auth.Principal{}, errNoSession
 	}
 	return f.ResolveSession(req.Context(), secret)
 }

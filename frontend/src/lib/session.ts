@@ -38,9 +38,16 @@ export async function fetchMe(f: typeof fetch = fetch): Promise<MeResult> {
 	} catch {
 		return { kind: 'error', message: 'the control plane cannot be reached' };
 	}
-	if (r.status === 401) return { kind: 'signed-out' };
 	if (!r.ok) return { kind: 'error', message: (await textOf(r)) || `the server answered ${r.status}` };
-	const me = (await r.json()) as Partial<Me>;
+	// Signed out is an answer, not an error status, so a signed-out visit
+	// leaves no error in the browser's console.
+	let me: Partial<Me & { signedIn: boolean }>;
+	try {
+		me = await r.json();
+	} catch {
+		return { kind: 'error', message: 'the server did not say who is signed in' };
+	}
+	if (me?.signedIn !== true) return { kind: 'signed-out' };
 	return { kind: 'signed-in', me: { name: String(me.name ?? ''), admin: Boolean(me.admin) } };
 }
 
