@@ -11,6 +11,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/bounds"
 	"github.com/a73x/eitri/wire/release"
 )
 
@@ -169,7 +170,7 @@ func (f *Fleet) rolloutByID(ctx context.Context, id string) (store.Rollout, erro
 		}
 		return list[0], nil
 	}
-	if err := checkLen("id", id, maxIDLen); err != nil {
+	if err := checkLen("id", id, bounds.MaxIDLen); err != nil {
 		return store.Rollout{}, err
 	}
 	ro, err := f.st.GetRollout(ctx, id)
