@@ -354,12 +354,12 @@ func TestHostGzipBombOnSyncIsCutOffAtTheReportLimit(t *testing.T) {
 	gz, _ := bomb.Gzip(1 << 20)
 	hdr := grpc.header.Clone()
 	hdr.Set("Authorization", "Bearer "+cred)
-	start := time.Now()
 	before := allocated()
 	got := send(t, e.http, e.url, eitriv1connect.AgentServiceSyncProcedure, hdr, grpc.body(gz), true)
 	assert.Equal(t, "resource_exhausted", got.code, "%+v", got)
 	assert.Contains(t, got.message, fmt.Sprint(api.MaxReportMessage))
-	assert.Less(t, time.Since(start), time.Second)
+	// Our reader's words, not Connect's: Connect's own limit is checked only
+	// after it has inflated the whole frame to learn its size.
 	assert.Contains(t, got.message, "inflates past the limit")
 	assert.Less(t, allocated()-before, uint64(8*api.MaxReportMessage), "a few reports' worth, not a gigabyte")
 }
