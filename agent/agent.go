@@ -9,12 +9,15 @@ package agent
 import (
 	"context"
 	"crypto/rand"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"time"
 
@@ -30,9 +33,11 @@ import (
 	"github.com/a73x/eitri/agent/reconcile"
 	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/agent/syncclient"
+	"github.com/a73x/eitri/agent/upgrade"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/wire/connclient"
+	"github.com/a73x/eitri/wire/release"
 )
 
 // Config is how the agent is started. Defaults gives every field a real
@@ -83,6 +88,15 @@ type Config struct {
 	// ImagePolicy is what image downloads may connect to.
 	ImagePolicy imagecache.AddressPolicy
 
+	// ReleaseKey is the key this host's upgrades must be signed with; zero
+	// takes the one the join token carried at enrollment.
+	ReleaseKey release.PublicKey
+	// Exe is the binary an upgrade replaces; "" is the running one.
+	Exe string
+	// UpgradeHealthBound is how long a new build has to reconnect before
+	// the host rolls it back (default upgrade.DefaultHealthBound).
+	UpgradeHealthBound time.Duration
+
 	Log *slog.Logger
 }
 
@@ -104,7 +118,10 @@ func Defaults() Config {
 
 // Run is the agent: it refuses a host that cannot run VMs, enrolls it if it
 // has to, brings the host's network, hypervisor and published ports back,
-// and keeps the stream to the control plane up until ctx ends.
+// and keeps the stream to the control plane up until ctx ends. It ends with
+// an *upgrade.Restart once a new build of itself is in place: the caller
+// then hands the process over (upgrade.Exec), after everything here is
+// closed.
 func Run(ctx context.Context, cfg Config) error {
 	log := cfg.Log
 	if log == nil {
@@ -215,21 +232,92 @@ func Run(ctx context.Context, cfg Config) error {
 	if addr == "" {
 		addr = defaultAddress()
 	}
+	up, err := newUpgrader(cfg, id, hc, log)
+	if err != nil {
+		return err
+	}
+	// The upgrader ends the stream (and with it Run) once a new build is
+	// in place; everything deferred here closes before the process is
+	// handed over.
+	ctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	go func() {
+		if err := up.Run(ctx); err != nil {
+			stop(err)
+		}
+	}()
 	instance := rand.Text()
 	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", qb.Accel().Name, "address", addr)
 	go func() {
 		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: instance, Serial: qb, Guests: n.Resolve, Log: log})
 	}()
-	return syncclient.Run(ctx, syncclient.Config{
-		Identity: id, Source: n, Log: log, Client: hc,
+	err = syncclient.Run(ctx, syncclient.Config{
+		Identity: id, Source: upgrading{n, up}, Log: log, Client: hc,
 		Hello: func() *eitriv1.Hello {
 			acc := qb.Accel()
 			cp, epoch, gen := eng.Lineage()
 			return &eitriv1.Hello{HostId: id.HostID, AgentVersion: cfg.Version, Hostname: cfg.Name, Address: addr, InstanceId: instance,
 				Accelerator: acc.Name, AcceleratorReason: acc.Reason,
-				ControlPlaneId: cp, AppliedEpoch: epoch, AppliedGeneration: gen}
+				ControlPlaneId: cp, AppliedEpoch: epoch, AppliedGeneration: gen,
+				Os: runtime.GOOS, Arch: runtime.GOARCH}
 		},
+		// A snapshot applied is the control plane hearing this build: a
+		// new build on trial has proved itself.
+		OnSnapshot: func(uint64) { up.Healthy() },
 	})
+	var restart *upgrade.Restart
+	if errors.As(context.Cause(ctx), &restart) {
+		return restart
+	}
+	return err
+}
+
+// newUpgrader is the host's own upgrades: checked against the key the
+// operator gave, else the one the host enrolled with.
+func newUpgrader(cfg Config, id state.Identity, hc *http.Client, log *slog.Logger) (*upgrade.Upgrader, error) {
+	key := cfg.ReleaseKey
+	if key.IsZero() && id.ReleaseKey != "" {
+		k, err := release.ParsePublicKey(id.ReleaseKey)
+		if err != nil {
+			return nil, fmt.Errorf("the release key saved at enrollment: %w", err)
+		}
+		key = k
+	}
+	if key.IsZero() {
+		log.Warn("this host trusts no release key; it will refuse every upgrade (give one with --release-key)")
+	}
+	exe := cfg.Exe
+	if exe == "" {
+		var err error
+		if exe, err = os.Executable(); err != nil {
+			return nil, fmt.Errorf("find the agent's own binary: %w", err)
+		}
+	}
+	return upgrade.New(upgrade.Config{
+		Dir: filepath.Join(cfg.DataDir, "upgrade"), Exe: exe, Version: cfg.Version, Key: key,
+		Client: hc, BaseURL: func() string { return id.ServerURL }, Credential: id.Credential,
+		HealthBound: cfg.UpgradeHealthBound, Log: log,
+	})
+}
+
+// upgrading is the node with the agent's own upgrade: an applied snapshot's
+// offer goes to the upgrader, and every report says how the upgrade goes.
+type upgrading struct {
+	*node.Node
+	up *upgrade.Upgrader
+}
+
+func (u upgrading) Apply(snap *eitriv1.DesiredStateSnapshot) bool {
+	if !u.Node.Apply(snap) {
+		return false // a snapshot the host refuses offers nothing either
+	}
+	u.up.Offer(snap.GetAgentUpgrade())
+	return true
+}
+
+func (u upgrading) Fill(rep *eitriv1.ActualStateReport) {
+	u.Node.Fill(rep)
+	rep.Upgrade = u.up.Status()
 }
 
 // logImagePolicy says at start what image downloads may reach beyond the

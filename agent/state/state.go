@@ -47,6 +47,10 @@ type Identity struct {
 	// Fingerprint is the hex sha256 of the server certificate's DER (the
 	// pin); saved under its first name, so records on disk still read.
 	Fingerprint string `json:"CertFingerprint"`
+	// ReleaseKey is the release public key (wire/release text form) the
+	// join token carried: the key this host's own upgrades must be signed
+	// with. Empty when the control plane gave none.
+	ReleaseKey string `json:",omitempty"`
 }
 
 // URLs is every control-plane URL to try, the first the one requests name.

@@ -58,7 +58,8 @@ func Enroll(ctx context.Context, token, hostname, version string) (state.Identit
 	if err != nil {
 		return state.Identity{}, fmt.Errorf("enroll with %s: %w", strings.Join(urls, ", "), err)
 	}
-	id := state.Identity{ServerURL: base, Fingerprint: jt.GetCertFingerprint(), HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential}
+	id := state.Identity{ServerURL: base, Fingerprint: jt.GetCertFingerprint(), HostID: resp.Msg.HostId, Credential: resp.Msg.HostCredential,
+		ReleaseKey: jt.GetReleaseKey()}
 	if len(urls) > 1 {
 		id.ServerURLs = urls
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/agent/netsetup"
 	"github.com/a73x/eitri/agent/qemu"
+	"github.com/a73x/eitri/agent/upgrade"
 	"github.com/a73x/eitri/cmd/eitri/cli"
 )
 
@@ -30,6 +31,7 @@ type agentFlags struct {
 	// imageEndpoints are image servers the process runs itself (dev mode's
 	// test guest), admitted for their paths only.
 	imageEndpoints []imagecache.Endpoint
+	releaseKey     releaseKeyFlag
 }
 
 func (a *agentFlags) register(fs *pflag.FlagSet) {
@@ -52,6 +54,8 @@ func (a *agentFlags) register(fs *pflag.FlagSet) {
 	fs.DurationVar(&c.RetryBackoff, "retry-backoff", d.RetryBackoff, "wait after a VM's first failed create attempt or second failed run in a row; doubles with each further failure, up to 5m, with jitter")
 	fs.Int64Var(&c.CacheBytes, "image-cache-gb", d.CacheBytes>>30, "image cache size cap in GiB")
 	fs.StringVar(&a.accel, "accel", string(d.Accel), "guest accelerator: auto (prove KVM with a probe guest, else TCG), kvm or tcg")
+	fs.Var(&a.releaseKey, "release-key", "release public key (or a .pub file) this host's own upgrades must be signed with (default: the one its join token carried)")
+	fs.DurationVar(&c.UpgradeHealthBound, "upgrade-health-bound", upgrade.DefaultHealthBound, "how long a new agent build has to reconnect before the host rolls it back")
 	fs.Var(&a.imageAllow, "image-allow", "CIDR,... image downloads may also reach (your own mirrors); by default only public addresses, never loopback, private, link-local or the like")
 }
 
@@ -71,6 +75,9 @@ func (a *agentFlags) config(log *slog.Logger) (agent.Config, error) {
 	c.ImagePolicy = a.imagePolicy()
 	c.Version = version
 	c.Log = log
+	if !a.releaseKey.key.IsZero() {
+		c.ReleaseKey = a.releaseKey.key
+	}
 	return c, nil
 }
 

@@ -15,6 +15,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/a73x/eitri/agent/upgrade"
 	"github.com/a73x/eitri/cmd/eitri/cli"
 )
 
@@ -22,9 +23,19 @@ import (
 var version = "dev"
 
 func main() {
+	// Started as the guard of a new agent build: nothing else runs.
+	if ran, code := upgrade.Guard(); ran {
+		os.Exit(code)
+	}
 	err := run(os.Args[1:], os.Stdout)
 	if err == nil {
 		return
+	}
+	// The agent put a new build of itself in place and stopped: hand the
+	// process over to it (same pid, so guests' supervisor never changes).
+	var restart *upgrade.Restart
+	if errors.As(err, &restart) {
+		err = upgrade.Exec(restart)
 	}
 	fmt.Fprintf(os.Stderr, "eitri: %v\n", err)
 	var ue cli.UsageError

@@ -57,6 +57,7 @@ type serverFlags struct {
 	db                        string
 	publicURL, advertiseURL   string
 	tlsCert, tlsKey, tlsHosts string
+	releaseKey                releaseKeyFlag
 }
 
 func newServerCmd() *cobra.Command {
@@ -81,6 +82,7 @@ func newServerCmd() *cobra.Command {
 	fs.StringVar(&f.tlsCert, "tls-cert", "", "serving certificate (PEM); default: a self-made CA and certificate")
 	fs.StringVar(&f.tlsKey, "tls-key", "", "key for --tls-cert")
 	fs.StringVar(&f.tlsHosts, "tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
+	fs.Var(&f.releaseKey, "release-key", "release public key (or a .pub file, from eitri release keygen) that agent builds must be signed with; join tokens carry it to new agents")
 	cmd.AddCommand(newMigrateDBCmd())
 	return cmd
 }
@@ -116,6 +118,7 @@ func runServer(ctx context.Context, f serverFlags) error {
 	srv, err := server.New(ctx, server.Config{
 		DataDir: f.dataDir, DB: db, PublicURL: pub, AdvertiseURL: advertise, TLSCert: f.tlsCert, TLSKey: f.tlsKey, TLSHosts: hosts,
 		DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max, Console: consoleHandler(), Log: log,
+		ReleaseKey: f.releaseKey.key, Version: version,
 	})
 	if err != nil {
 		return err
@@ -182,7 +185,17 @@ func runDev(ctx context.Context, f devFlags) error {
 	}
 	url := "http://" + ln.Addr().String()
 	cpDir := filepath.Join(f.dataDir, "control")
+	// Dev mode signs its own builds: the control plane takes them and the
+	// local agent trusts them, with no key handling by hand.
+	releaseKey, err := devReleaseKey(cpDir)
+	if err != nil {
+		return fmt.Errorf("dev release key: %w", err)
+	}
+	if ac.releaseKey.key.IsZero() {
+		ac.releaseKey.key = releaseKey
+	}
 	srv, err := server.New(ctx, server.Config{
+		ReleaseKey: releaseKey, Version: version,
 		DataDir: cpDir, PublicURL: url, Plaintext: true, DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max,
 		Console: consoleHandler(), Log: log.With("part", "control"),
 		Routes: func(r chi.Router) { serveGuestImage(r, f.guestImage, url) },

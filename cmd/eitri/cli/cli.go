@@ -97,7 +97,7 @@ override it. Add -o json or -o yaml for the API's own field names.`,
 		newLoginCmd(a), newLogoutCmd(a),
 		newVMCmd(a), newHostCmd(a), newExposeCmd(a), newTokenCmd(a), newQuotaCmd(a),
 		newSSHCmd(a), newTunnelCmd(a), newPortForwardCmd(a),
-		newSSHCACmd(a),
+		newSSHCACmd(a), newReleaseCmd(a),
 	} {
 		c.GroupID = groupClient
 		root.AddCommand(c)

@@ -67,13 +67,14 @@ func (a *app) addOutputFlag(cmd *cobra.Command) {
 // client is the generated API clients for the control plane the command
 // line is pointed at, and how to show what they return.
 type client struct {
-	vm    eitriv1connect.VMServiceClient
-	host  eitriv1connect.HostServiceClient
-	exp   eitriv1connect.ExposureServiceClient
-	token eitriv1connect.TokenServiceClient
-	quota eitriv1connect.QuotaServiceClient
-	ssh   eitriv1connect.SSHServiceClient
-	out   io.Writer
+	vm      eitriv1connect.VMServiceClient
+	host    eitriv1connect.HostServiceClient
+	exp     eitriv1connect.ExposureServiceClient
+	token   eitriv1connect.TokenServiceClient
+	quota   eitriv1connect.QuotaServiceClient
+	ssh     eitriv1connect.SSHServiceClient
+	release eitriv1connect.ReleaseServiceClient
+	out     io.Writer
 	// errOut is for what a person reads beside machine output (the
 	// narration of a wait under -o json).
 	errOut io.Writer
@@ -102,17 +103,18 @@ func (a *app) clientFor(ep endpoint) *client {
 		self = os.Executable
 	}
 	return &client{
-		vm:     eitriv1connect.NewVMServiceClient(hc, ep.URL, opt),
-		host:   eitriv1connect.NewHostServiceClient(hc, ep.URL, opt),
-		exp:    eitriv1connect.NewExposureServiceClient(hc, ep.URL, opt),
-		token:  eitriv1connect.NewTokenServiceClient(hc, ep.URL, opt),
-		quota:  eitriv1connect.NewQuotaServiceClient(hc, ep.URL, opt),
-		ssh:    eitriv1connect.NewSSHServiceClient(hc, ep.URL, opt),
-		out:    a.io.Out,
-		errOut: a.io.Err,
-		format: a.format,
-		tty:    isTerminal(a.io.Out),
-		self:   self,
+		vm:      eitriv1connect.NewVMServiceClient(hc, ep.URL, opt),
+		host:    eitriv1connect.NewHostServiceClient(hc, ep.URL, opt),
+		exp:     eitriv1connect.NewExposureServiceClient(hc, ep.URL, opt),
+		token:   eitriv1connect.NewTokenServiceClient(hc, ep.URL, opt),
+		quota:   eitriv1connect.NewQuotaServiceClient(hc, ep.URL, opt),
+		ssh:     eitriv1connect.NewSSHServiceClient(hc, ep.URL, opt),
+		release: eitriv1connect.NewReleaseServiceClient(hc, ep.URL, opt),
+		out:     a.io.Out,
+		errOut:  a.io.Err,
+		format:  a.format,
+		tty:     isTerminal(a.io.Out),
+		self:    self,
 	}
 }
 

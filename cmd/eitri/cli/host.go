@@ -16,7 +16,7 @@ import (
 
 func newHostCmd(a *app) *cobra.Command {
 	cmd := noun("host", "List, add and retire hosts",
-		newHostListCmd(a), newHostGetCmd(a), newHostJoinTokenCmd(a), newHostDecommissionCmd(a))
+		newHostListCmd(a), newHostGetCmd(a), newHostJoinTokenCmd(a), newHostDecommissionCmd(a), newHostUpgradeCmd(a))
 	a.addOutputFlag(cmd)
 	return cmd
 }

@@ -92,8 +92,28 @@ func hostTable(w io.Writer, hosts ...*eitriv1.Host) {
 // its ongoing problems first, then why it runs under its accelerator.
 func hostNotes(h *eitriv1.Host) string {
 	var notes []string
+	if !h.Connected {
+		notes = append(notes, "offline")
+	}
 	for _, c := range h.Conditions {
+		if c.Type == "upgrade_stuck" {
+			notes = append(notes, c.Message) // it says "stuck: …" itself
+			continue
+		}
 		notes = append(notes, strings.ToUpper(strings.ReplaceAll(c.Type, "_", " "))+": "+c.Message)
+	}
+	if u := h.Upgrade; u != nil && !u.Stuck {
+		switch {
+		case u.Step == "failed":
+			notes = append(notes, "upgrade to "+u.Target+" failed: "+u.Error)
+		case u.Step != "done" && u.Detail != "":
+			notes = append(notes, "upgrading to "+u.Target+": "+u.Detail)
+		case u.Step != "done":
+			notes = append(notes, "upgrading to "+u.Target+": "+u.Step)
+		}
+	}
+	if h.AgentUpdateAvailable {
+		notes = append(notes, "agent update available")
 	}
 	if h.AcceleratorReason != "" {
 		notes = append(notes, h.AcceleratorReason)
