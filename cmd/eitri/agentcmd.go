@@ -25,6 +25,7 @@ type agentFlags struct {
 	// subnet and accel are parsed when the agent starts: a bad value stops
 	// it (exit status 1) rather than being a usage error.
 	subnet, accel string
+	cacheGB       int64
 	// imageAllow admits these prefixes to image downloads beyond the public
 	// internet: an operator's own mirrors.
 	imageAllow prefixList
@@ -52,7 +53,7 @@ func (a *agentFlags) register(fs *pflag.FlagSet) {
 	fs.IntVar(&c.MaxCreates, "max-creates", d.MaxCreates, "creates running at once on this host")
 	fs.IntVar(&c.CreateAttempts, "create-attempts", d.CreateAttempts, "attempts a create gets before its VM is failed (a permanent error fails it at once)")
 	fs.DurationVar(&c.RetryBackoff, "retry-backoff", d.RetryBackoff, "wait after a VM's first failed create attempt or second failed run in a row; doubles with each further failure, up to 5m, with jitter")
-	fs.Int64Var(&c.CacheBytes, "image-cache-gb", d.CacheBytes>>30, "image cache size cap in GiB")
+	fs.Int64Var(&a.cacheGB, "image-cache-gb", d.CacheBytes>>30, "image cache size cap in GiB")
 	fs.StringVar(&a.accel, "accel", string(d.Accel), "guest accelerator: auto (prove KVM with a probe guest, else TCG), kvm or tcg")
 	fs.Var(&a.releaseKey, "release-key", "release public key (or a .pub file) this host's own upgrades must be signed with (default: the one its join token carried)")
 	fs.DurationVar(&c.UpgradeHealthBound, "upgrade-health-bound", upgrade.DefaultHealthBound, "how long a new agent build has to reconnect before the host rolls it back")
@@ -71,7 +72,7 @@ func (a *agentFlags) config(log *slog.Logger) (agent.Config, error) {
 		return c, err
 	}
 	c.Subnet, c.Accel = prefix, accel
-	c.CacheBytes <<= 30 // the flag is in GiB
+	c.CacheBytes = a.cacheGB << 30
 	c.ImagePolicy = a.imagePolicy()
 	c.Version = version
 	c.Log = log

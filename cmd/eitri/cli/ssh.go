@@ -59,7 +59,10 @@ func newSSHCmd(a *app) *cobra.Command {
 	}
 }
 
-// SSHTarget is what an ssh command line for a VM is made of.
+// SSHTarget is what an ssh command line for a VM is made of. eitri ssh is
+// built from SSHTarget, SSHArgs, SSHLogin and the known_hosts pins; they
+// are exported so the end-to-end tests in cmd/eitri, which run a real
+// control plane and sshd, can drive each.
 type SSHTarget struct {
 	// Self is this eitri binary, which ssh runs as its ProxyCommand.
 	Self string
