@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"runtime/pprof"
 	"time"
 
 	"github.com/a73x/eitri/agent/imagecache"
@@ -28,8 +29,20 @@ func main() {
 	sha := fs.String("sha", "", "fetch: sha256")
 	in := fs.String("in", "", "decode: qcow2 input")
 	out := fs.String("out", "", "decode: raw output")
+	cpuprofile := fs.String("cpuprofile", "", "fetch, decode: write a CPU profile here")
+	verbose := fs.Bool("v", false, "log at info level (the cache says how long each stage took)")
 	_ = fs.Parse(os.Args[2:])
-	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
+	level := slog.LevelWarn
+	if *verbose {
+		level = slog.LevelInfo
+	}
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})))
+	if *cpuprofile != "" {
+		f, err := os.Create(*cpuprofile)
+		check(err)
+		check(pprof.StartCPUProfile(f))
+		defer pprof.StopCPUProfile()
+	}
 
 	switch os.Args[1] {
 	case "serve":
