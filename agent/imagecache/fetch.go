@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	neturl "net/url"
-	"sync"
 	"time"
 
 	"github.com/a73x/eitri/agent/permanent"
@@ -191,17 +190,17 @@ func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *par
 	}
 	p.restarted = false
 
-	var sink io.Writer = p
+	var pw io.Writer
 	if progress != nil {
-		sink = io.MultiWriter(p, &progressWriter{done: p.n, marked: p.n, total: total,
-			step: c.progressStep, every: c.progressEvery, now: time.Now, markedAt: time.Now(), report: progress})
+		pw = &progressWriter{done: p.n, marked: p.n, total: total,
+			step: c.progressStep, every: c.progressEvery, now: time.Now, markedAt: time.Now(), report: progress}
 	}
 	var body io.Reader = wd.reader(resp.Body)
 	if c.maxBytes > 0 {
 		// One byte over the cap is enough to know.
 		body = io.LimitReader(body, c.maxBytes+1-p.n)
 	}
-	_, err = pipeCopy(sink, body, func() { cancel(nil) })
+	err = p.pump(body, func() { cancel(nil) }, pw)
 	n := p.n
 	if err != nil {
 		if _, ok := errors.AsType[*localError](err); ok {
@@ -226,8 +225,8 @@ func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *par
 
 // progressWriter counts the bytes that pass it and reports once a step's
 // worth has passed, or once every (if set) has passed since the last report
-// and the count moved. It stores nothing; it rides the MultiWriter beside the
-// file and hash.
+// and the count moved. It stores nothing; the download's writer hands it
+// each chunk it wrote.
 type progressWriter struct {
 	total, step  int64
 	done, marked int64
@@ -252,76 +251,4 @@ func (w *progressWriter) Write(p []byte) (int, error) {
 		w.report(w.done, w.total)
 	}
 	return len(p), nil
-}
-
-// pipeCopy copies src to dst with the reading on its own goroutine, so the
-// network receive overlaps hashing and writing instead of alternating with
-// them. Buffers are large to keep syscalls and hash calls few. abort must
-// unblock a pending src.Read; it is called when dst fails, so the reader can
-// be waited for rather than left running.
-func pipeCopy(dst io.Writer, src io.Reader, abort func()) (int64, error) {
-	const nbuf, size = 4, 1 << 20
-	free := make(chan []byte, nbuf)
-	for range nbuf {
-		free <- make([]byte, size)
-	}
-	type chunk struct {
-		b   []byte
-		err error
-	}
-	full := make(chan chunk, nbuf)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		defer close(full)
-		for {
-			var buf []byte
-			select {
-			case buf = <-free:
-			case <-stop:
-				return
-			}
-			// Fill most of the buffer before handing it over; a lone
-			// short read would waste the batching.
-			n := 0
-			var err error
-			for n < len(buf)/2 && err == nil {
-				var m int
-				m, err = src.Read(buf[n:])
-				n += m
-			}
-			select {
-			case full <- chunk{buf[:n], err}:
-			case <-stop:
-				return
-			}
-			if err != nil {
-				return
-			}
-		}
-	}()
-	defer wg.Wait()
-	defer close(stop)
-
-	var written int64
-	for c := range full {
-		if len(c.b) > 0 {
-			m, err := dst.Write(c.b)
-			written += int64(m)
-			if err != nil {
-				abort()
-				return written, err
-			}
-		}
-		if c.err == io.EOF {
-			return written, nil
-		}
-		if c.err != nil {
-			return written, c.err
-		}
-		free <- c.b[:cap(c.b)]
-	}
-	return written, nil
 }

@@ -714,47 +714,6 @@ func TestEnsureRejectsNonHTTPURL(t *testing.T) {
 	assert.Contains(t, err.Error(), "scheme")
 }
 
-// failWriter fails after taking limit bytes, like a disk filling up.
-type failWriter struct{ limit int }
-
-func (w *failWriter) Write(p []byte) (int, error) {
-	if len(p) > w.limit {
-		return 0, errors.New("no space left on device")
-	}
-	w.limit -= len(p)
-	return len(p), nil
-}
-
-// blockingReader yields data until aborted, then fails; without the abort
-// pipeCopy would wait on it forever.
-type blockingReader struct{ aborted chan struct{} }
-
-func (r *blockingReader) Read(p []byte) (int, error) {
-	select {
-	case <-r.aborted:
-		return 0, errors.New("aborted")
-	default:
-		return len(p), nil
-	}
-}
-
-func TestPipeCopy(t *testing.T) {
-	t.Run("copies everything", func(t *testing.T) {
-		src := testImage(5<<20 + 3)
-		var dst bytes.Buffer
-		n, err := pipeCopy(&dst, bytes.NewReader(src), func() {})
-		require.NoError(t, err)
-		assert.Equal(t, int64(len(src)), n)
-		assert.True(t, bytes.Equal(src, dst.Bytes()))
-	})
-	t.Run("write error aborts the reader", func(t *testing.T) {
-		r := &blockingReader{aborted: make(chan struct{})}
-		var once sync.Once
-		_, err := pipeCopy(&failWriter{limit: 3 << 20}, r, func() { once.Do(func() { close(r.aborted) }) })
-		require.ErrorContains(t, err, "no space left")
-	})
-}
-
 // TestCancellingATrickledDownloadStopsItAndLeavesNothing: a server that
 // sends one byte at a time holds a download open indefinitely; when its only
 // caller gives up, Ensure returns once the connection is dropped and the

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"hash"
-	"io"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -64,21 +63,29 @@ func (c *Cache) partPath(sha string) string   { return filepath.Join(c.dir, sha+
 func (c *Cache) resumePath(sha string) string { return filepath.Join(c.dir, sha+".download.resume") }
 
 // partial is the served bytes of one image fetched so far, with the running
-// sha256 of exactly those bytes. Writes go to the file and the hash
-// together, so the two never disagree, whatever fails.
+// sha256 of exactly those bytes. While pump runs, the file and the hash move
+// on separate goroutines; they agree again whenever it returns (unless a
+// write failed: then broken is set and the partial is only discarded) and
+// at every checkpoint it makes.
 type partial struct {
 	c        *Cache
 	sha, url string
 	f        *os.File
 	h        hash.Hash
-	n        int64 // bytes in f, all hashed
+	n        int64 // bytes in f, all hashed once pump returns
 	wrote    int64 // bytes written ever, across restarts: how far requests moved it
 	rec      resumeRecord
 	resumed  bool // bytes from an earlier request are kept: a resume happened
 	unsynced int64
+	// every is how many bytes may pass between checkpoints: checkpointEvery
+	// but in tests.
+	every int64
 	// restarted: the download started over since progress was last told;
 	// the next answer tells it so, from 0.
 	restarted bool
+	// broken: a write failed while the hash went on; the file and the hash
+	// no longer describe the same bytes, so this is never recorded.
+	broken bool
 }
 
 // openPartial opens sha's partial download, picking up what an earlier
@@ -89,7 +96,7 @@ func (c *Cache) openPartial(sha, url string) (*partial, error) {
 	if err != nil {
 		return nil, fmt.Errorf("image cache: %w", err)
 	}
-	p := &partial{c: c, sha: sha, url: url, f: f, h: sha256.New()}
+	p := &partial{c: c, sha: sha, url: url, f: f, h: sha256.New(), every: checkpointEvery}
 	why := p.pickUp()
 	if p.n == 0 {
 		if why != "" {
@@ -100,10 +107,6 @@ func (c *Cache) openPartial(sha, url string) (*partial, error) {
 			return nil, err
 		}
 		return p, nil
-	}
-	if _, err := f.Seek(p.n, io.SeekStart); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("image cache: %w", err)
 	}
 	c.log.Info("imagecache: resuming a partial download", "sha256", sha, "have", p.n, "total", p.rec.Total)
 	return p, nil
@@ -151,10 +154,8 @@ func (p *partial) reset(why string) error {
 	p.h.Reset()
 	p.n, p.unsynced, p.resumed = 0, 0, false
 	p.rec = resumeRecord{URL: urlKey(p.url), Total: -1}
+	p.broken = false
 	if err := p.f.Truncate(0); err != nil {
-		return fmt.Errorf("image cache: %w", err)
-	}
-	if _, err := p.f.Seek(0, io.SeekStart); err != nil {
 		return fmt.Errorf("image cache: %w", err)
 	}
 	return nil
@@ -166,31 +167,34 @@ type localError struct{ err error }
 func (e *localError) Error() string { return "image cache: " + e.err.Error() }
 func (e *localError) Unwrap() error { return e.err }
 
-func (p *partial) Write(b []byte) (int, error) {
-	m, err := p.f.Write(b)
-	p.h.Write(b[:m])
+// write appends b to the file. The hash is not touched: the download
+// pipeline hashes on a goroutine of its own (see pump).
+func (p *partial) write(b []byte) error {
+	m, err := p.f.WriteAt(b, p.n)
 	p.n += int64(m)
 	p.wrote += int64(m)
 	p.unsynced += int64(m)
-	if err != nil {
-		return m, &localError{err}
-	}
-	if p.unsynced >= checkpointEvery {
-		if err := p.checkpoint(); err != nil {
-			return m, &localError{err}
-		}
-	}
-	return m, nil
+	return err
 }
 
 // checkpoint makes everything written so far durable and records it, so a
-// resume after a crash starts from here.
+// resume after a crash starts from here. The hash must be over exactly the
+// bytes written.
 func (p *partial) checkpoint() error {
-	if err := fsync(p.f); err != nil {
-		return err
+	if p.broken {
+		return errors.New("the partial download's hash and file disagree")
 	}
 	state, err := p.h.(encoding.BinaryMarshaler).MarshalBinary()
 	if err != nil {
+		return err
+	}
+	return p.commit(state)
+}
+
+// commit syncs the file and records it with state, the sha256 state over
+// exactly the bytes written so far.
+func (p *partial) commit(state []byte) error {
+	if err := fsync(p.f); err != nil {
 		return err
 	}
 	p.rec.Synced, p.rec.Hash = p.n, state
