@@ -113,7 +113,8 @@ func TestEnsureFormats(t *testing.T) {
 		want   []byte
 		sparse bool // the zero third must come out as a hole
 	}{
-		{"raw", raw, raw, false},
+		{"raw", raw, raw, true},
+		{"raw ending in zeros", append(bytes.Clone(raw), make([]byte, 1<<20+5)...), append(bytes.Clone(raw), make([]byte, 1<<20+5)...), true},
 		{"gzip raw", gz(t, raw), raw, true},
 		{"qcow2 v3 uncompressed", encodeQcow2(t, raw, encOpts{}), raw, true},
 		{"qcow2 v2 uncompressed", encodeQcow2(t, raw, encOpts{version: 2}), raw, true},

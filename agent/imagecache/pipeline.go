@@ -125,10 +125,24 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 		}
 	}()
 
+	// A checkpoint's fsync runs beside the writer, which goes on past it:
+	// the record says only that the bytes up to the mark are on disk, and
+	// those written after it are synced too, or are cut off on a resume.
+	// One at a time: a checkpoint waits for the one before.
+	var syncing chan error
+	synced := func() error {
+		if syncing == nil {
+			return nil
+		}
+		err := <-syncing
+		syncing = nil
+		return err
+	}
 	fail := func(err error) error {
 		p.broken = true
 		close(stop)
 		abort()
+		synced()
 		return &localError{err}
 	}
 	for c := range toWrite {
@@ -145,15 +159,31 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 			if c.stateErr != nil {
 				return fail(c.stateErr)
 			}
-			if err := p.commit(c.state); err != nil {
+			if err := synced(); err != nil {
 				return fail(err)
 			}
+			// Extended here, not beside the writer: a truncate racing a
+			// write past it would cut that write off.
+			if err := p.extend(); err != nil {
+				return fail(err)
+			}
+			rec, n, state := p.rec, p.n, c.state
+			done := make(chan error, 1)
+			syncing = done
+			go func() { done <- p.record(rec, n, state) }()
+			p.unsynced = 0
 		}
 		release(c)
-		if c.err == io.EOF {
-			return nil
-		}
 		if c.err != nil {
+			if err := synced(); err != nil {
+				return fail(err)
+			}
+			if err := p.extend(); err != nil {
+				return fail(err)
+			}
+			if c.err == io.EOF {
+				return nil
+			}
 			return c.err
 		}
 	}

@@ -90,7 +90,8 @@ func requireRecordTrue(t *testing.T, c *Cache, sha string, body []byte) resumeRe
 // describe the same bytes, and every checkpoint it made recorded the hash
 // state of exactly the bytes synced.
 func TestPumpWritesAndHashesEveryByteOnce(t *testing.T) {
-	body := testImage(9<<20 + 12345)
+	// Zero blocks become holes, the last ones too.
+	body := append(testImage(9<<20+12345), make([]byte, 1<<20+5)...)
 	sha := digest(body)
 	c, p := openTestPartial(t, sha)
 	p.every = 2 << 20 // several checkpoints mid-stream
@@ -102,7 +103,9 @@ func TestPumpWritesAndHashesEveryByteOnce(t *testing.T) {
 	assert.Equal(t, int64(len(body)), progress.n)
 	got, err := os.ReadFile(c.partPath(sha))
 	require.NoError(t, err)
+	require.Equal(t, len(body), len(got))
 	assert.True(t, bytes.Equal(body, got))
+	assert.Less(t, allocatedBytes(t, c.partPath(sha)), int64(len(body))*8/10, "zero blocks are holes")
 	rec := requireRecordTrue(t, c, sha, body)
 	assert.Less(t, rec.Synced, int64(len(body)), "the last checkpoint was mid-stream")
 }
@@ -210,4 +213,27 @@ func TestEnsureTruncatedDownloadIsNotUsableAndResumes(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, bytes.Equal(body, readFile(t, p)))
 	assert.Equal(t, filepath.Join(dir, sum+".raw"), p)
+}
+
+// A checkpoint that cannot be made durable ends the download as this
+// host's failure, even though its fsync ran beside the writer.
+func TestPumpCheckpointFailureEndsTheDownload(t *testing.T) {
+	orig := fsync
+	fsync = func(f *os.File) error {
+		if strings.HasSuffix(f.Name(), ".download.part") {
+			return errors.New("input/output error")
+		}
+		return orig(f)
+	}
+	t.Cleanup(func() { fsync = orig })
+
+	body := testImage(6 << 20)
+	c, p := openTestPartial(t, digest(body))
+	p.every = 1 << 20
+	err := p.pump(choppy(body, io.EOF), func() {}, nil)
+	_, local := errors.AsType[*localError](err)
+	require.True(t, local, "a failed sync is this host's: %v", err)
+	assert.ErrorContains(t, err, "input/output error")
+	_, err = os.Stat(c.resumePath(p.sha))
+	assert.ErrorIs(t, err, os.ErrNotExist, "nothing was recorded")
 }

@@ -13,11 +13,30 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // checkpointEvery is how many downloaded bytes may pass between syncs of a
 // partial download and its record: what a power loss can cost a resume.
 const checkpointEvery = 64 << 20
+
+// writebackEvery is how many written bytes may wait in the page cache before
+// the kernel is asked to start putting them on disk.
+const writebackEvery = 8 << 20
+
+// startWriteback asks the kernel to start writing n bytes of f from off to
+// disk, without waiting for it. It is only a head start for the fsync that
+// makes them durable, so a failure is left for that fsync to report.
+func startWriteback(f *os.File, off, n int64) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return
+	}
+	_ = rc.Control(func(fd uintptr) {
+		_ = unix.SyncFileRange(int(fd), off, n, unix.SYNC_FILE_RANGE_WRITE)
+	})
+}
 
 // resumeRecord is <sha>.download.resume: how to ask for the rest of
 // <sha>.download.part. Its first Synced bytes are on disk and Hash is the
@@ -80,6 +99,8 @@ type partial struct {
 	// every is how many bytes may pass between checkpoints: checkpointEvery
 	// but in tests.
 	every int64
+	// kicked is where the last writeback request ended.
+	kicked int64
 	// restarted: the download started over since progress was last told;
 	// the next answer tells it so, from 0.
 	restarted bool
@@ -140,7 +161,7 @@ func (p *partial) pickUp() string {
 		p.h.Reset()
 		return err.Error()
 	}
-	p.n, p.rec, p.resumed = rec.Synced, rec, true
+	p.n, p.kicked, p.rec, p.resumed = rec.Synced, rec.Synced, rec, true
 	return ""
 }
 
@@ -152,7 +173,7 @@ func (p *partial) reset(why string) error {
 		p.c.log.Warn("imagecache: download starts over", "sha256", p.sha, "had", p.n, "why", why)
 	}
 	p.h.Reset()
-	p.n, p.unsynced, p.resumed = 0, 0, false
+	p.n, p.unsynced, p.kicked, p.resumed = 0, 0, 0, false
 	p.rec = resumeRecord{URL: urlKey(p.url), Total: -1}
 	p.broken = false
 	if err := p.f.Truncate(0); err != nil {
@@ -167,14 +188,37 @@ type localError struct{ err error }
 func (e *localError) Error() string { return "image cache: " + e.err.Error() }
 func (e *localError) Unwrap() error { return e.err }
 
-// write appends b to the file. The hash is not touched: the download
-// pipeline hashes on a goroutine of its own (see pump).
+// write appends b to the file, leaving zero blocks as holes (a raw
+// download is the image, and disk images are often mostly zeros), and asks
+// the kernel to start writing each writebackEvery bytes out at once, so the
+// disk works while the download goes on rather than all at the next
+// checkpoint. The hash is not touched: the download pipeline hashes on a
+// goroutine of its own (see pump).
 func (p *partial) write(b []byte) error {
-	m, err := p.f.WriteAt(b, p.n)
-	p.n += int64(m)
-	p.wrote += int64(m)
-	p.unsynced += int64(m)
-	return err
+	if err := putNonZero(p.f, b, p.n); err != nil {
+		return err
+	}
+	p.n += int64(len(b))
+	p.wrote += int64(len(b))
+	p.unsynced += int64(len(b))
+	if p.n-p.kicked >= writebackEvery {
+		startWriteback(p.f, p.kicked, p.n-p.kicked)
+		p.kicked = p.n
+	}
+	return nil
+}
+
+// extend makes the file p.n bytes long: a zero tail written as a hole
+// left it shorter.
+func (p *partial) extend() error {
+	fi, err := p.f.Stat()
+	if err != nil {
+		return err
+	}
+	if fi.Size() < p.n {
+		return p.f.Truncate(p.n)
+	}
+	return nil
 }
 
 // checkpoint makes everything written so far durable and records it, so a
@@ -188,22 +232,27 @@ func (p *partial) checkpoint() error {
 	if err != nil {
 		return err
 	}
-	return p.commit(state)
-}
-
-// commit syncs the file and records it with state, the sha256 state over
-// exactly the bytes written so far.
-func (p *partial) commit(state []byte) error {
-	if err := fsync(p.f); err != nil {
+	if err := p.extend(); err != nil {
+		return err
+	}
+	if err := p.record(p.rec, p.n, state); err != nil {
 		return err
 	}
 	p.rec.Synced, p.rec.Hash = p.n, state
-	data, _ := json.Marshal(p.rec)
-	if err := writeFileSynced(p.c.resumePath(p.sha), data); err != nil {
-		return err
-	}
 	p.unsynced = 0
 	return nil
+}
+
+// record syncs the file, then writes rec saying its first n bytes are on
+// disk and state is the sha256 state over exactly them. It changes nothing
+// in p, so it may run while p's writer goes on past n.
+func (p *partial) record(rec resumeRecord, n int64, state []byte) error {
+	if err := fsync(p.f); err != nil {
+		return err
+	}
+	rec.Synced, rec.Hash = n, state
+	data, _ := json.Marshal(rec)
+	return writeFileSynced(p.c.resumePath(p.sha), data)
 }
 
 // sum is the hex sha256 of the bytes so far.

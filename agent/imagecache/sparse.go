@@ -30,6 +30,14 @@ func isZero(p []byte) bool {
 // size beforehand (or be extended by finish), so skipped blocks read back as
 // zeros.
 func writeSparseAt(f *os.File, p []byte, off int64) error {
+	if err := putNonZero(f, p, off); err != nil {
+		return fmt.Errorf("image cache: %w", err)
+	}
+	return nil
+}
+
+// putNonZero is writeSparseAt with the file's own error.
+func putNonZero(f *os.File, p []byte, off int64) error {
 	for len(p) > 0 {
 		// End of this block, aligned to the file, not to p.
 		n := sparseBlock - int(off%sparseBlock)
@@ -45,7 +53,7 @@ func writeSparseAt(f *os.File, p []byte, off int64) error {
 		}
 		if end > 0 {
 			if _, err := f.WriteAt(p[:end], off); err != nil {
-				return fmt.Errorf("image cache: %w", err)
+				return err
 			}
 			p, off = p[end:], off+int64(end)
 			continue
