@@ -269,7 +269,7 @@ func newRolloutVerbCmd(a *app, use, short string, act func(context.Context, *cli
 	return &cobra.Command{
 		Use:   use + " [ROLLOUT]",
 		Short: short,
-		Args:  optionalArgs(1, "a rollout id"),
+		Args:  optionalArgs(0, "a rollout id"),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := a.dial()
 			if err != nil {
