@@ -432,6 +432,8 @@ var readmeNotRun = map[string]string{
 	"sudo -u postgres createuser":            "creates a role and a database in the machine's own PostgreSQL (server/store/pgtest runs a PostgreSQL of its own for the tests)",
 	"cat > /etc/default/eitri-server":        "configures and starts an installed control plane under systemd (cmd/eitri's replica tests run replicas on PostgreSQL)",
 	"systemctl stop eitri-server":            "moves an installed control plane's database (cmd/eitri's migrate-db tests run the same command on a fleet of their own)",
+	"eitri release keygen --dir":             "makes a release key and configures an installed control plane with it (cmd/eitri's upgrade tests make and use one)",
+	"eitri release sign bin/eitri":           "signs, uploads and rolls out a build to a fleet of agents (cmd/eitri's TestTwoAgentsUpgradeFromBuildAToBuildBWithoutTouchingAGuest runs these commands on one)",
 }
 
 func TestREADMERuns(t *testing.T) {
