@@ -12,7 +12,8 @@
 # goal is stated in. The machine is shared: compare ratios within one run,
 # and mind the load printed with them.
 # Needs curl, openssl, qemu-img (apt-get install qemu-utils). SIZE_MIB and
-# RUNS override the defaults (256, best of 3).
+# RUNS override the defaults (256, best of 3). BASE_ICBENCH, an icbench built
+# from another revision, joins the download rounds: a before/after in one run.
 set -euo pipefail
 
 SIZE_MIB=${SIZE_MIB:-256}
@@ -54,21 +55,25 @@ for _ in $(seq 50); do [[ -s $work/url ]] && break; sleep 0.1; done
 url="$(cat "$work/url")/disk.raw"
 
 now() { date +%s.%N; }
+# once CMD...: wall time of one run, in seconds.
+once() {
+	local s e
+	s=$(now)
+	"$@" >/dev/null
+	e=$(now)
+	awk -v s="$s" -v e="$e" 'BEGIN{printf "%.3f", e-s}'
+}
 # best CMD...: fastest wall time of RUNS runs, in seconds.
 best() {
-	local b=
+	local b= t
 	for _ in $(seq "$RUNS"); do
-		local s e t
-		s=$(now)
-		"$@" >/dev/null
-		e=$(now)
-		t=$(awk -v s="$s" -v e="$e" 'BEGIN{printf "%.3f", e-s}')
+		t=$(once "$@")
 		if [[ -z $b ]] || awk -v t="$t" -v b="$b" 'BEGIN{exit !(t<b)}'; then b=$t; fi
 	done
 	echo "$b"
 }
 
-ours_fetch() { rm -rf "$work/cache"; "$work/icbench" fetch -dir "$work/cache" -url "$url" -sha "$sha"; }
+ours_fetch() { rm -rf "$work/cache"; "${1:-$work/icbench}" fetch -dir "$work/cache" -url "$url" -sha "$sha"; }
 theirs_fetch() {
 	rm -f "$work/curl.raw"
 	curl -sf -o "$work/curl.raw" "$url" && openssl dgst -sha256 -r "$work/curl.raw" | grep -q "^$sha "
@@ -87,11 +92,26 @@ echo "load:$(uptime | sed 's/.*load average://')"
 for f in plain zlib zstd; do
 	awk -v n="$f.qcow2" -v b="$(stat -c %s "$work/$f.qcow2")" 'BEGIN{printf "  %-12s %6.1f MiB\n", n, b/1048576}'
 done
-o=$(best ours_fetch); t=$(best theirs_fetch); h=$(best hash_limit)
+# Downloads go in rounds, each running every contender once back to back,
+# so the load swings of a shared machine hit them alike; the figure is the
+# median over rounds of each round's ratio, beside each one's best time.
+: >"$work/rounds"
+for _ in $(seq "$RUNS"); do
+	o=$(once ours_fetch); t=$(once theirs_fetch); h=$(once hash_limit); b=0
+	if [[ -n ${BASE_ICBENCH:-} ]]; then b=$(once ours_fetch "$BASE_ICBENCH"); fi
+	echo "$o $t $h $b" >>"$work/rounds"
+done
+col() { awk -v c="$1" '{print $c}' "$work/rounds" | sort -g | head -1; }
+o=$(col 1); t=$(col 2); h=$(col 3)
 row "download+sha256" "$o" "$t"
 row "  vs sha256 in memory" "$o" "$h"
-awk -v o="$o" -v t="$t" -v h="$h" 'BEGIN{
-	printf "download speed: %.2fx the sha256 limit, %.2fx curl + openssl\n", h/o, t/o }'
+median() { sort -g | awk '{v[NR]=$1} END{print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
+awk -v mib="$SIZE_MIB" '{printf "  round: ours %6.0f  curl+openssl %6.0f  sha256 %6.0f MiB/s%s\n", mib/$1, mib/$2, mib/$3, ($4>0 ? sprintf("  base %6.0f", mib/$4) : "")}' "$work/rounds"
+echo "download speed (median of rounds): $(awk '{print $3/$1}' "$work/rounds" | median | xargs printf %.2f)x the sha256 limit," \
+	"$(awk '{print $2/$1}' "$work/rounds" | median | xargs printf %.2f)x curl + openssl"
+if [[ -n ${BASE_ICBENCH:-} ]]; then
+	echo "  and $(awk '{print $4/$1}' "$work/rounds" | median | xargs printf %.2f)x the base ($BASE_ICBENCH)"
+fi
 for f in plain zlib zstd; do
 	o=$(best ours_decode "$work/$f.qcow2"); t=$(best theirs_decode "$work/$f.qcow2")
 	cmp -s "$work/out.raw" "$work/qemu.raw" || { echo "decode of $f.qcow2 differs from qemu-img" >&2; exit 1; }
