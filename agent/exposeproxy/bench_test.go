@@ -9,7 +9,10 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -116,6 +119,100 @@ func BenchmarkUDPRoundTrip(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkUDPWindow: clients that each keep window datagrams in flight
+// against an echo, the load compare.sh's udpload puts on a published port.
+// One op is one answered datagram; allocs/op is the proxy's cost per datagram
+// (the clients and the echo allocate nothing). A datagram unanswered for a
+// second counts as lost, reported as loss%.
+func BenchmarkUDPWindow(b *testing.B) {
+	const window = 32
+	for _, clients := range []int{1, 4} {
+		for _, via := range []string{"direct", "proxy"} {
+			b.Run(fmt.Sprintf("%s/clients=%d", via, clients), func(b *testing.B) {
+				to := benchTarget(b, via, UDP, udpEchoGuest(b))
+				conns := make([]*net.UDPConn, clients)
+				for i := range conns {
+					c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(to))
+					require.NoError(b, err)
+					b.Cleanup(func() { c.Close() })
+					conns[i] = c
+				}
+				var sent, lost atomic.Int64
+				var wg sync.WaitGroup
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i, c := range conns {
+					share := b.N / clients
+					if i == 0 {
+						share += b.N % clients
+					}
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						s, l := windowLoad(c, share, window)
+						sent.Add(int64(s))
+						lost.Add(int64(l))
+					}()
+				}
+				wg.Wait()
+				b.StopTimer()
+				if s := sent.Load(); s > 0 {
+					b.ReportMetric(100*float64(lost.Load())/float64(s), "loss%")
+				}
+			})
+		}
+	}
+}
+
+// windowLoad gets n datagrams answered on c with up to window in flight and
+// returns how many it sent and how many it gave up on.
+func windowLoad(c *net.UDPConn, n, window int) (sent, lost int) {
+	msg, buf := make([]byte, 512), make([]byte, 2048)
+	inflight := 0
+	fill := func() {
+		for inflight < window && sent-lost < n {
+			c.Write(msg)
+			sent++
+			inflight++
+		}
+	}
+	fill()
+	for got := 0; got < n; {
+		if got%256 == 0 {
+			c.SetReadDeadline(time.Now().Add(time.Second))
+		}
+		if _, err := c.Read(buf); err != nil {
+			lost += inflight // everything in flight is presumed gone
+			inflight = 0
+			c.SetReadDeadline(time.Now().Add(time.Second))
+			fill()
+			continue
+		}
+		got++
+		inflight--
+		fill()
+	}
+	return sent, lost
+}
+
+// udpEchoGuest answers every datagram with itself, allocating nothing.
+func udpEchoGuest(tb testing.TB) uint16 {
+	pc, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(loopback, 0)))
+	require.NoError(tb, err)
+	tb.Cleanup(func() { pc.Close() })
+	go func() {
+		buf := make([]byte, maxDatagram)
+		for {
+			n, from, err := pc.ReadFromUDPAddrPort(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteToUDPAddrPort(buf[:n], from)
+		}
+	}()
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort().Port()
 }
 
 // BenchmarkIdleExposures reports what 1,000 bound, idle exposures cost

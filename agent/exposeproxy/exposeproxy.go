@@ -19,6 +19,7 @@ import (
 	"sort"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -200,6 +201,7 @@ type exposure struct {
 type binding struct {
 	ln   *net.TCPListener
 	pc   *net.UDPConn
+	prc  syscall.RawConn // pc's, for batched reads and the replies sent through it
 	addr netip.AddrPort
 	// dead holds the reason a serve loop gave up on a socket it did not
 	// expect to lose; the next Converge rebinds.
@@ -360,7 +362,12 @@ func (p *Proxy) bind(ex *exposure) error {
 		if err != nil {
 			return err
 		}
-		b := &binding{pc: pc, addr: pc.LocalAddr().(*net.UDPAddr).AddrPort(),
+		prc, err := pc.SyscallConn()
+		if err != nil {
+			pc.Close()
+			return err
+		}
+		b := &binding{pc: pc, prc: prc, addr: pc.LocalAddr().(*net.UDPAddr).AddrPort(),
 			sessions: make(map[netip.AddrPort]*session)}
 		ex.b = b
 		p.wg.Add(1)

@@ -5,7 +5,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -13,69 +12,18 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// maxDatagram holds any UDP payload IPv4 or IPv6 (without jumbograms) carries.
-const maxDatagram = 64 << 10
-
-// bufPool lends datagram buffers only for the moment a datagram is in hand.
-// Waiting readers hold none (see recvFrom), so an idle exposure or a quiet
-// session costs a goroutine and a socket, not 64 KiB.
-var bufPool = sync.Pool{New: func() any { b := make([]byte, maxDatagram); return &b }}
-
-// recvFrom waits for one datagram on rc without holding a buffer while it
-// waits: the buffer is taken only once the socket is readable, and handed back
-// if the read would block. The caller returns the buffer to bufPool.
-func recvFrom(rc syscall.RawConn) (*[]byte, int, netip.AddrPort, error) {
-	var (
-		buf  *[]byte
-		n    int
-		from unix.Sockaddr
-		rerr error
-	)
-	err := rc.Read(func(fd uintptr) bool {
-		b := bufPool.Get().(*[]byte)
-		for {
-			n, from, rerr = unix.Recvfrom(int(fd), *b, unix.MSG_DONTWAIT)
-			if rerr != unix.EINTR {
-				break
-			}
-		}
-		if rerr == unix.EAGAIN {
-			bufPool.Put(b)
-			return false // wait for readability, then call again
-		}
-		buf = b
-		return true
-	})
-	if err == nil && rerr != nil {
-		err = os.NewSyscallError("recvfrom", rerr)
-	}
-	if err != nil {
-		if buf != nil {
-			bufPool.Put(buf)
-		}
-		return nil, 0, netip.AddrPort{}, err
-	}
-	return buf, n, sockaddrAddrPort(from), nil
-}
-
-func sockaddrAddrPort(sa unix.Sockaddr) netip.AddrPort {
-	switch a := sa.(type) {
-	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
-	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr), uint16(a.Port))
-	}
-	return netip.AddrPort{}
-}
-
 // session is one client's conversation with the guest: its own connected
 // socket toward the guest, so replies can be told apart by socket rather than
 // by guest source port.
 type session struct {
 	client netip.AddrPort
-	to     netip.AddrPort // guest address the socket is connected to
-	guest  *net.UDPConn
-	rc     syscall.RawConn
+	// name is the client's address as the kernel reported it, so replies go
+	// back to exactly that (IPv6 scope included).
+	name    unix.RawSockaddrInet6
+	namelen uint32
+	to      netip.AddrPort // guest address the socket is connected to
+	guest   *net.UDPConn
+	rc      syscall.RawConn
 
 	last    atomic.Int64 // unix nanos of the latest datagram either way
 	replied atomic.Bool  // the guest has answered at least once
@@ -98,15 +46,11 @@ func (s *session) expiry() time.Time {
 // serveUDP reads client datagrams for one binding until its socket closes.
 func (p *Proxy) serveUDP(ex *exposure, b *binding) {
 	defer p.wg.Done()
-	rc, err := b.pc.SyscallConn()
-	if err != nil {
-		reason := err.Error()
-		b.dead.Store(&reason)
-		return
-	}
+	r := newReader(b.prc)
+	defer r.release()
 	full := false // inside a streak of refusals at the cap
 	for {
-		buf, n, from, err := recvFrom(rc)
+		bt, err := r.read()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return
@@ -120,8 +64,9 @@ func (p *Proxy) serveUDP(ex *exposure, b *binding) {
 			p.log.Warn("exposure socket failed", "exposure", ex.id, "err", err)
 			return
 		}
-		p.forward(ex, b, (*buf)[:n], from, &full)
-		bufPool.Put(buf)
+		for _, g := range bt.group() {
+			p.forward(ex, b, bt, g, &full)
+		}
 	}
 }
 
@@ -133,31 +78,90 @@ func transientRecv(err error) bool {
 		errors.Is(err, syscall.ENOMEM)
 }
 
-// forward sends one client datagram to the guest through the client's
-// session, opening one if needed.
-func (p *Proxy) forward(ex *exposure, b *binding, data []byte, from netip.AddrPort, full *bool) {
+// forward sends one client's datagrams of a batch to the guest, in the order
+// they came, through the client's session, opening one if needed. Each
+// datagram is either sent or counted (refused or dropped).
+func (p *Proxy) forward(ex *exposure, b *binding, bt *batch, g *group, full *bool) {
+	for i := 0; i < g.n; {
+		s := b.lookup(g.from)
+		for s == nil && i < g.n {
+			k := g.idx[i]
+			if s = p.openSession(ex, b, g.from, &bt.names[k], bt.rhs[k].Hdr.Namelen, full); s == nil {
+				i++ // this datagram was refused or dropped, and counted so
+			}
+		}
+		if s == nil {
+			return
+		}
+		s.touch()
+		out := &bt.out
+		out.reset()
+		for _, k := range g.idx[i:g.n] {
+			out.add(bt.data(int(k)), nil, 0)
+		}
+		sent, err := out.flush(s.rc)
+		i += sent
+		if err == nil {
+			return
+		}
+		if errors.Is(err, net.ErrClosed) {
+			// The session ended meanwhile (idle, guest moved); it left the
+			// table before its socket closed, so the rest open a new one.
+			continue
+		}
+		ex.dropped.Add(1)
+		p.log.Debug("exposure dropped a datagram, send to guest failed",
+			"exposure", ex.id, "client", g.from, "guest", s.to, "err", err)
+		p.endSession(ex, b, s)
+		i++
+	}
+}
+
+// group is one client's datagrams within a batch, in arrival order.
+type group struct {
+	from netip.AddrPort
+	idx  [batchSize]uint8
+	n    int
+}
+
+// group sorts the last read by client, keeping each client's order.
+func (bt *batch) group() []*group {
+	bt.gs = bt.gs[:0]
+	for i := range bt.n {
+		from := bt.from(i)
+		var g *group
+		for _, c := range bt.gs {
+			if c.from == from {
+				g = c
+				break
+			}
+		}
+		if g == nil {
+			g = &bt.groups[len(bt.gs)]
+			g.from, g.n = from, 0
+			bt.gs = append(bt.gs, g)
+		}
+		g.idx[g.n] = uint8(i)
+		g.n++
+	}
+	return bt.gs
+}
+
+// lookup returns the live session of a client, if any. The table is consulted
+// once per client per batch, not per datagram.
+func (b *binding) lookup(from netip.AddrPort) *session {
 	b.smu.Lock()
 	s := b.sessions[from]
 	b.smu.Unlock()
-	if s == nil {
-		if s = p.openSession(ex, b, from, full); s == nil {
-			return
-		}
-	}
-	s.touch()
-	if _, err := s.guest.Write(data); err != nil {
-		ex.dropped.Add(1)
-		p.log.Debug("exposure dropped a datagram, send to guest failed",
-			"exposure", ex.id, "client", from, "guest", s.to, "err", err)
-		p.endSession(ex, b, s)
-	}
+	return s
 }
 
 // openSession makes a session for a new client, or returns nil when the
 // datagram that asked for it is to be discarded. A full table is this
 // exposure's own limit and counts as refused; everything else (no guest
 // address, no socket) is the guest being unreachable and counts as dropped.
-func (p *Proxy) openSession(ex *exposure, b *binding, from netip.AddrPort, full *bool) *session {
+func (p *Proxy) openSession(ex *exposure, b *binding, from netip.AddrPort,
+	name *unix.RawSockaddrInet6, namelen uint32, full *bool) *session {
 	t := ex.tgt.Load()
 	// Only this goroutine adds sessions, so a count taken here can only be
 	// too high (a session expiring meanwhile), never let the table overfill.
@@ -197,14 +201,15 @@ func (p *Proxy) openSession(ex *exposure, b *binding, from netip.AddrPort, full 
 		ex.dropped.Add(1)
 		return nil
 	}
-	s := &session{client: from, to: to, guest: g, rc: rc,
+	s := &session{client: from, name: *name, namelen: namelen, to: to, guest: g, rc: rc,
 		unrepliedIdle: p.cfg.UnrepliedIdle, repliedIdle: p.cfg.RepliedIdle}
 	s.touch()
 
 	b.smu.Lock()
-	if b.sessions == nil { // binding already torn down
+	if b.sessions == nil { // binding torn down with this datagram in hand
 		b.smu.Unlock()
 		g.Close()
+		ex.dropped.Add(1)
 		return nil
 	}
 	b.sessions[from] = s
@@ -223,14 +228,19 @@ func (p *Proxy) openSession(ex *exposure, b *binding, from netip.AddrPort, full 
 func (p *Proxy) relay(ex *exposure, b *binding, s *session) {
 	defer p.wg.Done()
 	defer p.endSession(ex, b, s)
+	r := newReader(s.rc)
+	defer r.release()
+	if err := s.guest.SetReadDeadline(s.expiry()); err != nil {
+		return
+	}
 	for {
-		if err := s.guest.SetReadDeadline(s.expiry()); err != nil {
-			return
-		}
-		buf, n, _, err := recvFrom(s.rc)
+		bt, err := r.read()
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
-				if time.Now().Before(s.expiry()) {
+				if exp := s.expiry(); time.Now().Before(exp) {
+					if s.guest.SetReadDeadline(exp) != nil {
+						return
+					}
 					continue
 				}
 				p.log.Debug("exposure session idle", "exposure", ex.id, "client", s.client,
@@ -246,12 +256,28 @@ func (p *Proxy) relay(ex *exposure, b *binding, s *session) {
 			}
 			return
 		}
-		s.replied.Store(true)
 		s.touch()
-		_, werr := b.pc.WriteToUDPAddrPort((*buf)[:n], s.client)
-		bufPool.Put(buf)
-		if werr != nil && errors.Is(werr, net.ErrClosed) {
-			return
+		if !s.replied.Load() {
+			// Now the replied limit applies, which may be the shorter one.
+			s.replied.Store(true)
+			if s.guest.SetReadDeadline(s.expiry()) != nil {
+				return
+			}
+		}
+		out := &bt.out
+		out.reset()
+		for i := range bt.n {
+			out.add(bt.data(i), &s.name, s.namelen)
+		}
+		for i := 0; i < out.n; {
+			sent, err := out.flushFrom(b.prc, i)
+			if err == nil {
+				break
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			i = sent + 1 // a reply the client's address will not take is skipped
 		}
 	}
 }
