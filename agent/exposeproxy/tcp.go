@@ -2,10 +2,14 @@ package exposeproxy
 
 import (
 	"errors"
+	"io"
 	"net"
 	"net/netip"
+	"os"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // acceptor is the part of *net.TCPListener the accept loop uses, so a test can
@@ -139,14 +143,87 @@ func (p *Proxy) pipe(ex *exposure, client *net.TCPConn, t *target) {
 // still get their answer. *net.TCPConn.ReadFrom splices on Linux, so the bytes
 // never enter userspace. Any error tears down both halves, which also
 // unblocks the opposite direction.
+//
+// It splices only what src already holds and waits for more itself: a splice
+// keeps a pipe (two descriptors and its kernel buffers) for as long as it
+// waits, so an idle held connection would cost six descriptors, not two.
 func halfCopy(dst, src *net.TCPConn) {
-	if _, err := dst.ReadFrom(src); err != nil {
+	teardown := func() {
 		dst.Close()
 		src.Close()
+	}
+	rc, err := src.SyscallConn()
+	if err != nil {
+		teardown()
 		return
 	}
+	w := newInbound()
+	for {
+		n, err := w.wait(rc)
+		if err != nil {
+			teardown()
+			return
+		}
+		if n == 0 {
+			break // EOF
+		}
+		if _, err := dst.ReadFrom(&io.LimitedReader{R: src, N: n}); err != nil {
+			teardown()
+			return
+		}
+	}
 	if err := dst.CloseWrite(); err != nil {
-		dst.Close()
-		src.Close()
+		teardown()
+	}
+}
+
+// inbound waits for a TCP socket to hold data, holding no buffer meanwhile.
+type inbound struct {
+	n     int64
+	errno error
+	peek  [1]byte
+	check func(fd uintptr) bool // i.poll, bound once
+}
+
+func newInbound() *inbound {
+	i := &inbound{}
+	i.check = i.poll
+	return i
+}
+
+// wait returns how many bytes are queued once there are any, or 0 at EOF.
+func (i *inbound) wait(rc syscall.RawConn) (int64, error) {
+	i.n, i.errno = 0, nil
+	if err := rc.Read(i.check); err != nil {
+		return 0, err
+	}
+	return i.n, i.errno
+}
+
+func (i *inbound) poll(fd uintptr) bool {
+	for {
+		n, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+		if err != nil {
+			i.errno = os.NewSyscallError("ioctl", err)
+			return true
+		}
+		if n > 0 {
+			i.n = int64(n)
+			return true
+		}
+		// Nothing queued: EOF, an error, or simply nothing yet.
+		got, _, err := unix.Recvfrom(int(fd), i.peek[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err == unix.EAGAIN:
+			return false
+		case err != nil:
+			i.errno = os.NewSyscallError("recvfrom", err)
+			return true
+		case got == 0:
+			return true // EOF
+		}
+		// Data arrived between the two calls: count it.
 	}
 }
