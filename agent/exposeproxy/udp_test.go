@@ -1,8 +1,12 @@
 package exposeproxy
 
 import (
+	"fmt"
 	"log/slog"
+	"net"
 	"net/netip"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -93,6 +97,7 @@ func TestUDPIdleExpiry(t *testing.T) {
 		{"unanswered session expires on the short limit", "", short, long, true},
 		{"answered session outlives the short limit", "echo:", short, long, false},
 		{"answered session expires on the long limit", "echo:", short, 300 * time.Millisecond, true},
+		{"a reply switches to a shorter replied limit", "echo:", long, short, true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -171,4 +176,142 @@ func TestUDPRemovalEndsSessions(t *testing.T) {
 
 	assert.Empty(t, p.Converge(nil))
 	assert.Empty(t, p.Status())
+}
+
+// gate, once armed, holds the next Resolve until opened, so a test can queue
+// datagrams on the published port while the proxy is busy and have them read
+// as a batch. (Converge resolves too, so it is armed after the port is up.)
+type gate struct {
+	entered, open chan struct{}
+	armed         atomic.Bool
+	once          sync.Once
+	next          Resolver
+}
+
+func newGate(next Resolver) *gate {
+	return &gate{entered: make(chan struct{}), open: make(chan struct{}), next: next}
+}
+
+func (g *gate) resolve(vm string) (netip.Addr, bool) {
+	if !g.armed.Load() {
+		return g.next(vm)
+	}
+	g.once.Do(func() {
+		close(g.entered)
+		<-g.open
+	})
+	return g.next(vm)
+}
+
+// TestUDPBatchKeepsCountsExact: datagrams from many clients read in batches
+// are each either carried, in order per client, or counted; the cap holds
+// exactly.
+func TestUDPBatchKeepsCountsExact(t *testing.T) {
+	const clients, each, limit = 8, 10, 3
+	port := udpGuest(t, netip.AddrPortFrom(loopback, 0), "echo:")
+	g := newGate(newGuests("vm1", loopback).resolve)
+	p := newTestProxy(t, newGuests(), func(c *Config) { c.Resolve, c.MaxSessions = g.resolve, limit })
+	bound := p.converge(t, udpSpec("e1", "vm1", port))["e1"].Bound
+
+	cs := make([]*net.UDPConn, clients)
+	for i := range cs {
+		cs[i] = udpClient(t, bound)
+	}
+	send := func(i, j int) {
+		_, err := cs[i].Write(fmt.Appendf(nil, "c%d-%d", i, j))
+		require.NoError(t, err)
+	}
+	g.armed.Store(true)
+	send(0, 0)
+	<-g.entered // the proxy is stuck on the first datagram; queue the rest
+	for i := range cs {
+		for j := range each {
+			if i > 0 || j > 0 {
+				send(i, j)
+			}
+		}
+	}
+	close(g.open)
+
+	buf := make([]byte, 64)
+	for i := range limit {
+		require.NoError(t, cs[i].SetReadDeadline(time.Now().Add(5*time.Second)))
+		for j := range each {
+			n, err := cs[i].Read(buf)
+			require.NoError(t, err, "client %d answer %d", i, j)
+			require.Equal(t, fmt.Sprintf("echo:c%d-%d", i, j), string(buf[:n]))
+		}
+	}
+	require.Eventually(t, func() bool { return p.status(t, "e1").Refused == (clients-limit)*each },
+		5*time.Second, 5*time.Millisecond)
+	st := p.status(t, "e1")
+	assert.Equal(t, int64(limit), st.Active)
+	assert.Zero(t, st.Dropped)
+	assert.Equal(t, limit, p.logs.count(slog.LevelDebug, "session opened"))
+	for i := limit; i < clients; i++ {
+		sayUnanswered(t, cs[i], "still full")
+	}
+	assert.Equal(t, int64((clients-limit)*(each+1)), p.status(t, "e1").Refused)
+}
+
+// TestUDPBatchDropsEachDatagram: with no guest address, every datagram of a
+// batch counts as one drop and none starts a session.
+func TestUDPBatchDropsEachDatagram(t *testing.T) {
+	const clients, each = 3, 7
+	g := newGate(newGuests().resolve)
+	p := newTestProxy(t, newGuests(), func(c *Config) { c.Resolve = g.resolve })
+	bound := p.converge(t, udpSpec("e1", "vm1", 9999))["e1"].Bound
+	cs := make([]*net.UDPConn, clients)
+	for i := range cs {
+		cs[i] = udpClient(t, bound)
+	}
+	g.armed.Store(true)
+	_, err := cs[0].Write([]byte("first"))
+	require.NoError(t, err)
+	<-g.entered
+	for i := range clients * each {
+		if i > 0 {
+			_, err := cs[i%clients].Write([]byte("more"))
+			require.NoError(t, err)
+		}
+	}
+	close(g.open)
+	require.Eventually(t, func() bool { return p.status(t, "e1").Dropped == clients*each },
+		5*time.Second, 5*time.Millisecond)
+	sayUnanswered(t, cs[1], "last")
+	st := p.status(t, "e1")
+	assert.Equal(t, int64(clients*each+1), st.Dropped)
+	assert.Zero(t, st.Active)
+	assert.Zero(t, st.Refused)
+}
+
+// TestUDPTrafficKeepsSessionAlive: the idle deadline is armed once and
+// re-armed when it fires early, so a conversation that keeps moving (even one
+// way, the guest never answering) outlives the limit in a single session, and
+// expires once it stops.
+func TestUDPTrafficKeepsSessionAlive(t *testing.T) {
+	for _, answer := range []string{"", "echo:"} {
+		t.Run(fmt.Sprintf("answer=%q", answer), func(t *testing.T) {
+			const limit = time.Second // well above a scheduling stall on a loaded machine
+			port := udpGuest(t, netip.AddrPortFrom(loopback, 0), answer)
+			p := newTestProxy(t, newGuests("vm1", loopback), func(c *Config) {
+				c.UnrepliedIdle, c.RepliedIdle = limit, limit
+			})
+			bound := p.converge(t, udpSpec("e1", "vm1", port))["e1"].Bound
+			c := udpClient(t, bound)
+			for end := time.Now().Add(5 * limit / 2); time.Now().Before(end); {
+				if answer != "" {
+					require.Equal(t, "echo:tick", say(t, c, "tick"))
+				} else {
+					_, err := c.Write([]byte("tick"))
+					require.NoError(t, err)
+				}
+				time.Sleep(limit / 10)
+			}
+			assert.Equal(t, int64(1), p.status(t, "e1").Active)
+			p.waitActive(t, "e1", 0)
+			assert.Equal(t, 1, p.logs.count(slog.LevelDebug, "session opened"), "one session throughout")
+			assert.Zero(t, p.status(t, "e1").Dropped)
+		})
+	}
 }
