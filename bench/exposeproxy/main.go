@@ -23,7 +23,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: exposeproxy-bench proxy|sink|echo|udpecho|tcpsend|connrate|udpload|idle ...")
+		fmt.Fprintln(os.Stderr, "usage: exposeproxy-bench proxy|sink|echo|udpecho|tcpsend|connrate|udpload|idle|hold ...")
 		os.Exit(2)
 	}
 	cmd, args := os.Args[1], os.Args[2:]
@@ -36,18 +36,27 @@ func main() {
 	size := fs.Int("size", 512, "datagram size")
 	window := fs.Int("window", 32, "datagrams in flight per UDP client")
 	n := fs.Int("n", 1000, "idle exposures")
+	maxConns := fs.Int("cap", 1<<16, "the exposure's connection/session cap (proxy)")
+	stats := fs.String("stats", "", "address to report the proxy's own counts on (proxy); the target's (hold)")
+	pid := fs.Int("pid", 0, "forwarder process whose descriptors and memory to watch (hold)")
+	held := fs.Int("held", 20000, "connections to hold (hold)")
+	rate := fs.Int("rate", 1000, "new connections per second while holding (hold)")
+	sources := fs.Int("sources", 16, "client source addresses 127.0.0.2... (hold)")
 	fs.Parse(args)
+	if err := raiseNoFile(); err != nil {
+		fmt.Fprintln(os.Stderr, "raise RLIMIT_NOFILE:", err)
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	var err error
 	switch cmd {
 	case "proxy":
-		err = runProxy(ctx, *proto, *listen, *to)
+		err = runProxy(ctx, *proto, *listen, *to, *maxConns, *stats)
 	case "sink":
 		err = serveTCP(ctx, *listen, func(c *net.TCPConn) { io.Copy(io.Discard, c); c.Write([]byte{1}) })
 	case "echo":
-		err = serveTCP(ctx, *listen, func(c *net.TCPConn) { io.Copy(c, c); c.CloseWrite() })
+		err = serveTCP(ctx, *listen, echoTCP)
 	case "udpecho":
 		err = udpEcho(ctx, *listen)
 	case "tcpsend":
@@ -58,6 +67,9 @@ func main() {
 		err = udpLoad(*to, *streams, *window, *size, *dur)
 	case "idle":
 		err = idle(ctx, *n)
+	case "hold":
+		err = hold(ctx, holdConfig{to: *to, stats: *stats, pid: *pid, held: *held, rate: *rate,
+			dur: *dur, sources: *sources})
 	default:
 		err = fmt.Errorf("unknown command %q", cmd)
 	}
@@ -68,7 +80,7 @@ func main() {
 }
 
 // runProxy forwards one exposure until signalled; the guest is "to".
-func runProxy(ctx context.Context, proto, listen, to string) error {
+func runProxy(ctx context.Context, proto, listen, to string, maxConns int, stats string) error {
 	guest, err := netip.ParseAddrPort(to)
 	if err != nil {
 		return err
@@ -80,13 +92,21 @@ func runProxy(ctx context.Context, proto, listen, to string) error {
 	p := exposeproxy.New(exposeproxy.Config{
 		Log:         slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
 		Resolve:     func(string) (netip.Addr, bool) { return guest.Addr(), true },
-		MaxConns:    1 << 16,
-		MaxSessions: 1 << 16,
+		MaxConns:    maxConns,
+		MaxSessions: maxConns,
 	})
 	defer p.Close()
 	st := p.Converge([]exposeproxy.Spec{{ID: "bench", VMID: "vm", Protocol: exposeproxy.Protocol(proto), Listen: l, GuestPort: guest.Port()}})
 	if st[0].State != exposeproxy.StateActive {
 		return fmt.Errorf("bind: %s", st[0].Reason)
+	}
+	if stats != "" {
+		ln, err := net.Listen("tcp", stats)
+		if err != nil {
+			return err
+		}
+		defer ln.Close()
+		go serveStats(ln, p)
 	}
 	<-ctx.Done()
 	fmt.Fprintf(os.Stderr, "proxy counters: active=%d refused=%d dropped=%d\n", p.Status()[0].Active, p.Status()[0].Refused, p.Status()[0].Dropped)
@@ -105,6 +125,25 @@ func serveTCP(ctx context.Context, listen string, handle func(*net.TCPConn)) err
 			return nil
 		}
 		go func() { defer c.Close(); handle(c) }()
+	}
+}
+
+// echoTCP answers until EOF with a plain read/write loop: io.Copy would
+// splice and keep a pipe (two descriptors) per idle connection, and the echo
+// behind hold.sh holds 20,000 of them.
+func echoTCP(c *net.TCPConn) {
+	buf := make([]byte, 4096)
+	for {
+		n, err := c.Read(buf)
+		if n > 0 {
+			if _, werr := c.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			c.CloseWrite()
+			return
+		}
 	}
 }
 

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Hold many TCP connections through one published port while new ones keep
+# arriving: HELD connections (default 20,000) to an echo behind the proxy,
+# then RATE new connections a second (default 1,000) for DUR (default 60s)
+# beside them, every one proven end to end. Reports the proxy's memory and
+# descriptors per held connection, any connection refused or lost, and whether
+# its descriptors and goroutines return to where they started once all close.
+#
+#   bench/exposeproxy/hold.sh
+#   HELD=2000 DUR=10s bench/exposeproxy/hold.sh
+#   DOCKER_PROXY=/path/to/docker-proxy bench/exposeproxy/hold.sh   # the same load on docker-proxy
+#
+# Runs in a network namespace of its own (root; unshare -n): its own loopback,
+# ephemeral port range and descriptor limits, so the 100,000-odd sockets and
+# TIME_WAIT entries neither disturb the host nor depend on its settings. The
+# guest is a loopback echo, not a VM: what is measured is the proxy's cost per
+# connection, and a TCG guest's kernel would be the bottleneck long before it.
+set -euo pipefail
+
+HELD=${HELD:-20000}
+RATE=${RATE:-1000}
+DUR=${DUR:-60s}
+CAP=${CAP:-$((HELD + 2 * RATE))}
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+
+if [[ -z ${HOLD_IN_NETNS:-} ]]; then
+	bin=$(mktemp -d)/exposeproxy-bench
+	(cd "$root" && go build -o "$bin" ./bench/exposeproxy)
+	trap 'rm -rf "$(dirname "$bin")"' EXIT
+	HOLD_IN_NETNS=1 BIN=$bin unshare -n "$0" "$@"
+	exit
+fi
+
+ip link set lo up
+sysctl -qw net.ipv4.ip_local_port_range="1024 65535"
+sysctl -qw net.core.somaxconn=4096
+# As many descriptors as this process may have; raising the hard limit needs
+# CAP_SYS_RESOURCE, which a container may not grant.
+ulimit -n "$(cat /proc/sys/fs/nr_open)" 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+echo "RLIMIT_NOFILE: $(ulimit -n)"
+
+pids=()
+cleanup() {
+	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+	wait 2>/dev/null || true
+}
+trap cleanup EXIT
+
+L=127.0.0.1
+"$BIN" echo -listen $L:7000 & pids+=($!)
+"$BIN" proxy -proto tcp -listen $L:8000 -to $L:7000 -cap "$CAP" -stats $L:8001 & proxy=$!
+pids+=($proxy)
+sleep 1
+
+echo "== eitri exposeproxy: cap $CAP, $HELD held, $RATE/s for $DUR  (uptime:$(uptime | sed 's/.*load/ load/'))"
+"$BIN" hold -to $L:8000 -stats $L:8001 -pid $proxy -held "$HELD" -rate "$RATE" -dur "$DUR"
+kill $proxy
+wait $proxy 2>/dev/null || true
+
+if [[ -n ${DOCKER_PROXY:-} ]]; then
+	# docker-proxy signals readiness on descriptor 3.
+	"$DOCKER_PROXY" -proto tcp -host-ip $L -host-port 8100 -container-ip $L -container-port 7000 3>/dev/null &
+	dp=$!
+	pids+=($dp)
+	sleep 1
+	echo "== docker-proxy ($DOCKER_PROXY): $HELD held, $RATE/s for $DUR  (uptime:$(uptime | sed 's/.*load/ load/'))"
+	"$BIN" hold -to $L:8100 -pid $dp -held "$HELD" -rate "$RATE" -dur "$DUR"
+fi
