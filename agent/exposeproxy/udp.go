@@ -289,12 +289,14 @@ func (p *Proxy) endSession(ex *exposure, b *binding, s *session) {
 	removed := b.sessions[s.client] == s
 	if removed {
 		delete(b.sessions, s.client)
-		ex.active.Add(-1)
 	}
 	b.smu.Unlock()
 	s.guest.Close()
 	if removed {
+		// Logged before the gauge drops, so whoever sees it drop can also
+		// see why.
 		p.log.Debug("exposure session closed", "exposure", ex.id, "client", s.client)
+		ex.active.Add(-1)
 	}
 }
 
