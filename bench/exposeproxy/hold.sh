@@ -33,12 +33,24 @@ if [[ -z ${HOLD_IN_NETNS:-} ]]; then
 fi
 
 ip link set lo up
-sysctl -qw net.ipv4.ip_local_port_range="1024 65535"
+# The proxy closes first toward the guest when a client leaves, so each churned
+# connection leaves a TIME_WAIT entry on the proxy's side of (proxy, guest
+# ip:port) for 60s, in the same ephemeral port space the held connections use.
+# tcp_tw_reuse=2 (the kernel default) reuses them on loopback only; toward a
+# real guest on a bridge set TW_REUSE=0 PORTS="32768 60999" to see that wall:
+# held + 60s x rate must fit in the port range.
+sysctl -qw net.ipv4.ip_local_port_range="${PORTS:-1024 65535}"
+sysctl -qw net.ipv4.tcp_tw_reuse="${TW_REUSE:-2}"
 sysctl -qw net.core.somaxconn=4096
+echo "ports $(sysctl -n net.ipv4.ip_local_port_range | tr '\t' -), tcp_tw_reuse $(sysctl -n net.ipv4.tcp_tw_reuse)"
 # As many descriptors as this process may have; raising the hard limit needs
 # CAP_SYS_RESOURCE, which a container may not grant.
 ulimit -n "$(cat /proc/sys/fs/nr_open)" 2>/dev/null || ulimit -n "$(ulimit -Hn)"
-echo "RLIMIT_NOFILE: $(ulimit -n)"
+need=$((2 * HELD + RATE + 100)) # two per held connection, and the churn in flight
+echo "RLIMIT_NOFILE: $(ulimit -n) (the proxy needs about $need)"
+if (($(ulimit -n) < need)); then
+	echo "warning: too few descriptors for $HELD held connections; expect refusals past $((($(ulimit -n) - RATE - 100) / 2))" >&2
+fi
 
 pids=()
 cleanup() {
