@@ -175,11 +175,11 @@ func newDialers(n int) *dialers {
 // ping opens a connection and proves it reaches the echo behind the
 // forwarder: a forwarder that accepts and then closes (a refusal at its cap,
 // a failed dial to the guest) shows up as an error here.
-func (d *dialers) ping(to string) (net.Conn, error) {
+func (d *dialers) ping(to string) (net.Conn, *stageError) {
 	dl := &d.ds[d.next.Add(1)%uint64(len(d.ds))]
 	c, err := dl.Dial("tcp", to)
 	if err != nil {
-		return nil, fmt.Errorf("dial: %w", err)
+		return nil, &stageError{"dial", err}
 	}
 	if err := roundTrip(c); err != nil {
 		c.Close()
@@ -188,37 +188,44 @@ func (d *dialers) ping(to string) (net.Conn, error) {
 	return c, nil
 }
 
-func roundTrip(c net.Conn) error {
+func roundTrip(c net.Conn) *stageError {
 	c.SetDeadline(time.Now().Add(10 * time.Second))
 	defer c.SetDeadline(time.Time{})
 	if _, err := c.Write([]byte{'x'}); err != nil {
-		return fmt.Errorf("write: %w", err)
+		return &stageError{"write", err}
 	}
 	one := make([]byte, 1)
 	if _, err := io.ReadFull(c, one); err != nil {
-		return fmt.Errorf("no echo: %w", err)
+		return &stageError{"no echo", err}
 	}
 	return nil
 }
 
-// failures counts errors by their text, so a run's report says what failed.
+// stageError is a failed connection and the step it failed at.
+type stageError struct {
+	stage string
+	err   error
+}
+
+// failures counts errors by step and root cause (addresses left out, so
+// thousands of failures read as a few lines).
 type failures struct {
 	mu sync.Mutex
 	m  map[string]int
 	n  atomic.Int64
 }
 
-func (f *failures) add(err error) {
+func (f *failures) add(e *stageError) {
 	f.n.Add(1)
+	root := e.err
+	for u := errors.Unwrap(root); u != nil; u = errors.Unwrap(root) {
+		root = u
+	}
 	f.mu.Lock()
 	if f.m == nil {
 		f.m = map[string]int{}
 	}
-	msg := err.Error()
-	if i := strings.LastIndex(msg, ": "); i >= 0 && errors.Unwrap(err) != nil {
-		msg = msg[:i] + ": " + errors.Unwrap(err).Error()
-	}
-	f.m[msg]++
+	f.m[e.stage+": "+root.Error()]++
 	f.mu.Unlock()
 }
 

@@ -60,22 +60,32 @@ cleanup() {
 trap cleanup EXIT
 
 L=127.0.0.1
-"$BIN" echo -listen $L:7000 & pids+=($!)
-"$BIN" proxy -proto tcp -listen $L:8000 -to $L:7000 -cap "$CAP" -stats $L:8001 & proxy=$!
+# Ports below the ephemeral range, so no client or guest-side socket of an
+# earlier run can be sitting on them.
+ECHO=700 PROXY=800 STATS=801 DPROXY=810
+log=$(mktemp)
+"$BIN" echo -listen $L:$ECHO & pids+=($!)
+"$BIN" proxy -proto tcp -listen $L:$PROXY -to $L:$ECHO -cap "$CAP" -stats $L:$STATS 2>"$log" & proxy=$!
 pids+=($proxy)
 sleep 1
 
 echo "== eitri exposeproxy: cap $CAP, $HELD held, $RATE/s for $DUR  (uptime:$(uptime | sed 's/.*load/ load/'))"
-"$BIN" hold -to $L:8000 -stats $L:8001 -pid $proxy -held "$HELD" -rate "$RATE" -dur "$DUR"
+"$BIN" hold -to $L:$PROXY -stats $L:$STATS -pid $proxy -held "$HELD" -rate "$RATE" -dur "$DUR"
 kill $proxy
 wait $proxy 2>/dev/null || true
+echo "proxy log: $(wc -l <"$log") lines, $(grep -c 'out of file descriptors' "$log") about running out of descriptors; last: $(tail -1 "$log")"
+rm -f "$log"
 
 if [[ -n ${DOCKER_PROXY:-} ]]; then
-	# docker-proxy signals readiness on descriptor 3.
-	"$DOCKER_PROXY" -proto tcp -host-ip $L -host-port 8100 -container-ip $L -container-port 7000 3>/dev/null &
+	# docker-proxy reports "0" (ready) or "1" and the error on descriptor 3.
+	ready=$(mktemp)
+	"$DOCKER_PROXY" -proto tcp -host-ip $L -host-port $DPROXY -container-ip $L -container-port $ECHO 3>"$ready" &
 	dp=$!
 	pids+=($dp)
 	sleep 1
 	echo "== docker-proxy ($DOCKER_PROXY): $HELD held, $RATE/s for $DUR  (uptime:$(uptime | sed 's/.*load/ load/'))"
-	"$BIN" hold -to $L:8100 -pid $dp -held "$HELD" -rate "$RATE" -dur "$DUR"
+	[[ $(head -c1 "$ready") == 0 ]] || { echo "docker-proxy did not start: $(cat "$ready")" >&2; exit 1; }
+	"$BIN" hold -to $L:$DPROXY -pid $dp -held "$HELD" -rate "$RATE" -dur "$DUR" || true
+	kill -0 $dp 2>/dev/null || echo "docker-proxy has exited"
+	rm -f "$ready"
 fi
