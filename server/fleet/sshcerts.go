@@ -157,6 +157,42 @@ func caKey(k ssh.PublicKey, previous bool) *eitriv1.SSHCAKey {
 	return &eitriv1.SSHCAKey{PublicKey: sshca.AuthorizedKey(k), Fingerprint: ssh.FingerprintSHA256(k), Previous: previous}
 }
 
+// userCATrust is what a VM's guest trusts, read against the user CA now:
+// each key it was seeded with, whether the CA signs with it, and — when it
+// signs with none of them — that the guest is stale and how to fix it.
+func (f *Fleet) userCATrust(seeded []string) ([]*eitriv1.TrustedCA, bool, string) {
+	if len(seeded) == 0 || f.cfg.SSHCA == nil {
+		return nil, false, ""
+	}
+	current := sshca.AuthorizedKey(f.cfg.SSHCA.PublicKey(sshca.User))
+	out := make([]*eitriv1.TrustedCA, 0, len(seeded))
+	stale := true
+	for _, line := range seeded {
+		ca := &eitriv1.TrustedCA{PublicKey: line, Current: sameKey(line, current)}
+		if k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(line)); err == nil {
+			ca.Fingerprint = ssh.FingerprintSHA256(k)
+		}
+		if ca.Current {
+			stale = false
+		}
+		out = append(out, ca)
+	}
+	if !stale {
+		return out, false, ""
+	}
+	return out, true, "the guest trusts only user CAs rotated out since it was created, so eitri ssh certificates are refused; " +
+		"add the current user CA (eitri ssh-ca) to " + seedUserCAPath + " in the guest (log in with the VM's own key), or recreate the VM"
+}
+
+// seedUserCAPath is where a guest's seed puts the user CA keys sshd trusts.
+const seedUserCAPath = "/etc/ssh/eitri_user_ca.pub"
+
+// sameKey compares two authorized_keys lines by their key, not comment.
+func sameKey(a, b string) bool {
+	fa, fb := strings.Fields(a), strings.Fields(b)
+	return len(fa) >= 2 && len(fb) >= 2 && fa[0] == fb[0] && fa[1] == fb[1]
+}
+
 // trustedUserCAKeys is what every guest's seed trusts (VMDesired): empty
 // without a CA.
 func (f *Fleet) trustedUserCAKeys() []string {

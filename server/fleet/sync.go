@@ -165,6 +165,11 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 			SshAuthorizedKey: v.SSHAuthorizedKey, Owner: v.OwnerID, Version: v.DesiredGen,
 			Retry: v.Retry, SshUserCaKeys: userCAs,
 		}
+		if len(v.UserCAKeys) > 0 {
+			// The keys recorded for the VM are the ones its seed gets, so
+			// what the VM shows it trusts is what the guest was given.
+			d.SshUserCaKeys = v.UserCAKeys
+		}
 		if v.DeletedAt != nil {
 			d.Deleted = true
 			deleted[v.ID] = true

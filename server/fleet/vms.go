@@ -134,6 +134,9 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 		VCPUs: r.GetVcpus(), MemMB: r.GetMemMb(), DiskGB: r.GetDiskGb(),
 		PowerState: power, Status: vmstate.LifecyclePending, SSHAuthorizedKey: r.GetSshAuthorizedKey(),
 		CreatedAt: now, UpdatedAt: now,
+		// What its seed will trust, kept so a later rotation can show the
+		// guest left behind (snapshots send the VM these keys).
+		UserCAKeys: f.trustedUserCAKeys(),
 	}
 	// The checks above, again inside the insert's transaction: with other
 	// replicas on the same database, f.quota.admit does not stop them
@@ -464,6 +467,7 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 			out.LastError = row.GetLastError()
 		}
 	}
+	out.TrustedCas, out.TrustStale, out.TrustFix = f.userCATrust(v.UserCAKeys)
 	return out
 }
 

@@ -47,7 +47,7 @@ var copyTables = []copyTable{
 	{name: "join_tokens", cols: []string{"id", "hash", "created_by", "created_at", "expires_at", "used_at", "host_id"}, order: "id"},
 	{name: "vms", cols: []string{"id", "owner_id", "host_id", "name", "image_url", "image_sha256", "vcpus", "mem_mb", "disk_gb",
 		"power_state", "status", "last_error", "assigned_ip", "ssh_authorized_key", "ssh_host_pubkey",
-		"created_at", "updated_at", "deleted_at", "destroy_at", "desired_gen", "retry", "exits_seen"}, order: "id"},
+		"created_at", "updated_at", "deleted_at", "destroy_at", "desired_gen", "retry", "exits_seen", "user_ca_keys"}, order: "id"},
 	{name: "exposures", cols: []string{"id", "vm_id", "host_id", "guest_port", "host_port", "protocol", "scope", "max_sessions", "created_at"},
 		order: "id"},
 	{name: "vm_events", cols: []string{"id", "vm_id", "at", "kind", "message"}, order: "id", identity: "id"},

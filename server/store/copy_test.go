@@ -97,6 +97,7 @@ func fillEverything(t *testing.T, s *Store) {
 	// waiting to be destroyed, one deleted outright (its events go too,
 	// leaving a gap in the ids).
 	v1 := testVM("v1", "u1", "h1", "web", t0)
+	v1.UserCAKeys = []string{"ssh-ed25519 AAAAnew eitri-user-ca", "ssh-ed25519 AAAAold eitri-user-ca"}
 	require.NoError(t, s.CreateVM(ctx, v1))
 	_, _, err := s.UpdateVM(ctx, "v1", func(vm *VM) error {
 		vm.Status, vm.AssignedIP, vm.SSHHostPubkey, vm.Retry, vm.ExitsSeen = "running", "10.77.0.9", "ssh-ed25519 HOST", 2, 1

@@ -68,6 +68,20 @@ func vmDetail(w io.Writer, v *eitriv1.VM) {
 		{"size", fmt.Sprintf("%d vCPU, %d MiB, %d GiB", v.Vcpus, v.MemMb, v.DiskGb)}, {"image", v.ImageUrl},
 		{"sha256", v.ImageSha256}, {"created", when(v.CreatedAt.AsTime())},
 	}
+	if len(v.TrustedCas) > 0 {
+		var cas []string
+		for _, ca := range v.TrustedCas {
+			word := "rotated out"
+			if ca.Current {
+				word = "current"
+			}
+			cas = append(cas, ca.Fingerprint+" ("+word+")")
+		}
+		rows = append(rows, [2]string{"trusts user CAs", strings.Join(cas, ", ")})
+	}
+	if v.TrustStale {
+		rows = append(rows, [2]string{"ssh", "STALE: " + v.TrustFix})
+	}
 	for _, r := range rows {
 		fmt.Fprintf(w, "%s\t%s\n", r[0], r[1])
 	}

@@ -5,6 +5,7 @@ import { VMService } from '@eitri/sdk/vm_pb';
 import { ExposureService } from '@eitri/sdk/exposure_pb';
 import { HostService } from '@eitri/sdk/host_pb';
 import { TokenService } from '@eitri/sdk/token_pb';
+import { ReleaseService } from '@eitri/sdk/release_pb';
 import { LinkBoard, Session } from './live.svelte';
 
 export type Eitri = {
@@ -13,6 +14,7 @@ export type Eitri = {
 	exposures: Client<typeof ExposureService>;
 	hosts: Client<typeof HostService>;
 	tokens: Client<typeof TokenService>;
+	releases: Client<typeof ReleaseService>;
 	board: LinkBoard;
 	session: Session;
 };
@@ -35,6 +37,7 @@ export function provideEitri(transport: Transport): Eitri {
 		exposures: createClient(ExposureService, transport),
 		hosts: createClient(HostService, transport),
 		tokens: createClient(TokenService, transport),
+		releases: createClient(ReleaseService, transport),
 		board: new LinkBoard(),
 		session: new Session()
 	};

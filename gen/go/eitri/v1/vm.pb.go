@@ -83,7 +83,16 @@ type VM struct {
 	// host: "cloud-init" (cloud-init finished and phoned home), "ssh" (port
 	// 22 answered) or "dhcp" (only an address, after the host stopped
 	// waiting). Empty unless the host reports it ready.
-	ReadySignal   string `protobuf:"bytes,26,opt,name=ready_signal,json=readySignal,proto3" json:"ready_signal,omitempty"`
+	ReadySignal string `protobuf:"bytes,26,opt,name=ready_signal,json=readySignal,proto3" json:"ready_signal,omitempty"`
+	// The SSH user CAs the guest's seed was given to trust (its sshd reads
+	// them once, at first boot). Empty for a VM created before they were
+	// recorded, or on a control plane without a CA: then nothing is known.
+	TrustedCas []*TrustedCA `protobuf:"bytes,27,rep,name=trusted_cas,json=trustedCas,proto3" json:"trusted_cas,omitempty"`
+	// The guest trusts none of the keys the user CA signs with now (the CA
+	// was rotated since it was created): certificates eitri ssh gets are
+	// refused. trust_fix says what to do. False when trusted_cas is empty.
+	TrustStale    bool   `protobuf:"varint,28,opt,name=trust_stale,json=trustStale,proto3" json:"trust_stale,omitempty"`
+	TrustFix      string `protobuf:"bytes,29,opt,name=trust_fix,json=trustFix,proto3" json:"trust_fix,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -300,6 +309,91 @@ func (x *VM) GetReadySignal() string {
 	return ""
 }
 
+func (x *VM) GetTrustedCas() []*TrustedCA {
+	if x != nil {
+		return x.TrustedCas
+	}
+	return nil
+}
+
+func (x *VM) GetTrustStale() bool {
+	if x != nil {
+		return x.TrustStale
+	}
+	return false
+}
+
+func (x *VM) GetTrustFix() string {
+	if x != nil {
+		return x.TrustFix
+	}
+	return ""
+}
+
+// TrustedCA is one SSH user CA key a guest trusts.
+type TrustedCA struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// authorized_keys form.
+	PublicKey string `protobuf:"bytes,1,opt,name=public_key,json=publicKey,proto3" json:"public_key,omitempty"`
+	// "SHA256:…", as ssh-keygen -l prints it.
+	Fingerprint string `protobuf:"bytes,2,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	// The user CA signs certificates with this key now.
+	Current       bool `protobuf:"varint,3,opt,name=current,proto3" json:"current,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TrustedCA) Reset() {
+	*x = TrustedCA{}
+	mi := &file_eitri_v1_vm_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TrustedCA) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TrustedCA) ProtoMessage() {}
+
+func (x *TrustedCA) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_vm_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TrustedCA.ProtoReflect.Descriptor instead.
+func (*TrustedCA) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *TrustedCA) GetPublicKey() string {
+	if x != nil {
+		return x.PublicKey
+	}
+	return ""
+}
+
+func (x *TrustedCA) GetFingerprint() string {
+	if x != nil {
+		return x.Fingerprint
+	}
+	return ""
+}
+
+func (x *TrustedCA) GetCurrent() bool {
+	if x != nil {
+		return x.Current
+	}
+	return false
+}
+
 type CreateVMRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A DNS label (lowercase letters, digits, '-'; at most 63), unique among
@@ -325,7 +419,7 @@ type CreateVMRequest struct {
 
 func (x *CreateVMRequest) Reset() {
 	*x = CreateVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[1]
+	mi := &file_eitri_v1_vm_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -337,7 +431,7 @@ func (x *CreateVMRequest) String() string {
 func (*CreateVMRequest) ProtoMessage() {}
 
 func (x *CreateVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[1]
+	mi := &file_eitri_v1_vm_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -350,7 +444,7 @@ func (x *CreateVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVMRequest.ProtoReflect.Descriptor instead.
 func (*CreateVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{1}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *CreateVMRequest) GetName() string {
@@ -425,7 +519,7 @@ type CreateVMResponse struct {
 
 func (x *CreateVMResponse) Reset() {
 	*x = CreateVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[2]
+	mi := &file_eitri_v1_vm_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -437,7 +531,7 @@ func (x *CreateVMResponse) String() string {
 func (*CreateVMResponse) ProtoMessage() {}
 
 func (x *CreateVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[2]
+	mi := &file_eitri_v1_vm_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -450,7 +544,7 @@ func (x *CreateVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVMResponse.ProtoReflect.Descriptor instead.
 func (*CreateVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{2}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *CreateVMResponse) GetVm() *VM {
@@ -469,7 +563,7 @@ type GetVMRequest struct {
 
 func (x *GetVMRequest) Reset() {
 	*x = GetVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[3]
+	mi := &file_eitri_v1_vm_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -481,7 +575,7 @@ func (x *GetVMRequest) String() string {
 func (*GetVMRequest) ProtoMessage() {}
 
 func (x *GetVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[3]
+	mi := &file_eitri_v1_vm_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -494,7 +588,7 @@ func (x *GetVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVMRequest.ProtoReflect.Descriptor instead.
 func (*GetVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{3}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *GetVMRequest) GetId() string {
@@ -513,7 +607,7 @@ type GetVMResponse struct {
 
 func (x *GetVMResponse) Reset() {
 	*x = GetVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[4]
+	mi := &file_eitri_v1_vm_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -525,7 +619,7 @@ func (x *GetVMResponse) String() string {
 func (*GetVMResponse) ProtoMessage() {}
 
 func (x *GetVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[4]
+	mi := &file_eitri_v1_vm_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -538,7 +632,7 @@ func (x *GetVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVMResponse.ProtoReflect.Descriptor instead.
 func (*GetVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{4}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GetVMResponse) GetVm() *VM {
@@ -556,7 +650,7 @@ type ListVMsRequest struct {
 
 func (x *ListVMsRequest) Reset() {
 	*x = ListVMsRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[5]
+	mi := &file_eitri_v1_vm_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -568,7 +662,7 @@ func (x *ListVMsRequest) String() string {
 func (*ListVMsRequest) ProtoMessage() {}
 
 func (x *ListVMsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[5]
+	mi := &file_eitri_v1_vm_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -581,7 +675,7 @@ func (x *ListVMsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMsRequest.ProtoReflect.Descriptor instead.
 func (*ListVMsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{5}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{6}
 }
 
 type ListVMsResponse struct {
@@ -593,7 +687,7 @@ type ListVMsResponse struct {
 
 func (x *ListVMsResponse) Reset() {
 	*x = ListVMsResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[6]
+	mi := &file_eitri_v1_vm_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -605,7 +699,7 @@ func (x *ListVMsResponse) String() string {
 func (*ListVMsResponse) ProtoMessage() {}
 
 func (x *ListVMsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[6]
+	mi := &file_eitri_v1_vm_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -618,7 +712,7 @@ func (x *ListVMsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMsResponse.ProtoReflect.Descriptor instead.
 func (*ListVMsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{6}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ListVMsResponse) GetVms() []*VM {
@@ -637,7 +731,7 @@ type StartVMRequest struct {
 
 func (x *StartVMRequest) Reset() {
 	*x = StartVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[7]
+	mi := &file_eitri_v1_vm_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -649,7 +743,7 @@ func (x *StartVMRequest) String() string {
 func (*StartVMRequest) ProtoMessage() {}
 
 func (x *StartVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[7]
+	mi := &file_eitri_v1_vm_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -662,7 +756,7 @@ func (x *StartVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartVMRequest.ProtoReflect.Descriptor instead.
 func (*StartVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{7}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *StartVMRequest) GetId() string {
@@ -681,7 +775,7 @@ type StartVMResponse struct {
 
 func (x *StartVMResponse) Reset() {
 	*x = StartVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[8]
+	mi := &file_eitri_v1_vm_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -693,7 +787,7 @@ func (x *StartVMResponse) String() string {
 func (*StartVMResponse) ProtoMessage() {}
 
 func (x *StartVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[8]
+	mi := &file_eitri_v1_vm_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -706,7 +800,7 @@ func (x *StartVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartVMResponse.ProtoReflect.Descriptor instead.
 func (*StartVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{8}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *StartVMResponse) GetVm() *VM {
@@ -725,7 +819,7 @@ type StopVMRequest struct {
 
 func (x *StopVMRequest) Reset() {
 	*x = StopVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[9]
+	mi := &file_eitri_v1_vm_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -737,7 +831,7 @@ func (x *StopVMRequest) String() string {
 func (*StopVMRequest) ProtoMessage() {}
 
 func (x *StopVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[9]
+	mi := &file_eitri_v1_vm_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -750,7 +844,7 @@ func (x *StopVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopVMRequest.ProtoReflect.Descriptor instead.
 func (*StopVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{9}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StopVMRequest) GetId() string {
@@ -769,7 +863,7 @@ type StopVMResponse struct {
 
 func (x *StopVMResponse) Reset() {
 	*x = StopVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[10]
+	mi := &file_eitri_v1_vm_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -781,7 +875,7 @@ func (x *StopVMResponse) String() string {
 func (*StopVMResponse) ProtoMessage() {}
 
 func (x *StopVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[10]
+	mi := &file_eitri_v1_vm_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -794,7 +888,7 @@ func (x *StopVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopVMResponse.ProtoReflect.Descriptor instead.
 func (*StopVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{10}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *StopVMResponse) GetVm() *VM {
@@ -813,7 +907,7 @@ type DeleteVMRequest struct {
 
 func (x *DeleteVMRequest) Reset() {
 	*x = DeleteVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[11]
+	mi := &file_eitri_v1_vm_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -825,7 +919,7 @@ func (x *DeleteVMRequest) String() string {
 func (*DeleteVMRequest) ProtoMessage() {}
 
 func (x *DeleteVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[11]
+	mi := &file_eitri_v1_vm_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -838,7 +932,7 @@ func (x *DeleteVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVMRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DeleteVMRequest) GetId() string {
@@ -857,7 +951,7 @@ type DeleteVMResponse struct {
 
 func (x *DeleteVMResponse) Reset() {
 	*x = DeleteVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[12]
+	mi := &file_eitri_v1_vm_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -869,7 +963,7 @@ func (x *DeleteVMResponse) String() string {
 func (*DeleteVMResponse) ProtoMessage() {}
 
 func (x *DeleteVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[12]
+	mi := &file_eitri_v1_vm_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -882,7 +976,7 @@ func (x *DeleteVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVMResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *DeleteVMResponse) GetVm() *VM {
@@ -901,7 +995,7 @@ type RestoreVMRequest struct {
 
 func (x *RestoreVMRequest) Reset() {
 	*x = RestoreVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[13]
+	mi := &file_eitri_v1_vm_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -913,7 +1007,7 @@ func (x *RestoreVMRequest) String() string {
 func (*RestoreVMRequest) ProtoMessage() {}
 
 func (x *RestoreVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[13]
+	mi := &file_eitri_v1_vm_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -926,7 +1020,7 @@ func (x *RestoreVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreVMRequest.ProtoReflect.Descriptor instead.
 func (*RestoreVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RestoreVMRequest) GetId() string {
@@ -945,7 +1039,7 @@ type RestoreVMResponse struct {
 
 func (x *RestoreVMResponse) Reset() {
 	*x = RestoreVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[14]
+	mi := &file_eitri_v1_vm_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -957,7 +1051,7 @@ func (x *RestoreVMResponse) String() string {
 func (*RestoreVMResponse) ProtoMessage() {}
 
 func (x *RestoreVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[14]
+	mi := &file_eitri_v1_vm_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -970,7 +1064,7 @@ func (x *RestoreVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreVMResponse.ProtoReflect.Descriptor instead.
 func (*RestoreVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{14}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RestoreVMResponse) GetVm() *VM {
@@ -989,7 +1083,7 @@ type RetryVMRequest struct {
 
 func (x *RetryVMRequest) Reset() {
 	*x = RetryVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[15]
+	mi := &file_eitri_v1_vm_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1001,7 +1095,7 @@ func (x *RetryVMRequest) String() string {
 func (*RetryVMRequest) ProtoMessage() {}
 
 func (x *RetryVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[15]
+	mi := &file_eitri_v1_vm_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1014,7 +1108,7 @@ func (x *RetryVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryVMRequest.ProtoReflect.Descriptor instead.
 func (*RetryVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{15}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RetryVMRequest) GetId() string {
@@ -1033,7 +1127,7 @@ type RetryVMResponse struct {
 
 func (x *RetryVMResponse) Reset() {
 	*x = RetryVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[16]
+	mi := &file_eitri_v1_vm_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1045,7 +1139,7 @@ func (x *RetryVMResponse) String() string {
 func (*RetryVMResponse) ProtoMessage() {}
 
 func (x *RetryVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[16]
+	mi := &file_eitri_v1_vm_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1058,7 +1152,7 @@ func (x *RetryVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RetryVMResponse.ProtoReflect.Descriptor instead.
 func (*RetryVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{16}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *RetryVMResponse) GetVm() *VM {
@@ -1083,7 +1177,7 @@ type VMEvent struct {
 
 func (x *VMEvent) Reset() {
 	*x = VMEvent{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[17]
+	mi := &file_eitri_v1_vm_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1095,7 +1189,7 @@ func (x *VMEvent) String() string {
 func (*VMEvent) ProtoMessage() {}
 
 func (x *VMEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[17]
+	mi := &file_eitri_v1_vm_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1108,7 +1202,7 @@ func (x *VMEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMEvent.ProtoReflect.Descriptor instead.
 func (*VMEvent) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{17}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *VMEvent) GetAt() *timestamppb.Timestamp {
@@ -1148,7 +1242,7 @@ type ListVMEventsRequest struct {
 
 func (x *ListVMEventsRequest) Reset() {
 	*x = ListVMEventsRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[18]
+	mi := &file_eitri_v1_vm_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1160,7 +1254,7 @@ func (x *ListVMEventsRequest) String() string {
 func (*ListVMEventsRequest) ProtoMessage() {}
 
 func (x *ListVMEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[18]
+	mi := &file_eitri_v1_vm_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1173,7 +1267,7 @@ func (x *ListVMEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListVMEventsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{18}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ListVMEventsRequest) GetVmId() string {
@@ -1209,7 +1303,7 @@ type ListVMEventsResponse struct {
 
 func (x *ListVMEventsResponse) Reset() {
 	*x = ListVMEventsResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[19]
+	mi := &file_eitri_v1_vm_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1221,7 +1315,7 @@ func (x *ListVMEventsResponse) String() string {
 func (*ListVMEventsResponse) ProtoMessage() {}
 
 func (x *ListVMEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[19]
+	mi := &file_eitri_v1_vm_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1234,7 +1328,7 @@ func (x *ListVMEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListVMEventsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{19}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ListVMEventsResponse) GetEvents() []*VMEvent {
@@ -1263,7 +1357,7 @@ type WatchVMsRequest struct {
 
 func (x *WatchVMsRequest) Reset() {
 	*x = WatchVMsRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[20]
+	mi := &file_eitri_v1_vm_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1275,7 +1369,7 @@ func (x *WatchVMsRequest) String() string {
 func (*WatchVMsRequest) ProtoMessage() {}
 
 func (x *WatchVMsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[20]
+	mi := &file_eitri_v1_vm_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1288,7 +1382,7 @@ func (x *WatchVMsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVMsRequest.ProtoReflect.Descriptor instead.
 func (*WatchVMsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{20}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *WatchVMsRequest) GetVmId() string {
@@ -1307,7 +1401,7 @@ type VMList struct {
 
 func (x *VMList) Reset() {
 	*x = VMList{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[21]
+	mi := &file_eitri_v1_vm_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1319,7 +1413,7 @@ func (x *VMList) String() string {
 func (*VMList) ProtoMessage() {}
 
 func (x *VMList) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[21]
+	mi := &file_eitri_v1_vm_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1332,7 +1426,7 @@ func (x *VMList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMList.ProtoReflect.Descriptor instead.
 func (*VMList) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{21}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *VMList) GetVms() []*VM {
@@ -1356,7 +1450,7 @@ type WatchVMsResponse struct {
 
 func (x *WatchVMsResponse) Reset() {
 	*x = WatchVMsResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[22]
+	mi := &file_eitri_v1_vm_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1368,7 +1462,7 @@ func (x *WatchVMsResponse) String() string {
 func (*WatchVMsResponse) ProtoMessage() {}
 
 func (x *WatchVMsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[22]
+	mi := &file_eitri_v1_vm_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1381,7 +1475,7 @@ func (x *WatchVMsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchVMsResponse.ProtoReflect.Descriptor instead.
 func (*WatchVMsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{22}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *WatchVMsResponse) GetEvent() isWatchVMsResponse_Event {
@@ -1478,7 +1572,7 @@ type OrphanedVM struct {
 
 func (x *OrphanedVM) Reset() {
 	*x = OrphanedVM{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[23]
+	mi := &file_eitri_v1_vm_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1490,7 +1584,7 @@ func (x *OrphanedVM) String() string {
 func (*OrphanedVM) ProtoMessage() {}
 
 func (x *OrphanedVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[23]
+	mi := &file_eitri_v1_vm_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1503,7 +1597,7 @@ func (x *OrphanedVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OrphanedVM.ProtoReflect.Descriptor instead.
 func (*OrphanedVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{23}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *OrphanedVM) GetHostId() string {
@@ -1633,7 +1727,7 @@ type ListOrphanedVMsRequest struct {
 
 func (x *ListOrphanedVMsRequest) Reset() {
 	*x = ListOrphanedVMsRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[24]
+	mi := &file_eitri_v1_vm_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1645,7 +1739,7 @@ func (x *ListOrphanedVMsRequest) String() string {
 func (*ListOrphanedVMsRequest) ProtoMessage() {}
 
 func (x *ListOrphanedVMsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[24]
+	mi := &file_eitri_v1_vm_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1658,7 +1752,7 @@ func (x *ListOrphanedVMsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOrphanedVMsRequest.ProtoReflect.Descriptor instead.
 func (*ListOrphanedVMsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{24}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{25}
 }
 
 type ListOrphanedVMsResponse struct {
@@ -1670,7 +1764,7 @@ type ListOrphanedVMsResponse struct {
 
 func (x *ListOrphanedVMsResponse) Reset() {
 	*x = ListOrphanedVMsResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[25]
+	mi := &file_eitri_v1_vm_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1682,7 +1776,7 @@ func (x *ListOrphanedVMsResponse) String() string {
 func (*ListOrphanedVMsResponse) ProtoMessage() {}
 
 func (x *ListOrphanedVMsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[25]
+	mi := &file_eitri_v1_vm_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1695,7 +1789,7 @@ func (x *ListOrphanedVMsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOrphanedVMsResponse.ProtoReflect.Descriptor instead.
 func (*ListOrphanedVMsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{25}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ListOrphanedVMsResponse) GetVms() []*OrphanedVM {
@@ -1721,7 +1815,7 @@ type AdoptOrphanedVMRequest struct {
 
 func (x *AdoptOrphanedVMRequest) Reset() {
 	*x = AdoptOrphanedVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[26]
+	mi := &file_eitri_v1_vm_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1733,7 +1827,7 @@ func (x *AdoptOrphanedVMRequest) String() string {
 func (*AdoptOrphanedVMRequest) ProtoMessage() {}
 
 func (x *AdoptOrphanedVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[26]
+	mi := &file_eitri_v1_vm_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1746,7 +1840,7 @@ func (x *AdoptOrphanedVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptOrphanedVMRequest.ProtoReflect.Descriptor instead.
 func (*AdoptOrphanedVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{26}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *AdoptOrphanedVMRequest) GetHostId() string {
@@ -1786,7 +1880,7 @@ type AdoptOrphanedVMResponse struct {
 
 func (x *AdoptOrphanedVMResponse) Reset() {
 	*x = AdoptOrphanedVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[27]
+	mi := &file_eitri_v1_vm_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1798,7 +1892,7 @@ func (x *AdoptOrphanedVMResponse) String() string {
 func (*AdoptOrphanedVMResponse) ProtoMessage() {}
 
 func (x *AdoptOrphanedVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[27]
+	mi := &file_eitri_v1_vm_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1811,7 +1905,7 @@ func (x *AdoptOrphanedVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptOrphanedVMResponse.ProtoReflect.Descriptor instead.
 func (*AdoptOrphanedVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{27}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *AdoptOrphanedVMResponse) GetVm() *VM {
@@ -1831,7 +1925,7 @@ type DestroyOrphanedVMRequest struct {
 
 func (x *DestroyOrphanedVMRequest) Reset() {
 	*x = DestroyOrphanedVMRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[28]
+	mi := &file_eitri_v1_vm_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1843,7 +1937,7 @@ func (x *DestroyOrphanedVMRequest) String() string {
 func (*DestroyOrphanedVMRequest) ProtoMessage() {}
 
 func (x *DestroyOrphanedVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[28]
+	mi := &file_eitri_v1_vm_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1856,7 +1950,7 @@ func (x *DestroyOrphanedVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyOrphanedVMRequest.ProtoReflect.Descriptor instead.
 func (*DestroyOrphanedVMRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{28}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DestroyOrphanedVMRequest) GetHostId() string {
@@ -1881,7 +1975,7 @@ type DestroyOrphanedVMResponse struct {
 
 func (x *DestroyOrphanedVMResponse) Reset() {
 	*x = DestroyOrphanedVMResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[29]
+	mi := &file_eitri_v1_vm_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1893,7 +1987,7 @@ func (x *DestroyOrphanedVMResponse) String() string {
 func (*DestroyOrphanedVMResponse) ProtoMessage() {}
 
 func (x *DestroyOrphanedVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[29]
+	mi := &file_eitri_v1_vm_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1906,7 +2000,7 @@ func (x *DestroyOrphanedVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DestroyOrphanedVMResponse.ProtoReflect.Descriptor instead.
 func (*DestroyOrphanedVMResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{29}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{30}
 }
 
 type StreamConsoleRequest struct {
@@ -1931,7 +2025,7 @@ type StreamConsoleRequest struct {
 
 func (x *StreamConsoleRequest) Reset() {
 	*x = StreamConsoleRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[30]
+	mi := &file_eitri_v1_vm_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1943,7 +2037,7 @@ func (x *StreamConsoleRequest) String() string {
 func (*StreamConsoleRequest) ProtoMessage() {}
 
 func (x *StreamConsoleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[30]
+	mi := &file_eitri_v1_vm_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1956,7 +2050,7 @@ func (x *StreamConsoleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamConsoleRequest.ProtoReflect.Descriptor instead.
 func (*StreamConsoleRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{30}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *StreamConsoleRequest) GetVmId() string {
@@ -2012,7 +2106,7 @@ type StreamConsoleResponse struct {
 
 func (x *StreamConsoleResponse) Reset() {
 	*x = StreamConsoleResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[31]
+	mi := &file_eitri_v1_vm_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2024,7 +2118,7 @@ func (x *StreamConsoleResponse) String() string {
 func (*StreamConsoleResponse) ProtoMessage() {}
 
 func (x *StreamConsoleResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[31]
+	mi := &file_eitri_v1_vm_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2037,7 +2131,7 @@ func (x *StreamConsoleResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamConsoleResponse.ProtoReflect.Descriptor instead.
 func (*StreamConsoleResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{31}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *StreamConsoleResponse) GetData() []byte {
@@ -2080,7 +2174,7 @@ type SendConsoleInputRequest struct {
 
 func (x *SendConsoleInputRequest) Reset() {
 	*x = SendConsoleInputRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[32]
+	mi := &file_eitri_v1_vm_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2092,7 +2186,7 @@ func (x *SendConsoleInputRequest) String() string {
 func (*SendConsoleInputRequest) ProtoMessage() {}
 
 func (x *SendConsoleInputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[32]
+	mi := &file_eitri_v1_vm_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2105,7 +2199,7 @@ func (x *SendConsoleInputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendConsoleInputRequest.ProtoReflect.Descriptor instead.
 func (*SendConsoleInputRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{32}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SendConsoleInputRequest) GetVmId() string {
@@ -2130,7 +2224,7 @@ type SendConsoleInputResponse struct {
 
 func (x *SendConsoleInputResponse) Reset() {
 	*x = SendConsoleInputResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[33]
+	mi := &file_eitri_v1_vm_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2142,7 +2236,7 @@ func (x *SendConsoleInputResponse) String() string {
 func (*SendConsoleInputResponse) ProtoMessage() {}
 
 func (x *SendConsoleInputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[33]
+	mi := &file_eitri_v1_vm_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2155,7 +2249,7 @@ func (x *SendConsoleInputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendConsoleInputResponse.ProtoReflect.Descriptor instead.
 func (*SendConsoleInputResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{33}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{34}
 }
 
 type OpenTunnelRequest struct {
@@ -2171,7 +2265,7 @@ type OpenTunnelRequest struct {
 
 func (x *OpenTunnelRequest) Reset() {
 	*x = OpenTunnelRequest{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[34]
+	mi := &file_eitri_v1_vm_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2183,7 +2277,7 @@ func (x *OpenTunnelRequest) String() string {
 func (*OpenTunnelRequest) ProtoMessage() {}
 
 func (x *OpenTunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[34]
+	mi := &file_eitri_v1_vm_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2196,7 +2290,7 @@ func (x *OpenTunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenTunnelRequest.ProtoReflect.Descriptor instead.
 func (*OpenTunnelRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{34}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *OpenTunnelRequest) GetVmId() string {
@@ -2234,7 +2328,7 @@ type OpenTunnelResponse struct {
 
 func (x *OpenTunnelResponse) Reset() {
 	*x = OpenTunnelResponse{}
-	mi := &file_eitri_v1_vm_proto_msgTypes[35]
+	mi := &file_eitri_v1_vm_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2246,7 +2340,7 @@ func (x *OpenTunnelResponse) String() string {
 func (*OpenTunnelResponse) ProtoMessage() {}
 
 func (x *OpenTunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_vm_proto_msgTypes[35]
+	mi := &file_eitri_v1_vm_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2259,7 +2353,7 @@ func (x *OpenTunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenTunnelResponse.ProtoReflect.Descriptor instead.
 func (*OpenTunnelResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{35}
+	return file_eitri_v1_vm_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *OpenTunnelResponse) GetData() []byte {
@@ -2280,7 +2374,7 @@ var File_eitri_v1_vm_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\n" +
-	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf6\x06\n" +
+	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xea\a\n" +
 	"\x02VM\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x17\n" +
@@ -2314,7 +2408,17 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\bprogress\x18\x18 \x01(\v2\x12.eitri.v1.ProgressR\bprogress\x12\x1d\n" +
 	"\n" +
 	"login_user\x18\x19 \x01(\tR\tloginUser\x12!\n" +
-	"\fready_signal\x18\x1a \x01(\tR\vreadySignal\"\x93\x02\n" +
+	"\fready_signal\x18\x1a \x01(\tR\vreadySignal\x124\n" +
+	"\vtrusted_cas\x18\x1b \x03(\v2\x13.eitri.v1.TrustedCAR\n" +
+	"trustedCas\x12\x1f\n" +
+	"\vtrust_stale\x18\x1c \x01(\bR\n" +
+	"trustStale\x12\x1b\n" +
+	"\ttrust_fix\x18\x1d \x01(\tR\btrustFix\"f\n" +
+	"\tTrustedCA\x12\x1d\n" +
+	"\n" +
+	"public_key\x18\x01 \x01(\tR\tpublicKey\x12 \n" +
+	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x12\x18\n" +
+	"\acurrent\x18\x03 \x01(\bR\acurrent\"\x93\x02\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
 	"\ahost_id\x18\x02 \x01(\tR\x06hostId\x12\x1b\n" +
@@ -2467,105 +2571,107 @@ func file_eitri_v1_vm_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_vm_proto_rawDescData
 }
 
-var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
+var file_eitri_v1_vm_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
 var file_eitri_v1_vm_proto_goTypes = []any{
 	(*VM)(nil),                        // 0: eitri.v1.VM
-	(*CreateVMRequest)(nil),           // 1: eitri.v1.CreateVMRequest
-	(*CreateVMResponse)(nil),          // 2: eitri.v1.CreateVMResponse
-	(*GetVMRequest)(nil),              // 3: eitri.v1.GetVMRequest
-	(*GetVMResponse)(nil),             // 4: eitri.v1.GetVMResponse
-	(*ListVMsRequest)(nil),            // 5: eitri.v1.ListVMsRequest
-	(*ListVMsResponse)(nil),           // 6: eitri.v1.ListVMsResponse
-	(*StartVMRequest)(nil),            // 7: eitri.v1.StartVMRequest
-	(*StartVMResponse)(nil),           // 8: eitri.v1.StartVMResponse
-	(*StopVMRequest)(nil),             // 9: eitri.v1.StopVMRequest
-	(*StopVMResponse)(nil),            // 10: eitri.v1.StopVMResponse
-	(*DeleteVMRequest)(nil),           // 11: eitri.v1.DeleteVMRequest
-	(*DeleteVMResponse)(nil),          // 12: eitri.v1.DeleteVMResponse
-	(*RestoreVMRequest)(nil),          // 13: eitri.v1.RestoreVMRequest
-	(*RestoreVMResponse)(nil),         // 14: eitri.v1.RestoreVMResponse
-	(*RetryVMRequest)(nil),            // 15: eitri.v1.RetryVMRequest
-	(*RetryVMResponse)(nil),           // 16: eitri.v1.RetryVMResponse
-	(*VMEvent)(nil),                   // 17: eitri.v1.VMEvent
-	(*ListVMEventsRequest)(nil),       // 18: eitri.v1.ListVMEventsRequest
-	(*ListVMEventsResponse)(nil),      // 19: eitri.v1.ListVMEventsResponse
-	(*WatchVMsRequest)(nil),           // 20: eitri.v1.WatchVMsRequest
-	(*VMList)(nil),                    // 21: eitri.v1.VMList
-	(*WatchVMsResponse)(nil),          // 22: eitri.v1.WatchVMsResponse
-	(*OrphanedVM)(nil),                // 23: eitri.v1.OrphanedVM
-	(*ListOrphanedVMsRequest)(nil),    // 24: eitri.v1.ListOrphanedVMsRequest
-	(*ListOrphanedVMsResponse)(nil),   // 25: eitri.v1.ListOrphanedVMsResponse
-	(*AdoptOrphanedVMRequest)(nil),    // 26: eitri.v1.AdoptOrphanedVMRequest
-	(*AdoptOrphanedVMResponse)(nil),   // 27: eitri.v1.AdoptOrphanedVMResponse
-	(*DestroyOrphanedVMRequest)(nil),  // 28: eitri.v1.DestroyOrphanedVMRequest
-	(*DestroyOrphanedVMResponse)(nil), // 29: eitri.v1.DestroyOrphanedVMResponse
-	(*StreamConsoleRequest)(nil),      // 30: eitri.v1.StreamConsoleRequest
-	(*StreamConsoleResponse)(nil),     // 31: eitri.v1.StreamConsoleResponse
-	(*SendConsoleInputRequest)(nil),   // 32: eitri.v1.SendConsoleInputRequest
-	(*SendConsoleInputResponse)(nil),  // 33: eitri.v1.SendConsoleInputResponse
-	(*OpenTunnelRequest)(nil),         // 34: eitri.v1.OpenTunnelRequest
-	(*OpenTunnelResponse)(nil),        // 35: eitri.v1.OpenTunnelResponse
-	(*timestamppb.Timestamp)(nil),     // 36: google.protobuf.Timestamp
-	(*Progress)(nil),                  // 37: eitri.v1.Progress
+	(*TrustedCA)(nil),                 // 1: eitri.v1.TrustedCA
+	(*CreateVMRequest)(nil),           // 2: eitri.v1.CreateVMRequest
+	(*CreateVMResponse)(nil),          // 3: eitri.v1.CreateVMResponse
+	(*GetVMRequest)(nil),              // 4: eitri.v1.GetVMRequest
+	(*GetVMResponse)(nil),             // 5: eitri.v1.GetVMResponse
+	(*ListVMsRequest)(nil),            // 6: eitri.v1.ListVMsRequest
+	(*ListVMsResponse)(nil),           // 7: eitri.v1.ListVMsResponse
+	(*StartVMRequest)(nil),            // 8: eitri.v1.StartVMRequest
+	(*StartVMResponse)(nil),           // 9: eitri.v1.StartVMResponse
+	(*StopVMRequest)(nil),             // 10: eitri.v1.StopVMRequest
+	(*StopVMResponse)(nil),            // 11: eitri.v1.StopVMResponse
+	(*DeleteVMRequest)(nil),           // 12: eitri.v1.DeleteVMRequest
+	(*DeleteVMResponse)(nil),          // 13: eitri.v1.DeleteVMResponse
+	(*RestoreVMRequest)(nil),          // 14: eitri.v1.RestoreVMRequest
+	(*RestoreVMResponse)(nil),         // 15: eitri.v1.RestoreVMResponse
+	(*RetryVMRequest)(nil),            // 16: eitri.v1.RetryVMRequest
+	(*RetryVMResponse)(nil),           // 17: eitri.v1.RetryVMResponse
+	(*VMEvent)(nil),                   // 18: eitri.v1.VMEvent
+	(*ListVMEventsRequest)(nil),       // 19: eitri.v1.ListVMEventsRequest
+	(*ListVMEventsResponse)(nil),      // 20: eitri.v1.ListVMEventsResponse
+	(*WatchVMsRequest)(nil),           // 21: eitri.v1.WatchVMsRequest
+	(*VMList)(nil),                    // 22: eitri.v1.VMList
+	(*WatchVMsResponse)(nil),          // 23: eitri.v1.WatchVMsResponse
+	(*OrphanedVM)(nil),                // 24: eitri.v1.OrphanedVM
+	(*ListOrphanedVMsRequest)(nil),    // 25: eitri.v1.ListOrphanedVMsRequest
+	(*ListOrphanedVMsResponse)(nil),   // 26: eitri.v1.ListOrphanedVMsResponse
+	(*AdoptOrphanedVMRequest)(nil),    // 27: eitri.v1.AdoptOrphanedVMRequest
+	(*AdoptOrphanedVMResponse)(nil),   // 28: eitri.v1.AdoptOrphanedVMResponse
+	(*DestroyOrphanedVMRequest)(nil),  // 29: eitri.v1.DestroyOrphanedVMRequest
+	(*DestroyOrphanedVMResponse)(nil), // 30: eitri.v1.DestroyOrphanedVMResponse
+	(*StreamConsoleRequest)(nil),      // 31: eitri.v1.StreamConsoleRequest
+	(*StreamConsoleResponse)(nil),     // 32: eitri.v1.StreamConsoleResponse
+	(*SendConsoleInputRequest)(nil),   // 33: eitri.v1.SendConsoleInputRequest
+	(*SendConsoleInputResponse)(nil),  // 34: eitri.v1.SendConsoleInputResponse
+	(*OpenTunnelRequest)(nil),         // 35: eitri.v1.OpenTunnelRequest
+	(*OpenTunnelResponse)(nil),        // 36: eitri.v1.OpenTunnelResponse
+	(*timestamppb.Timestamp)(nil),     // 37: google.protobuf.Timestamp
+	(*Progress)(nil),                  // 38: eitri.v1.Progress
 }
 var file_eitri_v1_vm_proto_depIdxs = []int32{
-	36, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
-	36, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
-	36, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
-	37, // 3: eitri.v1.VM.progress:type_name -> eitri.v1.Progress
-	0,  // 4: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 5: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 6: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
-	0,  // 7: eitri.v1.StartVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 8: eitri.v1.StopVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 9: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 10: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
-	0,  // 11: eitri.v1.RetryVMResponse.vm:type_name -> eitri.v1.VM
-	36, // 12: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
-	17, // 13: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
-	0,  // 14: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
-	21, // 15: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
-	0,  // 16: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
-	36, // 17: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
-	23, // 18: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
-	0,  // 19: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
-	1,  // 20: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
-	3,  // 21: eitri.v1.VMService.GetVM:input_type -> eitri.v1.GetVMRequest
-	5,  // 22: eitri.v1.VMService.ListVMs:input_type -> eitri.v1.ListVMsRequest
-	7,  // 23: eitri.v1.VMService.StartVM:input_type -> eitri.v1.StartVMRequest
-	9,  // 24: eitri.v1.VMService.StopVM:input_type -> eitri.v1.StopVMRequest
-	11, // 25: eitri.v1.VMService.DeleteVM:input_type -> eitri.v1.DeleteVMRequest
-	13, // 26: eitri.v1.VMService.RestoreVM:input_type -> eitri.v1.RestoreVMRequest
-	15, // 27: eitri.v1.VMService.RetryVM:input_type -> eitri.v1.RetryVMRequest
-	18, // 28: eitri.v1.VMService.ListVMEvents:input_type -> eitri.v1.ListVMEventsRequest
-	24, // 29: eitri.v1.VMService.ListOrphanedVMs:input_type -> eitri.v1.ListOrphanedVMsRequest
-	26, // 30: eitri.v1.VMService.AdoptOrphanedVM:input_type -> eitri.v1.AdoptOrphanedVMRequest
-	28, // 31: eitri.v1.VMService.DestroyOrphanedVM:input_type -> eitri.v1.DestroyOrphanedVMRequest
-	20, // 32: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
-	30, // 33: eitri.v1.VMService.StreamConsole:input_type -> eitri.v1.StreamConsoleRequest
-	32, // 34: eitri.v1.VMService.SendConsoleInput:input_type -> eitri.v1.SendConsoleInputRequest
-	34, // 35: eitri.v1.VMService.OpenTunnel:input_type -> eitri.v1.OpenTunnelRequest
-	2,  // 36: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
-	4,  // 37: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
-	6,  // 38: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
-	8,  // 39: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
-	10, // 40: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
-	12, // 41: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
-	14, // 42: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
-	16, // 43: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
-	19, // 44: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
-	25, // 45: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
-	27, // 46: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
-	29, // 47: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
-	22, // 48: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
-	31, // 49: eitri.v1.VMService.StreamConsole:output_type -> eitri.v1.StreamConsoleResponse
-	33, // 50: eitri.v1.VMService.SendConsoleInput:output_type -> eitri.v1.SendConsoleInputResponse
-	35, // 51: eitri.v1.VMService.OpenTunnel:output_type -> eitri.v1.OpenTunnelResponse
-	36, // [36:52] is the sub-list for method output_type
-	20, // [20:36] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	37, // 0: eitri.v1.VM.created_at:type_name -> google.protobuf.Timestamp
+	37, // 1: eitri.v1.VM.destroy_at:type_name -> google.protobuf.Timestamp
+	37, // 2: eitri.v1.VM.restorable_until:type_name -> google.protobuf.Timestamp
+	38, // 3: eitri.v1.VM.progress:type_name -> eitri.v1.Progress
+	1,  // 4: eitri.v1.VM.trusted_cas:type_name -> eitri.v1.TrustedCA
+	0,  // 5: eitri.v1.CreateVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 6: eitri.v1.GetVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 7: eitri.v1.ListVMsResponse.vms:type_name -> eitri.v1.VM
+	0,  // 8: eitri.v1.StartVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 9: eitri.v1.StopVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 10: eitri.v1.DeleteVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 11: eitri.v1.RestoreVMResponse.vm:type_name -> eitri.v1.VM
+	0,  // 12: eitri.v1.RetryVMResponse.vm:type_name -> eitri.v1.VM
+	37, // 13: eitri.v1.VMEvent.at:type_name -> google.protobuf.Timestamp
+	18, // 14: eitri.v1.ListVMEventsResponse.events:type_name -> eitri.v1.VMEvent
+	0,  // 15: eitri.v1.VMList.vms:type_name -> eitri.v1.VM
+	22, // 16: eitri.v1.WatchVMsResponse.snapshot:type_name -> eitri.v1.VMList
+	0,  // 17: eitri.v1.WatchVMsResponse.changed:type_name -> eitri.v1.VM
+	37, // 18: eitri.v1.OrphanedVM.since:type_name -> google.protobuf.Timestamp
+	24, // 19: eitri.v1.ListOrphanedVMsResponse.vms:type_name -> eitri.v1.OrphanedVM
+	0,  // 20: eitri.v1.AdoptOrphanedVMResponse.vm:type_name -> eitri.v1.VM
+	2,  // 21: eitri.v1.VMService.CreateVM:input_type -> eitri.v1.CreateVMRequest
+	4,  // 22: eitri.v1.VMService.GetVM:input_type -> eitri.v1.GetVMRequest
+	6,  // 23: eitri.v1.VMService.ListVMs:input_type -> eitri.v1.ListVMsRequest
+	8,  // 24: eitri.v1.VMService.StartVM:input_type -> eitri.v1.StartVMRequest
+	10, // 25: eitri.v1.VMService.StopVM:input_type -> eitri.v1.StopVMRequest
+	12, // 26: eitri.v1.VMService.DeleteVM:input_type -> eitri.v1.DeleteVMRequest
+	14, // 27: eitri.v1.VMService.RestoreVM:input_type -> eitri.v1.RestoreVMRequest
+	16, // 28: eitri.v1.VMService.RetryVM:input_type -> eitri.v1.RetryVMRequest
+	19, // 29: eitri.v1.VMService.ListVMEvents:input_type -> eitri.v1.ListVMEventsRequest
+	25, // 30: eitri.v1.VMService.ListOrphanedVMs:input_type -> eitri.v1.ListOrphanedVMsRequest
+	27, // 31: eitri.v1.VMService.AdoptOrphanedVM:input_type -> eitri.v1.AdoptOrphanedVMRequest
+	29, // 32: eitri.v1.VMService.DestroyOrphanedVM:input_type -> eitri.v1.DestroyOrphanedVMRequest
+	21, // 33: eitri.v1.VMService.WatchVMs:input_type -> eitri.v1.WatchVMsRequest
+	31, // 34: eitri.v1.VMService.StreamConsole:input_type -> eitri.v1.StreamConsoleRequest
+	33, // 35: eitri.v1.VMService.SendConsoleInput:input_type -> eitri.v1.SendConsoleInputRequest
+	35, // 36: eitri.v1.VMService.OpenTunnel:input_type -> eitri.v1.OpenTunnelRequest
+	3,  // 37: eitri.v1.VMService.CreateVM:output_type -> eitri.v1.CreateVMResponse
+	5,  // 38: eitri.v1.VMService.GetVM:output_type -> eitri.v1.GetVMResponse
+	7,  // 39: eitri.v1.VMService.ListVMs:output_type -> eitri.v1.ListVMsResponse
+	9,  // 40: eitri.v1.VMService.StartVM:output_type -> eitri.v1.StartVMResponse
+	11, // 41: eitri.v1.VMService.StopVM:output_type -> eitri.v1.StopVMResponse
+	13, // 42: eitri.v1.VMService.DeleteVM:output_type -> eitri.v1.DeleteVMResponse
+	15, // 43: eitri.v1.VMService.RestoreVM:output_type -> eitri.v1.RestoreVMResponse
+	17, // 44: eitri.v1.VMService.RetryVM:output_type -> eitri.v1.RetryVMResponse
+	20, // 45: eitri.v1.VMService.ListVMEvents:output_type -> eitri.v1.ListVMEventsResponse
+	26, // 46: eitri.v1.VMService.ListOrphanedVMs:output_type -> eitri.v1.ListOrphanedVMsResponse
+	28, // 47: eitri.v1.VMService.AdoptOrphanedVM:output_type -> eitri.v1.AdoptOrphanedVMResponse
+	30, // 48: eitri.v1.VMService.DestroyOrphanedVM:output_type -> eitri.v1.DestroyOrphanedVMResponse
+	23, // 49: eitri.v1.VMService.WatchVMs:output_type -> eitri.v1.WatchVMsResponse
+	32, // 50: eitri.v1.VMService.StreamConsole:output_type -> eitri.v1.StreamConsoleResponse
+	34, // 51: eitri.v1.VMService.SendConsoleInput:output_type -> eitri.v1.SendConsoleInputResponse
+	36, // 52: eitri.v1.VMService.OpenTunnel:output_type -> eitri.v1.OpenTunnelResponse
+	37, // [37:53] is the sub-list for method output_type
+	21, // [21:37] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_vm_proto_init() }
@@ -2574,7 +2680,7 @@ func file_eitri_v1_vm_proto_init() {
 		return
 	}
 	file_eitri_v1_resources_proto_init()
-	file_eitri_v1_vm_proto_msgTypes[22].OneofWrappers = []any{
+	file_eitri_v1_vm_proto_msgTypes[23].OneofWrappers = []any{
 		(*WatchVMsResponse_Snapshot)(nil),
 		(*WatchVMsResponse_Changed)(nil),
 		(*WatchVMsResponse_RemovedId)(nil),
@@ -2585,7 +2691,7 @@ func file_eitri_v1_vm_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_vm_proto_rawDesc), len(file_eitri_v1_vm_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   36,
+			NumMessages:   37,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -194,6 +194,29 @@ export declare type VM = Message<"eitri.v1.VM"> & {
    * @generated from field: string ready_signal = 26;
    */
   readySignal: string;
+
+  /**
+   * The SSH user CAs the guest's seed was given to trust (its sshd reads
+   * them once, at first boot). Empty for a VM created before they were
+   * recorded, or on a control plane without a CA: then nothing is known.
+   *
+   * @generated from field: repeated eitri.v1.TrustedCA trusted_cas = 27;
+   */
+  trustedCas: TrustedCA[];
+
+  /**
+   * The guest trusts none of the keys the user CA signs with now (the CA
+   * was rotated since it was created): certificates eitri ssh gets are
+   * refused. trust_fix says what to do. False when trusted_cas is empty.
+   *
+   * @generated from field: bool trust_stale = 28;
+   */
+  trustStale: boolean;
+
+  /**
+   * @generated from field: string trust_fix = 29;
+   */
+  trustFix: string;
 };
 
 /**
@@ -201,6 +224,40 @@ export declare type VM = Message<"eitri.v1.VM"> & {
  * Use `create(VMSchema)` to create a new message.
  */
 export declare const VMSchema: GenMessage<VM>;
+
+/**
+ * TrustedCA is one SSH user CA key a guest trusts.
+ *
+ * @generated from message eitri.v1.TrustedCA
+ */
+export declare type TrustedCA = Message<"eitri.v1.TrustedCA"> & {
+  /**
+   * authorized_keys form.
+   *
+   * @generated from field: string public_key = 1;
+   */
+  publicKey: string;
+
+  /**
+   * "SHA256:…", as ssh-keygen -l prints it.
+   *
+   * @generated from field: string fingerprint = 2;
+   */
+  fingerprint: string;
+
+  /**
+   * The user CA signs certificates with this key now.
+   *
+   * @generated from field: bool current = 3;
+   */
+  current: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.TrustedCA.
+ * Use `create(TrustedCASchema)` to create a new message.
+ */
+export declare const TrustedCASchema: GenMessage<TrustedCA>;
 
 /**
  * @generated from message eitri.v1.CreateVMRequest

@@ -10,7 +10,7 @@ import { file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
  * Describes the file eitri/v1/vm.proto.
  */
 export const file_eitri_v1_vm = /*@__PURE__*/
-  fileDesc("ChFlaXRyaS92MS92bS5wcm90bxIIZWl0cmkudjEi4wQKAlZNEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSDwoHaG9zdF9pZBgDIAEoCRIRCglpbWFnZV91cmwYBCABKAkSFAoMaW1hZ2Vfc2hhMjU2GAUgASgJEg0KBXZjcHVzGAYgASgFEg4KBm1lbV9tYhgHIAEoAxIPCgdkaXNrX2diGAggASgDEhMKC3Bvd2VyX3N0YXRlGAkgASgJEg4KBnN0YXR1cxgKIAEoCRISCgpsYXN0X2Vycm9yGAsgASgJEhMKC2Fzc2lnbmVkX2lwGAwgASgJEi4KCmNyZWF0ZWRfYXQYDSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB2RlbGV0ZWQYDiABKAgSFAoMYWN0dWFsX3Bvd2VyGA8gASgJEg0KBXBoYXNlGBAgASgJEhUKDXN0YXR1c19kZXRhaWwYESABKAkSLgoKZGVzdHJveV9hdBgSIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJbGlmZWN5Y2xlGBMgASgJEhoKEnNzaF9hdXRob3JpemVkX2tleRgUIAEoCRIXCg9zc2hfaG9zdF9wdWJrZXkYFSABKAkSEAoIb3duZXJfaWQYFiABKAkSNAoQcmVzdG9yYWJsZV91bnRpbBgXIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASJAoIcHJvZ3Jlc3MYGCABKAsyEi5laXRyaS52MS5Qcm9ncmVzcxISCgpsb2dpbl91c2VyGBkgASgJEhQKDHJlYWR5X3NpZ25hbBgaIAEoCSK6AQoPQ3JlYXRlVk1SZXF1ZXN0EgwKBG5hbWUYASABKAkSDwoHaG9zdF9pZBgCIAEoCRIRCglpbWFnZV91cmwYAyABKAkSFAoMaW1hZ2Vfc2hhMjU2GAQgASgJEg0KBXZjcHVzGAUgASgFEg4KBm1lbV9tYhgGIAEoAxIPCgdkaXNrX2diGAcgASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgIIAEoCRITCgtwb3dlcl9zdGF0ZRgJIAEoCSIsChBDcmVhdGVWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iGgoMR2V0Vk1SZXF1ZXN0EgoKAmlkGAEgASgJIikKDUdldFZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSIQCg5MaXN0Vk1zUmVxdWVzdCIsCg9MaXN0Vk1zUmVzcG9uc2USGQoDdm1zGAEgAygLMgwuZWl0cmkudjEuVk0iHAoOU3RhcnRWTVJlcXVlc3QSCgoCaWQYASABKAkiKwoPU3RhcnRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iGwoNU3RvcFZNUmVxdWVzdBIKCgJpZBgBIAEoCSIqCg5TdG9wVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIh0KD0RlbGV0ZVZNUmVxdWVzdBIKCgJpZBgBIAEoCSIsChBEZWxldGVWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iHgoQUmVzdG9yZVZNUmVxdWVzdBIKCgJpZBgBIAEoCSItChFSZXN0b3JlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhwKDlJldHJ5Vk1SZXF1ZXN0EgoKAmlkGAEgASgJIisKD1JldHJ5Vk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIlAKB1ZNRXZlbnQSJgoCYXQYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEgwKBGtpbmQYAiABKAkSDwoHbWVzc2FnZRgDIAEoCSJLChNMaXN0Vk1FdmVudHNSZXF1ZXN0Eg0KBXZtX2lkGAEgASgJEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIlIKFExpc3RWTUV2ZW50c1Jlc3BvbnNlEiEKBmV2ZW50cxgBIAMoCzIRLmVpdHJpLnYxLlZNRXZlbnQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIiAKD1dhdGNoVk1zUmVxdWVzdBINCgV2bV9pZBgBIAEoCSIjCgZWTUxpc3QSGQoDdm1zGAEgAygLMgwuZWl0cmkudjEuVk0ieAoQV2F0Y2hWTXNSZXNwb25zZRIkCghzbmFwc2hvdBgBIAEoCzIQLmVpdHJpLnYxLlZNTGlzdEgAEh8KB2NoYW5nZWQYAiABKAsyDC5laXRyaS52MS5WTUgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudCLdAgoKT3JwaGFuZWRWTRIPCgdob3N0X2lkGAEgASgJEg0KBXZtX2lkGAIgASgJEgwKBG5hbWUYAyABKAkSEAoIb3duZXJfaWQYBCABKAkSEgoKb3duZXJfbmFtZRgFIAEoCRIRCglpbWFnZV91cmwYBiABKAkSFAoMaW1hZ2Vfc2hhMjU2GAcgASgJEg0KBXZjcHVzGAggASgFEg4KBm1lbV9tYhgJIAEoAxIPCgdkaXNrX2diGAogASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgLIAEoCRITCgtwb3dlcl9zdGF0ZRgMIAEoCRIUCgxhY3R1YWxfcG93ZXIYDSABKAkSDwoHZGVsZXRlZBgOIAEoCBIOCgZyZWFzb24YDyABKAkSDwoHaGFzX3JvdxgQIAEoCBIpCgVzaW5jZRgRIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiGAoWTGlzdE9ycGhhbmVkVk1zUmVxdWVzdCI8ChdMaXN0T3JwaGFuZWRWTXNSZXNwb25zZRIhCgN2bXMYASADKAsyFC5laXRyaS52MS5PcnBoYW5lZFZNIlgKFkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QSDwoHaG9zdF9pZBgBIAEoCRINCgV2bV9pZBgCIAEoCRIQCghvd25lcl9pZBgDIAEoCRIMCgRuYW1lGAQgASgJIjMKF0Fkb3B0T3JwaGFuZWRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iOgoYRGVzdHJveU9ycGhhbmVkVk1SZXF1ZXN0Eg8KB2hvc3RfaWQYASABKAkSDQoFdm1faWQYAiABKAkiGwoZRGVzdHJveU9ycGhhbmVkVk1SZXNwb25zZSJqChRTdHJlYW1Db25zb2xlUmVxdWVzdBINCgV2bV9pZBgBIAEoCRIMCgRib290GAIgASgJEg4KBm9mZnNldBgDIAEoAxISCgp0YWlsX2J5dGVzGAQgASgNEhEKCW5vX2ZvbGxvdxgFIAEoCCJVChVTdHJlYW1Db25zb2xlUmVzcG9uc2USDAoEZGF0YRgBIAEoDBIMCgRib290GAIgASgJEg4KBm9mZnNldBgDIAEoAxIQCghuZXdfYm9vdBgEIAEoCCI2ChdTZW5kQ29uc29sZUlucHV0UmVxdWVzdBINCgV2bV9pZBgBIAEoCRIMCgRkYXRhGAIgASgMIhoKGFNlbmRDb25zb2xlSW5wdXRSZXNwb25zZSI+ChFPcGVuVHVubmVsUmVxdWVzdBINCgV2bV9pZBgBIAEoCRIMCgRwb3J0GAIgASgNEgwKBGRhdGEYAyABKAwiLwoST3BlblR1bm5lbFJlc3BvbnNlEgwKBGRhdGEYASABKAwSCwoDZW9mGAIgASgIMqwJCglWTVNlcnZpY2USQQoIQ3JlYXRlVk0SGS5laXRyaS52MS5DcmVhdGVWTVJlcXVlc3QaGi5laXRyaS52MS5DcmVhdGVWTVJlc3BvbnNlEjgKBUdldFZNEhYuZWl0cmkudjEuR2V0Vk1SZXF1ZXN0GhcuZWl0cmkudjEuR2V0Vk1SZXNwb25zZRI+CgdMaXN0Vk1zEhguZWl0cmkudjEuTGlzdFZNc1JlcXVlc3QaGS5laXRyaS52MS5MaXN0Vk1zUmVzcG9uc2USPgoHU3RhcnRWTRIYLmVpdHJpLnYxLlN0YXJ0Vk1SZXF1ZXN0GhkuZWl0cmkudjEuU3RhcnRWTVJlc3BvbnNlEjsKBlN0b3BWTRIXLmVpdHJpLnYxLlN0b3BWTVJlcXVlc3QaGC5laXRyaS52MS5TdG9wVk1SZXNwb25zZRJBCghEZWxldGVWTRIZLmVpdHJpLnYxLkRlbGV0ZVZNUmVxdWVzdBoaLmVpdHJpLnYxLkRlbGV0ZVZNUmVzcG9uc2USRAoJUmVzdG9yZVZNEhouZWl0cmkudjEuUmVzdG9yZVZNUmVxdWVzdBobLmVpdHJpLnYxLlJlc3RvcmVWTVJlc3BvbnNlEj4KB1JldHJ5Vk0SGC5laXRyaS52MS5SZXRyeVZNUmVxdWVzdBoZLmVpdHJpLnYxLlJldHJ5Vk1SZXNwb25zZRJNCgxMaXN0Vk1FdmVudHMSHS5laXRyaS52MS5MaXN0Vk1FdmVudHNSZXF1ZXN0Gh4uZWl0cmkudjEuTGlzdFZNRXZlbnRzUmVzcG9uc2USVgoPTGlzdE9ycGhhbmVkVk1zEiAuZWl0cmkudjEuTGlzdE9ycGhhbmVkVk1zUmVxdWVzdBohLmVpdHJpLnYxLkxpc3RPcnBoYW5lZFZNc1Jlc3BvbnNlElYKD0Fkb3B0T3JwaGFuZWRWTRIgLmVpdHJpLnYxLkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QaIS5laXRyaS52MS5BZG9wdE9ycGhhbmVkVk1SZXNwb25zZRJcChFEZXN0cm95T3JwaGFuZWRWTRIiLmVpdHJpLnYxLkRlc3Ryb3lPcnBoYW5lZFZNUmVxdWVzdBojLmVpdHJpLnYxLkRlc3Ryb3lPcnBoYW5lZFZNUmVzcG9uc2USQwoIV2F0Y2hWTXMSGS5laXRyaS52MS5XYXRjaFZNc1JlcXVlc3QaGi5laXRyaS52MS5XYXRjaFZNc1Jlc3BvbnNlMAESUgoNU3RyZWFtQ29uc29sZRIeLmVpdHJpLnYxLlN0cmVhbUNvbnNvbGVSZXF1ZXN0Gh8uZWl0cmkudjEuU3RyZWFtQ29uc29sZVJlc3BvbnNlMAESWQoQU2VuZENvbnNvbGVJbnB1dBIhLmVpdHJpLnYxLlNlbmRDb25zb2xlSW5wdXRSZXF1ZXN0GiIuZWl0cmkudjEuU2VuZENvbnNvbGVJbnB1dFJlc3BvbnNlEksKCk9wZW5UdW5uZWwSGy5laXRyaS52MS5PcGVuVHVubmVsUmVxdWVzdBocLmVpdHJpLnYxLk9wZW5UdW5uZWxSZXNwb25zZSgBMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_eitri_v1_resources, file_google_protobuf_timestamp]);
+  fileDesc("ChFlaXRyaS92MS92bS5wcm90bxIIZWl0cmkudjEitQUKAlZNEgoKAmlkGAEgASgJEgwKBG5hbWUYAiABKAkSDwoHaG9zdF9pZBgDIAEoCRIRCglpbWFnZV91cmwYBCABKAkSFAoMaW1hZ2Vfc2hhMjU2GAUgASgJEg0KBXZjcHVzGAYgASgFEg4KBm1lbV9tYhgHIAEoAxIPCgdkaXNrX2diGAggASgDEhMKC3Bvd2VyX3N0YXRlGAkgASgJEg4KBnN0YXR1cxgKIAEoCRISCgpsYXN0X2Vycm9yGAsgASgJEhMKC2Fzc2lnbmVkX2lwGAwgASgJEi4KCmNyZWF0ZWRfYXQYDSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB2RlbGV0ZWQYDiABKAgSFAoMYWN0dWFsX3Bvd2VyGA8gASgJEg0KBXBoYXNlGBAgASgJEhUKDXN0YXR1c19kZXRhaWwYESABKAkSLgoKZGVzdHJveV9hdBgSIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJbGlmZWN5Y2xlGBMgASgJEhoKEnNzaF9hdXRob3JpemVkX2tleRgUIAEoCRIXCg9zc2hfaG9zdF9wdWJrZXkYFSABKAkSEAoIb3duZXJfaWQYFiABKAkSNAoQcmVzdG9yYWJsZV91bnRpbBgXIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASJAoIcHJvZ3Jlc3MYGCABKAsyEi5laXRyaS52MS5Qcm9ncmVzcxISCgpsb2dpbl91c2VyGBkgASgJEhQKDHJlYWR5X3NpZ25hbBgaIAEoCRIoCgt0cnVzdGVkX2NhcxgbIAMoCzITLmVpdHJpLnYxLlRydXN0ZWRDQRITCgt0cnVzdF9zdGFsZRgcIAEoCBIRCgl0cnVzdF9maXgYHSABKAkiRQoJVHJ1c3RlZENBEhIKCnB1YmxpY19rZXkYASABKAkSEwoLZmluZ2VycHJpbnQYAiABKAkSDwoHY3VycmVudBgDIAEoCCK6AQoPQ3JlYXRlVk1SZXF1ZXN0EgwKBG5hbWUYASABKAkSDwoHaG9zdF9pZBgCIAEoCRIRCglpbWFnZV91cmwYAyABKAkSFAoMaW1hZ2Vfc2hhMjU2GAQgASgJEg0KBXZjcHVzGAUgASgFEg4KBm1lbV9tYhgGIAEoAxIPCgdkaXNrX2diGAcgASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgIIAEoCRITCgtwb3dlcl9zdGF0ZRgJIAEoCSIsChBDcmVhdGVWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iGgoMR2V0Vk1SZXF1ZXN0EgoKAmlkGAEgASgJIikKDUdldFZNUmVzcG9uc2USGAoCdm0YASABKAsyDC5laXRyaS52MS5WTSIQCg5MaXN0Vk1zUmVxdWVzdCIsCg9MaXN0Vk1zUmVzcG9uc2USGQoDdm1zGAEgAygLMgwuZWl0cmkudjEuVk0iHAoOU3RhcnRWTVJlcXVlc3QSCgoCaWQYASABKAkiKwoPU3RhcnRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iGwoNU3RvcFZNUmVxdWVzdBIKCgJpZBgBIAEoCSIqCg5TdG9wVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIh0KD0RlbGV0ZVZNUmVxdWVzdBIKCgJpZBgBIAEoCSIsChBEZWxldGVWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iHgoQUmVzdG9yZVZNUmVxdWVzdBIKCgJpZBgBIAEoCSItChFSZXN0b3JlVk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIhwKDlJldHJ5Vk1SZXF1ZXN0EgoKAmlkGAEgASgJIisKD1JldHJ5Vk1SZXNwb25zZRIYCgJ2bRgBIAEoCzIMLmVpdHJpLnYxLlZNIlAKB1ZNRXZlbnQSJgoCYXQYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEgwKBGtpbmQYAiABKAkSDwoHbWVzc2FnZRgDIAEoCSJLChNMaXN0Vk1FdmVudHNSZXF1ZXN0Eg0KBXZtX2lkGAEgASgJEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIlIKFExpc3RWTUV2ZW50c1Jlc3BvbnNlEiEKBmV2ZW50cxgBIAMoCzIRLmVpdHJpLnYxLlZNRXZlbnQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIiAKD1dhdGNoVk1zUmVxdWVzdBINCgV2bV9pZBgBIAEoCSIjCgZWTUxpc3QSGQoDdm1zGAEgAygLMgwuZWl0cmkudjEuVk0ieAoQV2F0Y2hWTXNSZXNwb25zZRIkCghzbmFwc2hvdBgBIAEoCzIQLmVpdHJpLnYxLlZNTGlzdEgAEh8KB2NoYW5nZWQYAiABKAsyDC5laXRyaS52MS5WTUgAEhQKCnJlbW92ZWRfaWQYAyABKAlIAEIHCgVldmVudCLdAgoKT3JwaGFuZWRWTRIPCgdob3N0X2lkGAEgASgJEg0KBXZtX2lkGAIgASgJEgwKBG5hbWUYAyABKAkSEAoIb3duZXJfaWQYBCABKAkSEgoKb3duZXJfbmFtZRgFIAEoCRIRCglpbWFnZV91cmwYBiABKAkSFAoMaW1hZ2Vfc2hhMjU2GAcgASgJEg0KBXZjcHVzGAggASgFEg4KBm1lbV9tYhgJIAEoAxIPCgdkaXNrX2diGAogASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgLIAEoCRITCgtwb3dlcl9zdGF0ZRgMIAEoCRIUCgxhY3R1YWxfcG93ZXIYDSABKAkSDwoHZGVsZXRlZBgOIAEoCBIOCgZyZWFzb24YDyABKAkSDwoHaGFzX3JvdxgQIAEoCBIpCgVzaW5jZRgRIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiGAoWTGlzdE9ycGhhbmVkVk1zUmVxdWVzdCI8ChdMaXN0T3JwaGFuZWRWTXNSZXNwb25zZRIhCgN2bXMYASADKAsyFC5laXRyaS52MS5PcnBoYW5lZFZNIlgKFkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QSDwoHaG9zdF9pZBgBIAEoCRINCgV2bV9pZBgCIAEoCRIQCghvd25lcl9pZBgDIAEoCRIMCgRuYW1lGAQgASgJIjMKF0Fkb3B0T3JwaGFuZWRWTVJlc3BvbnNlEhgKAnZtGAEgASgLMgwuZWl0cmkudjEuVk0iOgoYRGVzdHJveU9ycGhhbmVkVk1SZXF1ZXN0Eg8KB2hvc3RfaWQYASABKAkSDQoFdm1faWQYAiABKAkiGwoZRGVzdHJveU9ycGhhbmVkVk1SZXNwb25zZSJqChRTdHJlYW1Db25zb2xlUmVxdWVzdBINCgV2bV9pZBgBIAEoCRIMCgRib290GAIgASgJEg4KBm9mZnNldBgDIAEoAxISCgp0YWlsX2J5dGVzGAQgASgNEhEKCW5vX2ZvbGxvdxgFIAEoCCJVChVTdHJlYW1Db25zb2xlUmVzcG9uc2USDAoEZGF0YRgBIAEoDBIMCgRib290GAIgASgJEg4KBm9mZnNldBgDIAEoAxIQCghuZXdfYm9vdBgEIAEoCCI2ChdTZW5kQ29uc29sZUlucHV0UmVxdWVzdBINCgV2bV9pZBgBIAEoCRIMCgRkYXRhGAIgASgMIhoKGFNlbmRDb25zb2xlSW5wdXRSZXNwb25zZSI+ChFPcGVuVHVubmVsUmVxdWVzdBINCgV2bV9pZBgBIAEoCRIMCgRwb3J0GAIgASgNEgwKBGRhdGEYAyABKAwiLwoST3BlblR1bm5lbFJlc3BvbnNlEgwKBGRhdGEYASABKAwSCwoDZW9mGAIgASgIMqwJCglWTVNlcnZpY2USQQoIQ3JlYXRlVk0SGS5laXRyaS52MS5DcmVhdGVWTVJlcXVlc3QaGi5laXRyaS52MS5DcmVhdGVWTVJlc3BvbnNlEjgKBUdldFZNEhYuZWl0cmkudjEuR2V0Vk1SZXF1ZXN0GhcuZWl0cmkudjEuR2V0Vk1SZXNwb25zZRI+CgdMaXN0Vk1zEhguZWl0cmkudjEuTGlzdFZNc1JlcXVlc3QaGS5laXRyaS52MS5MaXN0Vk1zUmVzcG9uc2USPgoHU3RhcnRWTRIYLmVpdHJpLnYxLlN0YXJ0Vk1SZXF1ZXN0GhkuZWl0cmkudjEuU3RhcnRWTVJlc3BvbnNlEjsKBlN0b3BWTRIXLmVpdHJpLnYxLlN0b3BWTVJlcXVlc3QaGC5laXRyaS52MS5TdG9wVk1SZXNwb25zZRJBCghEZWxldGVWTRIZLmVpdHJpLnYxLkRlbGV0ZVZNUmVxdWVzdBoaLmVpdHJpLnYxLkRlbGV0ZVZNUmVzcG9uc2USRAoJUmVzdG9yZVZNEhouZWl0cmkudjEuUmVzdG9yZVZNUmVxdWVzdBobLmVpdHJpLnYxLlJlc3RvcmVWTVJlc3BvbnNlEj4KB1JldHJ5Vk0SGC5laXRyaS52MS5SZXRyeVZNUmVxdWVzdBoZLmVpdHJpLnYxLlJldHJ5Vk1SZXNwb25zZRJNCgxMaXN0Vk1FdmVudHMSHS5laXRyaS52MS5MaXN0Vk1FdmVudHNSZXF1ZXN0Gh4uZWl0cmkudjEuTGlzdFZNRXZlbnRzUmVzcG9uc2USVgoPTGlzdE9ycGhhbmVkVk1zEiAuZWl0cmkudjEuTGlzdE9ycGhhbmVkVk1zUmVxdWVzdBohLmVpdHJpLnYxLkxpc3RPcnBoYW5lZFZNc1Jlc3BvbnNlElYKD0Fkb3B0T3JwaGFuZWRWTRIgLmVpdHJpLnYxLkFkb3B0T3JwaGFuZWRWTVJlcXVlc3QaIS5laXRyaS52MS5BZG9wdE9ycGhhbmVkVk1SZXNwb25zZRJcChFEZXN0cm95T3JwaGFuZWRWTRIiLmVpdHJpLnYxLkRlc3Ryb3lPcnBoYW5lZFZNUmVxdWVzdBojLmVpdHJpLnYxLkRlc3Ryb3lPcnBoYW5lZFZNUmVzcG9uc2USQwoIV2F0Y2hWTXMSGS5laXRyaS52MS5XYXRjaFZNc1JlcXVlc3QaGi5laXRyaS52MS5XYXRjaFZNc1Jlc3BvbnNlMAESUgoNU3RyZWFtQ29uc29sZRIeLmVpdHJpLnYxLlN0cmVhbUNvbnNvbGVSZXF1ZXN0Gh8uZWl0cmkudjEuU3RyZWFtQ29uc29sZVJlc3BvbnNlMAESWQoQU2VuZENvbnNvbGVJbnB1dBIhLmVpdHJpLnYxLlNlbmRDb25zb2xlSW5wdXRSZXF1ZXN0GiIuZWl0cmkudjEuU2VuZENvbnNvbGVJbnB1dFJlc3BvbnNlEksKCk9wZW5UdW5uZWwSGy5laXRyaS52MS5PcGVuVHVubmVsUmVxdWVzdBocLmVpdHJpLnYxLk9wZW5UdW5uZWxSZXNwb25zZSgBMAFCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM", [file_eitri_v1_resources, file_google_protobuf_timestamp]);
 
 /**
  * Describes the message eitri.v1.VM.
@@ -20,249 +20,256 @@ export const VMSchema = /*@__PURE__*/
   messageDesc(file_eitri_v1_vm, 0);
 
 /**
+ * Describes the message eitri.v1.TrustedCA.
+ * Use `create(TrustedCASchema)` to create a new message.
+ */
+export const TrustedCASchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_vm, 1);
+
+/**
  * Describes the message eitri.v1.CreateVMRequest.
  * Use `create(CreateVMRequestSchema)` to create a new message.
  */
 export const CreateVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 1);
+  messageDesc(file_eitri_v1_vm, 2);
 
 /**
  * Describes the message eitri.v1.CreateVMResponse.
  * Use `create(CreateVMResponseSchema)` to create a new message.
  */
 export const CreateVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 2);
+  messageDesc(file_eitri_v1_vm, 3);
 
 /**
  * Describes the message eitri.v1.GetVMRequest.
  * Use `create(GetVMRequestSchema)` to create a new message.
  */
 export const GetVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 3);
+  messageDesc(file_eitri_v1_vm, 4);
 
 /**
  * Describes the message eitri.v1.GetVMResponse.
  * Use `create(GetVMResponseSchema)` to create a new message.
  */
 export const GetVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 4);
+  messageDesc(file_eitri_v1_vm, 5);
 
 /**
  * Describes the message eitri.v1.ListVMsRequest.
  * Use `create(ListVMsRequestSchema)` to create a new message.
  */
 export const ListVMsRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 5);
+  messageDesc(file_eitri_v1_vm, 6);
 
 /**
  * Describes the message eitri.v1.ListVMsResponse.
  * Use `create(ListVMsResponseSchema)` to create a new message.
  */
 export const ListVMsResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 6);
+  messageDesc(file_eitri_v1_vm, 7);
 
 /**
  * Describes the message eitri.v1.StartVMRequest.
  * Use `create(StartVMRequestSchema)` to create a new message.
  */
 export const StartVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 7);
+  messageDesc(file_eitri_v1_vm, 8);
 
 /**
  * Describes the message eitri.v1.StartVMResponse.
  * Use `create(StartVMResponseSchema)` to create a new message.
  */
 export const StartVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 8);
+  messageDesc(file_eitri_v1_vm, 9);
 
 /**
  * Describes the message eitri.v1.StopVMRequest.
  * Use `create(StopVMRequestSchema)` to create a new message.
  */
 export const StopVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 9);
+  messageDesc(file_eitri_v1_vm, 10);
 
 /**
  * Describes the message eitri.v1.StopVMResponse.
  * Use `create(StopVMResponseSchema)` to create a new message.
  */
 export const StopVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 10);
+  messageDesc(file_eitri_v1_vm, 11);
 
 /**
  * Describes the message eitri.v1.DeleteVMRequest.
  * Use `create(DeleteVMRequestSchema)` to create a new message.
  */
 export const DeleteVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 11);
+  messageDesc(file_eitri_v1_vm, 12);
 
 /**
  * Describes the message eitri.v1.DeleteVMResponse.
  * Use `create(DeleteVMResponseSchema)` to create a new message.
  */
 export const DeleteVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 12);
+  messageDesc(file_eitri_v1_vm, 13);
 
 /**
  * Describes the message eitri.v1.RestoreVMRequest.
  * Use `create(RestoreVMRequestSchema)` to create a new message.
  */
 export const RestoreVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 13);
+  messageDesc(file_eitri_v1_vm, 14);
 
 /**
  * Describes the message eitri.v1.RestoreVMResponse.
  * Use `create(RestoreVMResponseSchema)` to create a new message.
  */
 export const RestoreVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 14);
+  messageDesc(file_eitri_v1_vm, 15);
 
 /**
  * Describes the message eitri.v1.RetryVMRequest.
  * Use `create(RetryVMRequestSchema)` to create a new message.
  */
 export const RetryVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 15);
+  messageDesc(file_eitri_v1_vm, 16);
 
 /**
  * Describes the message eitri.v1.RetryVMResponse.
  * Use `create(RetryVMResponseSchema)` to create a new message.
  */
 export const RetryVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 16);
+  messageDesc(file_eitri_v1_vm, 17);
 
 /**
  * Describes the message eitri.v1.VMEvent.
  * Use `create(VMEventSchema)` to create a new message.
  */
 export const VMEventSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 17);
+  messageDesc(file_eitri_v1_vm, 18);
 
 /**
  * Describes the message eitri.v1.ListVMEventsRequest.
  * Use `create(ListVMEventsRequestSchema)` to create a new message.
  */
 export const ListVMEventsRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 18);
+  messageDesc(file_eitri_v1_vm, 19);
 
 /**
  * Describes the message eitri.v1.ListVMEventsResponse.
  * Use `create(ListVMEventsResponseSchema)` to create a new message.
  */
 export const ListVMEventsResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 19);
+  messageDesc(file_eitri_v1_vm, 20);
 
 /**
  * Describes the message eitri.v1.WatchVMsRequest.
  * Use `create(WatchVMsRequestSchema)` to create a new message.
  */
 export const WatchVMsRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 20);
+  messageDesc(file_eitri_v1_vm, 21);
 
 /**
  * Describes the message eitri.v1.VMList.
  * Use `create(VMListSchema)` to create a new message.
  */
 export const VMListSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 21);
+  messageDesc(file_eitri_v1_vm, 22);
 
 /**
  * Describes the message eitri.v1.WatchVMsResponse.
  * Use `create(WatchVMsResponseSchema)` to create a new message.
  */
 export const WatchVMsResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 22);
+  messageDesc(file_eitri_v1_vm, 23);
 
 /**
  * Describes the message eitri.v1.OrphanedVM.
  * Use `create(OrphanedVMSchema)` to create a new message.
  */
 export const OrphanedVMSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 23);
+  messageDesc(file_eitri_v1_vm, 24);
 
 /**
  * Describes the message eitri.v1.ListOrphanedVMsRequest.
  * Use `create(ListOrphanedVMsRequestSchema)` to create a new message.
  */
 export const ListOrphanedVMsRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 24);
+  messageDesc(file_eitri_v1_vm, 25);
 
 /**
  * Describes the message eitri.v1.ListOrphanedVMsResponse.
  * Use `create(ListOrphanedVMsResponseSchema)` to create a new message.
  */
 export const ListOrphanedVMsResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 25);
+  messageDesc(file_eitri_v1_vm, 26);
 
 /**
  * Describes the message eitri.v1.AdoptOrphanedVMRequest.
  * Use `create(AdoptOrphanedVMRequestSchema)` to create a new message.
  */
 export const AdoptOrphanedVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 26);
+  messageDesc(file_eitri_v1_vm, 27);
 
 /**
  * Describes the message eitri.v1.AdoptOrphanedVMResponse.
  * Use `create(AdoptOrphanedVMResponseSchema)` to create a new message.
  */
 export const AdoptOrphanedVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 27);
+  messageDesc(file_eitri_v1_vm, 28);
 
 /**
  * Describes the message eitri.v1.DestroyOrphanedVMRequest.
  * Use `create(DestroyOrphanedVMRequestSchema)` to create a new message.
  */
 export const DestroyOrphanedVMRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 28);
+  messageDesc(file_eitri_v1_vm, 29);
 
 /**
  * Describes the message eitri.v1.DestroyOrphanedVMResponse.
  * Use `create(DestroyOrphanedVMResponseSchema)` to create a new message.
  */
 export const DestroyOrphanedVMResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 29);
+  messageDesc(file_eitri_v1_vm, 30);
 
 /**
  * Describes the message eitri.v1.StreamConsoleRequest.
  * Use `create(StreamConsoleRequestSchema)` to create a new message.
  */
 export const StreamConsoleRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 30);
+  messageDesc(file_eitri_v1_vm, 31);
 
 /**
  * Describes the message eitri.v1.StreamConsoleResponse.
  * Use `create(StreamConsoleResponseSchema)` to create a new message.
  */
 export const StreamConsoleResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 31);
+  messageDesc(file_eitri_v1_vm, 32);
 
 /**
  * Describes the message eitri.v1.SendConsoleInputRequest.
  * Use `create(SendConsoleInputRequestSchema)` to create a new message.
  */
 export const SendConsoleInputRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 32);
+  messageDesc(file_eitri_v1_vm, 33);
 
 /**
  * Describes the message eitri.v1.SendConsoleInputResponse.
  * Use `create(SendConsoleInputResponseSchema)` to create a new message.
  */
 export const SendConsoleInputResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 33);
+  messageDesc(file_eitri_v1_vm, 34);
 
 /**
  * Describes the message eitri.v1.OpenTunnelRequest.
  * Use `create(OpenTunnelRequestSchema)` to create a new message.
  */
 export const OpenTunnelRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 34);
+  messageDesc(file_eitri_v1_vm, 35);
 
 /**
  * Describes the message eitri.v1.OpenTunnelResponse.
  * Use `create(OpenTunnelResponseSchema)` to create a new message.
  */
 export const OpenTunnelResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_vm, 35);
+  messageDesc(file_eitri_v1_vm, 36);
 
 /**
  * VMService manages virtual machines. A caller sees and touches only its own
