@@ -20,9 +20,10 @@ import (
 	"github.com/a73x/eitri/agent/netsetup"
 )
 
-// TestGuestsOfOtherOwnersCannotTakeOrReachEachOther replays the attack of
-// issue 9: a guest takes another tenant's address (its IP, its MAC,
-// gratuitous ARP) to receive what is sent to the victim's published port.
+// TestGuestsOfOtherOwnersCannotTakeOrReachEachOther replays the theft one
+// tenant's guest could try on another's: a guest takes another tenant's
+// address (its IP, its MAC, gratuitous ARP) to receive what is sent to the
+// victim's published port.
 //
 // alice's and bob's guests are real QEMU guests created through the engine
 // with their owners. The attacker is bob's too, but a stand-in: the test

@@ -167,10 +167,10 @@ func readFile(t *testing.T, p string) []byte {
 	return b
 }
 
-// A connection that drops mid-download used to mean starting again from
-// byte 0 (and, past the pass timeout, never finishing). The rest is asked
-// for with Range, validated with If-Range, and progress goes on from where
-// it was.
+// A connection that drops mid-download must not start again from byte 0:
+// a large image over a flaky link would then never finish. The rest is
+// asked for with Range, validated with If-Range, and progress goes on from
+// where it was.
 func TestACutDownloadResumesWithRangeAndProgressNeverGoesBack(t *testing.T) {
 	body := testImage(1 << 20)
 	sum := digest(body)

@@ -32,9 +32,9 @@ func stuckGuest(t *testing.T, b *Backend, id string) (accepted <-chan struct{}) 
 	return ch
 }
 
-// Issue 22, item 5: input to a guest that never reads piled up behind a
-// lock that ignored the caller's deadline, each call waiting out every
-// write before it.
+// A guest that never reads its serial input must not hold its callers:
+// each write ends with its own caller's deadline instead of queueing
+// behind every write before it (a tenant could pin call slots that way).
 func TestInputWaitingBehindAStuckWriteEndsWithItsCallersDeadline(t *testing.T) {
 	b, id := serialBackend(t)
 	accepted := stuckGuest(t, b, id)

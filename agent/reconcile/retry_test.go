@@ -44,8 +44,8 @@ func TestJitterKeepsHalfTheWaitAndSpreadsTheRest(t *testing.T) {
 	assert.Greater(t, len(seen), 10, "VMs failed by one outage must not retry in step")
 }
 
-// Three failures in a row used to fail a VM within seconds; now each
-// attempt waits out a doubling backoff, and the row says when the next is.
+// A passing outage must not fail a VM within seconds: each attempt waits
+// out a doubling backoff, and the row says when the next is.
 func TestAFailedCreateAttemptWaitsOutItsBackoffAndSaysWhen(t *testing.T) {
 	f := setup(t, planned, func(c *Config) {
 		c.RetryBackoff, c.MaxRetryBackoff = 20*time.Second, 5*time.Minute
