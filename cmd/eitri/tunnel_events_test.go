@@ -17,10 +17,11 @@ import (
 	"github.com/a73x/eitri/server/store"
 )
 
-// Issue 22, item 6: one user opening and dropping tunnels to a stopped VM
-// wrote an event for each, thousands in seconds. Now the first ten a
-// minute are recorded one by one and the rest counted (into one event at
-// the end of the minute, which the fleet's own tests read).
+// One user opening and dropping tunnels to a stopped VM must not write an
+// event for each (thousands in seconds, pushing every other event out of
+// the VM's timeline): the first ten a minute are recorded one by one and
+// the rest counted (into one event at the end of the minute, which the
+// fleet's own tests read).
 func TestAFloodOfRefusedTunnelsWritesTenEventsAMinuteNotOneEach(t *testing.T) {
 	e := newTunnelEnv(t, server.Config{})
 	ctx, cancel := context.WithCancel(context.Background())
