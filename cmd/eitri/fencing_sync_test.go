@@ -88,18 +88,7 @@ func TestSnapshotsStillApplyAfterTheControlPlaneClockStepsBackAcrossARestart(t *
 	id, err := syncclient.Enroll(context.Background(), jt.Token, "h1", "test")
 	require.NoError(t, err)
 
-	st, err := state.Open(t.TempDir())
-	require.NoError(t, err)
-	hv := &guests{running: map[string]bool{}}
-	eng, err := reconcile.New(reconcile.Config{
-		Hyper: hv, St: st, ResyncInterval: 50 * time.Millisecond,
-		Images: func(context.Context, string, string, func(int64, int64)) (string, func(), error) {
-			return "/cache/base.raw", func() {}, nil
-		},
-		Seed: func(string, reconcile.SeedParams) error { return nil },
-	})
-	require.NoError(t, err)
-	defer eng.Close()
+	eng, hv := engineOverGuests(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() {
@@ -143,4 +132,23 @@ func TestSnapshotsStillApplyAfterTheControlPlaneClockStepsBackAcrossARestart(t *
 	h, err := cp2.srv.Fleet.GetHost(cp2.admin(), id.HostID)
 	require.NoError(t, err)
 	assert.Empty(t, h.Conditions)
+}
+
+// engineOverGuests is a real reconcile engine over in-memory guests: the
+// agent's logic end to end, with no QEMU, image or seed behind it.
+func engineOverGuests(t *testing.T) (*reconcile.Engine, *guests) {
+	t.Helper()
+	st, err := state.Open(t.TempDir())
+	require.NoError(t, err)
+	hv := &guests{running: map[string]bool{}}
+	eng, err := reconcile.New(reconcile.Config{
+		Hyper: hv, St: st, ResyncInterval: 50 * time.Millisecond,
+		Images: func(context.Context, string, string, func(int64, int64)) (string, func(), error) {
+			return "/cache/base.raw", func() {}, nil
+		},
+		Seed: func(string, reconcile.SeedParams) error { return nil },
+	})
+	require.NoError(t, err)
+	t.Cleanup(eng.Close)
+	return eng, hv
 }

@@ -18,8 +18,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/a73x/eitri/agent/reconcile"
-	"github.com/a73x/eitri/agent/state"
 	"github.com/a73x/eitri/cmd/eitri/cli"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
@@ -52,18 +50,7 @@ func TestMigrateDBMovesASQLiteFleetToPostgreSQLAndTheAgentFollows(t *testing.T) 
 	admin := cp.admin()
 	id := cp.enroll(admin)
 
-	st, err := state.Open(t.TempDir())
-	require.NoError(t, err)
-	hv := &guests{running: map[string]bool{}}
-	eng, err := reconcile.New(reconcile.Config{
-		Hyper: hv, St: st, ResyncInterval: 50 * time.Millisecond,
-		Images: func(context.Context, string, string, func(int64, int64)) (string, func(), error) {
-			return "/cache/base.raw", func() {}, nil
-		},
-		Seed: func(string, reconcile.SeedParams) error { return nil },
-	})
-	require.NoError(t, err)
-	defer eng.Close()
+	eng, hv := engineOverGuests(t)
 	agent := quickAgent(id, measured{eng}, "agent-1")
 	agent.Hello = func() *eitriv1.Hello {
 		cpID, epoch, gen := eng.Lineage()
