@@ -17,7 +17,7 @@ func TestBuildingBlocksStandAlone(t *testing.T) {
 	// the wire (gen/) or of each other, so each can be understood, tested
 	// and replaced alone; the reconcile engine, the node and Run compose
 	// them.
-	for _, b := range []string{"imagecache", "exposeproxy", "qemu", "netsetup", "seed", "state"} {
+	for _, b := range []string{"imagecache", "exposeproxy", "qemu", "netsetup", "seed", "state", "usage"} {
 		t.Run(b, func(t *testing.T) {
 			deptest.Rules{
 				Packages: []string{"./agent/" + b + "/..."},

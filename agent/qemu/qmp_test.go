@@ -90,3 +90,35 @@ func TestQMPNotAServer(t *testing.T) {
 	_, err = dialQMP(context.Background(), path)
 	assert.ErrorContains(t, err, "not a QMP server")
 }
+
+func TestIOStatsSumsEveryBlockDeviceAndLeavesAMissingBalloonUnsaid(t *testing.T) {
+	path := fakeQMP(t, map[string][]string{
+		"qmp_capabilities": {`{"return": {}}`},
+		"query-blockstats": {`{"return": [` +
+			`{"device": "", "qdev": "root", "stats": {"rd_bytes": 1000, "wr_bytes": 200, "rd_operations": 10, "wr_operations": 2}},` +
+			`{"device": "", "qdev": "seed", "stats": {"rd_bytes": 24, "wr_bytes": 0, "rd_operations": 1, "wr_operations": 0}}]}`},
+		"query-balloon": {`{"error": {"class": "DeviceNotActive", "desc": "No balloon device has been activated"}}`},
+	})
+	q, err := dialQMP(context.Background(), path)
+	require.NoError(t, err)
+	defer q.Close()
+	got, err := queryIOStats(q)
+	require.NoError(t, err)
+	assert.Equal(t, DiskIO{ReadBytes: 1024, WriteBytes: 200, ReadOps: 11, WriteOps: 2}, got.Disk)
+	assert.Nil(t, got.BalloonBytes, "a guest without a balloon has no balloon figure, not 0")
+}
+
+func TestIOStatsReadsTheBalloonWhenThereIsOne(t *testing.T) {
+	path := fakeQMP(t, map[string][]string{
+		"qmp_capabilities": {`{"return": {}}`},
+		"query-blockstats": {`{"return": []}`},
+		"query-balloon":    {`{"return": {"actual": 268435456}}`},
+	})
+	q, err := dialQMP(context.Background(), path)
+	require.NoError(t, err)
+	defer q.Close()
+	got, err := queryIOStats(q)
+	require.NoError(t, err)
+	require.NotNil(t, got.BalloonBytes)
+	assert.Equal(t, uint64(256<<20), *got.BalloonBytes)
+}
