@@ -143,6 +143,7 @@ type SyncRequest struct {
 	//
 	//	*SyncRequest_Hello
 	//	*SyncRequest_Report
+	//	*SyncRequest_Usage
 	Msg           isSyncRequest_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -203,6 +204,15 @@ func (x *SyncRequest) GetReport() *ActualStateReport {
 	return nil
 }
 
+func (x *SyncRequest) GetUsage() *UsageSample {
+	if x != nil {
+		if x, ok := x.Msg.(*SyncRequest_Usage); ok {
+			return x.Usage
+		}
+	}
+	return nil
+}
+
 type isSyncRequest_Msg interface {
 	isSyncRequest_Msg()
 }
@@ -215,9 +225,17 @@ type SyncRequest_Report struct {
 	Report *ActualStateReport `protobuf:"bytes,2,opt,name=report,proto3,oneof"`
 }
 
+type SyncRequest_Usage struct {
+	// Measurements, every few seconds. Not state: a lost one is a gap in
+	// a chart, and the next one says everything it would have.
+	Usage *UsageSample `protobuf:"bytes,3,opt,name=usage,proto3,oneof"`
+}
+
 func (*SyncRequest_Hello) isSyncRequest_Msg() {}
 
 func (*SyncRequest_Report) isSyncRequest_Msg() {}
+
+func (*SyncRequest_Usage) isSyncRequest_Msg() {}
 
 // SyncResponse is one frame from the control plane.
 type SyncResponse struct {
@@ -2569,7 +2587,7 @@ var File_eitri_v1_agent_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\n" +
-	"\x14eitri/v1/agent.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\"o\n" +
+	"\x14eitri/v1/agent.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x14eitri/v1/usage.proto\"o\n" +
 	"\rEnrollRequest\x12\x1d\n" +
 	"\n" +
 	"join_token\x18\x01 \x01(\tR\tjoinToken\x12\x1a\n" +
@@ -2577,10 +2595,11 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\ragent_version\x18\x03 \x01(\tR\fagentVersion\"R\n" +
 	"\x0eEnrollResponse\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12'\n" +
-	"\x0fhost_credential\x18\x02 \x01(\tR\x0ehostCredential\"t\n" +
+	"\x0fhost_credential\x18\x02 \x01(\tR\x0ehostCredential\"\xa3\x01\n" +
 	"\vSyncRequest\x12'\n" +
 	"\x05hello\x18\x01 \x01(\v2\x0f.eitri.v1.HelloH\x00R\x05hello\x125\n" +
-	"\x06report\x18\x02 \x01(\v2\x1b.eitri.v1.ActualStateReportH\x00R\x06reportB\x05\n" +
+	"\x06report\x18\x02 \x01(\v2\x1b.eitri.v1.ActualStateReportH\x00R\x06report\x12-\n" +
+	"\x05usage\x18\x03 \x01(\v2\x15.eitri.v1.UsageSampleH\x00R\x05usageB\x05\n" +
 	"\x03msg\"S\n" +
 	"\fSyncResponse\x12<\n" +
 	"\bsnapshot\x18\x01 \x01(\v2\x1e.eitri.v1.DesiredStateSnapshotH\x00R\bsnapshotB\x05\n" +
@@ -2832,50 +2851,52 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*TunnelResponse)(nil),       // 25: eitri.v1.TunnelResponse
 	(*SignHostKeyRequest)(nil),   // 26: eitri.v1.SignHostKeyRequest
 	(*SignHostKeyResponse)(nil),  // 27: eitri.v1.SignHostKeyResponse
-	(*Capacity)(nil),             // 28: eitri.v1.Capacity
-	(*Metrics)(nil),              // 29: eitri.v1.Metrics
-	(*Progress)(nil),             // 30: eitri.v1.Progress
-	(*ExposureSessions)(nil),     // 31: eitri.v1.ExposureSessions
+	(*UsageSample)(nil),          // 28: eitri.v1.UsageSample
+	(*Capacity)(nil),             // 29: eitri.v1.Capacity
+	(*Metrics)(nil),              // 30: eitri.v1.Metrics
+	(*Progress)(nil),             // 31: eitri.v1.Progress
+	(*ExposureSessions)(nil),     // 32: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
 	5,  // 1: eitri.v1.SyncRequest.report:type_name -> eitri.v1.ActualStateReport
-	11, // 2: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
-	8,  // 3: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
-	10, // 4: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	28, // 5: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	29, // 6: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
-	15, // 7: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
-	7,  // 8: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
-	6,  // 9: eitri.v1.ActualStateReport.upgrade:type_name -> eitri.v1.AgentUpgradeStatus
-	30, // 10: eitri.v1.AgentUpgradeStatus.progress:type_name -> eitri.v1.Progress
-	9,  // 11: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
-	30, // 12: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
-	12, // 13: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
-	12, // 14: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
-	13, // 15: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
-	14, // 16: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	31, // 17: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	19, // 18: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
-	20, // 19: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
-	21, // 20: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
-	0,  // 21: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 22: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	17, // 23: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
-	22, // 24: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
-	24, // 25: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
-	26, // 26: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
-	1,  // 27: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 28: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	18, // 29: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
-	23, // 30: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
-	25, // 31: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
-	27, // 32: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
-	27, // [27:33] is the sub-list for method output_type
-	21, // [21:27] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	28, // 2: eitri.v1.SyncRequest.usage:type_name -> eitri.v1.UsageSample
+	11, // 3: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
+	8,  // 4: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
+	10, // 5: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
+	29, // 6: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	30, // 7: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	15, // 8: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
+	7,  // 9: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
+	6,  // 10: eitri.v1.ActualStateReport.upgrade:type_name -> eitri.v1.AgentUpgradeStatus
+	31, // 11: eitri.v1.AgentUpgradeStatus.progress:type_name -> eitri.v1.Progress
+	9,  // 12: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
+	31, // 13: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
+	12, // 14: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
+	12, // 15: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
+	13, // 16: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
+	14, // 17: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
+	32, // 18: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	19, // 19: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
+	20, // 20: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
+	21, // 21: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
+	0,  // 22: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 23: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	17, // 24: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
+	22, // 25: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
+	24, // 26: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
+	26, // 27: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
+	1,  // 28: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 29: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	18, // 30: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
+	23, // 31: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
+	25, // 32: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
+	27, // 33: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
+	28, // [28:34] is the sub-list for method output_type
+	22, // [22:28] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -2884,9 +2905,11 @@ func file_eitri_v1_agent_proto_init() {
 		return
 	}
 	file_eitri_v1_resources_proto_init()
+	file_eitri_v1_usage_proto_init()
 	file_eitri_v1_agent_proto_msgTypes[2].OneofWrappers = []any{
 		(*SyncRequest_Hello)(nil),
 		(*SyncRequest_Report)(nil),
+		(*SyncRequest_Usage)(nil),
 	}
 	file_eitri_v1_agent_proto_msgTypes[3].OneofWrappers = []any{
 		(*SyncResponse_Snapshot)(nil),

@@ -4,6 +4,7 @@
 
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import type { Message } from "@bufbuild/protobuf";
+import type { UsageSample } from "./usage_pb.js";
 import type { Capacity, ExposureSessions, Metrics, Progress } from "./resources_pb.js";
 
 /**
@@ -85,6 +86,15 @@ export declare type SyncRequest = Message<"eitri.v1.SyncRequest"> & {
      */
     value: ActualStateReport;
     case: "report";
+  } | {
+    /**
+     * Measurements, every few seconds. Not state: a lost one is a gap in
+     * a chart, and the next one says everything it would have.
+     *
+     * @generated from field: eitri.v1.UsageSample usage = 3;
+     */
+    value: UsageSample;
+    case: "usage";
   } | { case: undefined; value?: undefined };
 };
 
