@@ -261,6 +261,7 @@ func Run(ctx context.Context, cfg Config) error {
 				ControlPlaneId: cp, AppliedEpoch: epoch, AppliedGeneration: gen,
 				Os: runtime.GOOS, Arch: runtime.GOARCH}
 		},
+		Usage: usageSampler(cfg.DataDir, eng, qb),
 		// A snapshot applied is the control plane hearing this build: a
 		// new build on trial has proved itself.
 		OnSnapshot: func(uint64) { up.Healthy() },

@@ -88,6 +88,11 @@ type Config struct {
 	Log                    *slog.Logger
 	// OnSnapshot is told each applied generation (tests, metrics).
 	OnSnapshot func(generation uint64)
+	// Usage measures the host and its guests; nil sends no samples. It is
+	// called every UsageEvery (default 10s) on a goroutine of its own, so a
+	// slow measurement never holds up a report.
+	Usage      func(context.Context) *eitriv1.UsageSample
+	UsageEvery time.Duration
 	// Client is the HTTP client to use (nil: connclient.HTTPClient of the identity's
 	// pin); share one so the agent's other streams ride the same connection.
 	Client *http.Client
@@ -110,6 +115,9 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if cfg.MaxBackoff == 0 {
 		cfg.MaxBackoff = 30 * time.Second
+	}
+	if cfg.UsageEvery == 0 {
+		cfg.UsageEvery = 10 * time.Second
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
@@ -198,6 +206,7 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 	if c, ok := cfg.Source.(interface{ Changed() <-chan struct{} }); ok {
 		changed = c.Changed()
 	}
+	samples := measure(ctx, cfg)
 	lim := newLimiter(8, cfg.ReportEvery)
 	tick := time.NewTicker(cfg.ReportEvery)
 	defer tick.Stop()
@@ -256,8 +265,43 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 			if err := send(false); err != nil {
 				return healthy, err
 			}
+		case u := <-samples:
+			if err := st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Usage{Usage: u}}); err != nil {
+				return healthy, err
+			}
 		}
 	}
+}
+
+// measure takes a usage sample every cfg.UsageEvery until ctx ends. The
+// channel holds one: a sample the stream has not taken yet is replaced by
+// the newer one.
+func measure(ctx context.Context, cfg Config) <-chan *eitriv1.UsageSample {
+	out := make(chan *eitriv1.UsageSample, 1)
+	if cfg.Usage == nil {
+		return out
+	}
+	go func() {
+		t := time.NewTicker(cfg.UsageEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			u := cfg.Usage(ctx)
+			if u == nil {
+				continue
+			}
+			select {
+			case <-out:
+			default:
+			}
+			out <- u
+		}
+	}()
+	return out
 }
 
 // sendErr turns a failed Send, before anything else reads the stream, into

@@ -55,6 +55,12 @@ func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.S
 				recvErr <- err
 				return
 			}
+			if u := msg.GetUsage(); u != nil {
+				// Samples are not state: taken as they come, beside the
+				// reports, never queued behind them.
+				sess.Usage(ctx, u)
+				continue
+			}
 			if rep := msg.GetReport(); rep != nil {
 				select {
 				case reports <- rep:

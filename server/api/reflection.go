@@ -21,6 +21,7 @@ var UserServices = []string{
 	eitriv1connect.TokenServiceName,
 	eitriv1connect.QuotaServiceName,
 	eitriv1connect.SSHServiceName,
+	eitriv1connect.UsageServiceName,
 }
 
 // Reflection paths: gRPC server reflection, v1 and the v1alpha older tools

@@ -22,6 +22,7 @@ import (
 	"github.com/a73x/eitri/server/registry"
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/server/usage"
 	"github.com/a73x/eitri/server/watch"
 	"github.com/a73x/eitri/wire/release"
 )
@@ -154,6 +155,8 @@ type Fleet struct {
 	VMs       *watch.Topic[*eitriv1.VM]
 	Hosts     *watch.Topic[*eitriv1.Host]
 	Exposures *watch.Topic[*eitriv1.Exposure]
+	// Usage is the recent usage hosts pushed (usage.go).
+	Usage *usage.Store
 
 	mu       sync.Mutex
 	sessions map[string]*Session // host id → current stream
@@ -220,6 +223,7 @@ func New(cfg Config, st *store.Store) *Fleet {
 		VMs:       watch.NewTopic[*eitriv1.VM](),
 		Hosts:     watch.NewTopic[*eitriv1.Host](),
 		Exposures: watch.NewTopic[*eitriv1.Exposure](),
+		Usage:     usage.New(0, 0),
 		sessions:  make(map[string]*Session),
 		touched:   make(map[string]time.Time),
 		dups:      make(map[string]*duplicate),
