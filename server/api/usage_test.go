@@ -37,7 +37,9 @@ func usageFleet(t *testing.T) (e *env, a *agent, hostID, alice, bob string, alic
 	alice, bob = e.tenant("alice"), e.tenant("bob")
 	alices = e.mustCreateVM(alice, createReq("alices"))
 	bobs = e.mustCreateVM(bob, createReq("bobs"))
-	running := func(id string) *eitriv1.ActualVM { return &eitriv1.ActualVM{VmId: id, Power: "running", Phase: "ready"} }
+	running := func(id string) *eitriv1.ActualVM {
+		return &eitriv1.ActualVM{VmId: id, Power: "running", Phase: "ready"}
+	}
 	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Vms: []*eitriv1.ActualVM{running(alices.Id), running(bobs.Id)}})
 	require.Eventually(t, func() bool {
 		v, err := e.vms(e.admin).GetVM(context.Background(), connect.NewRequest(&eitriv1.GetVMRequest{Id: bobs.Id}))
