@@ -63,6 +63,10 @@ type Config struct {
 	Key release.PublicKey
 	// Client fetches builds (pinned to the control plane); BaseURL is the
 	// control plane's URL the offer's path is on; Credential the host's.
+	// With several replicas, Client is the agent's failover client
+	// (wire/connclient.Replicas) and BaseURL the URL its requests name: a
+	// download lands on whichever replica answers, and one cut off resumes
+	// on the next, as every replica serves the same bytes.
 	Client     *http.Client
 	BaseURL    func() string
 	Credential string

@@ -80,12 +80,18 @@ type host struct {
 // newHost is an agent running "v1.3.0" from exe, trusting key.
 func newHost(t *testing.T, key release.PublicKey, url string) *host {
 	t.Helper()
+	return newHostWith(t, key, http.DefaultClient, url)
+}
+
+// newHostWith is newHost fetching through client.
+func newHostWith(t *testing.T, key release.PublicKey, client *http.Client, url string) *host {
+	t.Helper()
 	dir := t.TempDir()
 	exe := filepath.Join(dir, "bin", "eitri")
 	require.NoError(t, os.MkdirAll(filepath.Dir(exe), 0o755))
 	require.NoError(t, os.WriteFile(exe, script("v1.3.0"), 0o755))
 	u, err := upgrade.New(upgrade.Config{Dir: filepath.Join(dir, "upgrade"), Exe: exe, Version: "v1.3.0", Key: key,
-		Client: http.DefaultClient, BaseURL: func() string { return url }, Credential: "host-cred", RetryWait: time.Millisecond})
+		Client: client, BaseURL: func() string { return url }, Credential: "host-cred", RetryWait: time.Millisecond})
 	require.NoError(t, err)
 	return &host{dir: dir, exe: exe, u: u}
 }
