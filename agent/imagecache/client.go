@@ -77,7 +77,7 @@ func (c *Cache) transport(urlPath string) *http.Transport {
 			if err != nil {
 				return fmt.Errorf("image download: unexpected dial address %q", address)
 			}
-			return c.policy.check(ap, urlPath)
+			return c.policy.Check(ap, urlPath)
 		},
 	}
 	return &http.Transport{
