@@ -1300,6 +1300,10 @@ type VMDesired struct {
 	// is created; a guest reads it once. Empty from a control plane without a
 	// CA.
 	SshUserCaKeys []string `protobuf:"bytes,16,rep,name=ssh_user_ca_keys,json=sshUserCaKeys,proto3" json:"ssh_user_ca_keys,omitempty"`
+	// How the guest is judged ready, as its catalogue image says;
+	// unspecified keeps the host's default (phone home, then ssh, then the
+	// address alone after a long wait).
+	Readiness     ImageReadiness `protobuf:"varint,17,opt,name=readiness,proto3,enum=eitri.v1.ImageReadiness" json:"readiness,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1444,6 +1448,13 @@ func (x *VMDesired) GetSshUserCaKeys() []string {
 		return x.SshUserCaKeys
 	}
 	return nil
+}
+
+func (x *VMDesired) GetReadiness() ImageReadiness {
+	if x != nil {
+		return x.Readiness
+	}
+	return ImageReadiness_IMAGE_READINESS_UNSPECIFIED
 }
 
 // AgentUpgrade offers the agent another build of itself. The agent fetches
@@ -2587,7 +2598,7 @@ var File_eitri_v1_agent_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\n" +
-	"\x14eitri/v1/agent.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x14eitri/v1/usage.proto\"o\n" +
+	"\x14eitri/v1/agent.proto\x12\beitri.v1\x1a\x15eitri/v1/images.proto\x1a\x18eitri/v1/resources.proto\x1a\x14eitri/v1/usage.proto\"o\n" +
 	"\rEnrollRequest\x12\x1d\n" +
 	"\n" +
 	"join_token\x18\x01 \x01(\tR\tjoinToken\x12\x1a\n" +
@@ -2694,7 +2705,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\ragent_upgrade\x18\x03 \x01(\v2\x16.eitri.v1.AgentUpgradeR\fagentUpgrade\x127\n" +
 	"\texposures\x18\x04 \x03(\v2\x19.eitri.v1.ExposureDesiredR\texposures\x12(\n" +
 	"\x10control_plane_id\x18\x05 \x01(\tR\x0econtrolPlaneId\x12\x14\n" +
-	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\"\xd4\x03\n" +
+	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\"\x8c\x04\n" +
 	"\tVMDesired\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -2713,7 +2724,8 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\adestroy\x18\r \x01(\bR\adestroy\x12\x18\n" +
 	"\aversion\x18\x0e \x01(\x04R\aversion\x12\x14\n" +
 	"\x05retry\x18\x0f \x01(\x04R\x05retry\x12'\n" +
-	"\x10ssh_user_ca_keys\x18\x10 \x03(\tR\rsshUserCaKeys\"\xf8\x01\n" +
+	"\x10ssh_user_ca_keys\x18\x10 \x03(\tR\rsshUserCaKeys\x126\n" +
+	"\treadiness\x18\x11 \x01(\x0e2\x18.eitri.v1.ImageReadinessR\treadiness\"\xf8\x01\n" +
 	"\fAgentUpgrade\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x12\x16\n" +
@@ -2855,7 +2867,8 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*Capacity)(nil),             // 29: eitri.v1.Capacity
 	(*Metrics)(nil),              // 30: eitri.v1.Metrics
 	(*Progress)(nil),             // 31: eitri.v1.Progress
-	(*ExposureSessions)(nil),     // 32: eitri.v1.ExposureSessions
+	(ImageReadiness)(0),          // 32: eitri.v1.ImageReadiness
+	(*ExposureSessions)(nil),     // 33: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
@@ -2876,27 +2889,28 @@ var file_eitri_v1_agent_proto_depIdxs = []int32{
 	12, // 15: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
 	13, // 16: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
 	14, // 17: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	32, // 18: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	19, // 19: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
-	20, // 20: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
-	21, // 21: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
-	0,  // 22: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 23: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	17, // 24: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
-	22, // 25: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
-	24, // 26: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
-	26, // 27: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
-	1,  // 28: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 29: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	18, // 30: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
-	23, // 31: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
-	25, // 32: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
-	27, // 33: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
-	28, // [28:34] is the sub-list for method output_type
-	22, // [22:28] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	32, // 18: eitri.v1.VMDesired.readiness:type_name -> eitri.v1.ImageReadiness
+	33, // 19: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	19, // 20: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
+	20, // 21: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
+	21, // 22: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
+	0,  // 23: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 24: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	17, // 25: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
+	22, // 26: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
+	24, // 27: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
+	26, // 28: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
+	1,  // 29: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 30: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	18, // 31: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
+	23, // 32: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
+	25, // 33: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
+	27, // 34: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
+	29, // [29:35] is the sub-list for method output_type
+	23, // [23:29] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -2904,6 +2918,7 @@ func file_eitri_v1_agent_proto_init() {
 	if File_eitri_v1_agent_proto != nil {
 		return
 	}
+	file_eitri_v1_images_proto_init()
 	file_eitri_v1_resources_proto_init()
 	file_eitri_v1_usage_proto_init()
 	file_eitri_v1_agent_proto_msgTypes[2].OneofWrappers = []any{

@@ -91,8 +91,13 @@ type VM struct {
 	// The guest trusts none of the keys the user CA signs with now (the CA
 	// was rotated since it was created): certificates eitri ssh gets are
 	// refused. trust_fix says what to do. False when trusted_cas is empty.
-	TrustStale    bool   `protobuf:"varint,28,opt,name=trust_stale,json=trustStale,proto3" json:"trust_stale,omitempty"`
-	TrustFix      string `protobuf:"bytes,29,opt,name=trust_fix,json=trustFix,proto3" json:"trust_fix,omitempty"`
+	TrustStale bool   `protobuf:"varint,28,opt,name=trust_stale,json=trustStale,proto3" json:"trust_stale,omitempty"`
+	TrustFix   string `protobuf:"bytes,29,opt,name=trust_fix,json=trustFix,proto3" json:"trust_fix,omitempty"`
+	// The catalogue name the VM was created by; empty for a VM created from
+	// a URL. image_sha256 is the digest it was made from either way.
+	ImageName string `protobuf:"bytes,30,opt,name=image_name,json=imageName,proto3" json:"image_name,omitempty"`
+	// The catalogue version of image_name it was made from; 0 without a name.
+	ImageVersion  int64 `protobuf:"varint,31,opt,name=image_version,json=imageVersion,proto3" json:"image_version,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -330,6 +335,20 @@ func (x *VM) GetTrustFix() string {
 	return ""
 }
 
+func (x *VM) GetImageName() string {
+	if x != nil {
+		return x.ImageName
+	}
+	return ""
+}
+
+func (x *VM) GetImageVersion() int64 {
+	if x != nil {
+		return x.ImageVersion
+	}
+	return 0
+}
+
 // TrustedCA is one SSH user CA key a guest trusts.
 type TrustedCA struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -412,7 +431,11 @@ type CreateVMRequest struct {
 	// One line, at most 8 KiB.
 	SshAuthorizedKey string `protobuf:"bytes,8,opt,name=ssh_authorized_key,json=sshAuthorizedKey,proto3" json:"ssh_authorized_key,omitempty"`
 	// "running" (default when empty) or "stopped".
-	PowerState    string `protobuf:"bytes,9,opt,name=power_state,json=powerState,proto3" json:"power_state,omitempty"`
+	PowerState string `protobuf:"bytes,9,opt,name=power_state,json=powerState,proto3" json:"power_state,omitempty"`
+	// A catalogue image name (see ImageService): the VM is made from its
+	// current version, sized at least to its minimums, and judged ready as it
+	// says. Give either image or image_url with image_sha256.
+	Image         string `protobuf:"bytes,10,opt,name=image,proto3" json:"image,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -506,6 +529,13 @@ func (x *CreateVMRequest) GetSshAuthorizedKey() string {
 func (x *CreateVMRequest) GetPowerState() string {
 	if x != nil {
 		return x.PowerState
+	}
+	return ""
+}
+
+func (x *CreateVMRequest) GetImage() string {
+	if x != nil {
+		return x.Image
 	}
 	return ""
 }
@@ -2374,7 +2404,7 @@ var File_eitri_v1_vm_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\n" +
-	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xea\a\n" +
+	"\x11eitri/v1/vm.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xae\b\n" +
 	"\x02VM\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x17\n" +
@@ -2413,12 +2443,15 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"trustedCas\x12\x1f\n" +
 	"\vtrust_stale\x18\x1c \x01(\bR\n" +
 	"trustStale\x12\x1b\n" +
-	"\ttrust_fix\x18\x1d \x01(\tR\btrustFix\"f\n" +
+	"\ttrust_fix\x18\x1d \x01(\tR\btrustFix\x12\x1d\n" +
+	"\n" +
+	"image_name\x18\x1e \x01(\tR\timageName\x12#\n" +
+	"\rimage_version\x18\x1f \x01(\x03R\fimageVersion\"f\n" +
 	"\tTrustedCA\x12\x1d\n" +
 	"\n" +
 	"public_key\x18\x01 \x01(\tR\tpublicKey\x12 \n" +
 	"\vfingerprint\x18\x02 \x01(\tR\vfingerprint\x12\x18\n" +
-	"\acurrent\x18\x03 \x01(\bR\acurrent\"\x93\x02\n" +
+	"\acurrent\x18\x03 \x01(\bR\acurrent\"\xa9\x02\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
 	"\ahost_id\x18\x02 \x01(\tR\x06hostId\x12\x1b\n" +
@@ -2429,7 +2462,9 @@ const file_eitri_v1_vm_proto_rawDesc = "" +
 	"\adisk_gb\x18\a \x01(\x03R\x06diskGb\x12,\n" +
 	"\x12ssh_authorized_key\x18\b \x01(\tR\x10sshAuthorizedKey\x12\x1f\n" +
 	"\vpower_state\x18\t \x01(\tR\n" +
-	"powerState\"0\n" +
+	"powerState\x12\x14\n" +
+	"\x05image\x18\n" +
+	" \x01(\tR\x05image\"0\n" +
 	"\x10CreateVMResponse\x12\x1c\n" +
 	"\x02vm\x18\x01 \x01(\v2\f.eitri.v1.VMR\x02vm\"\x1e\n" +
 	"\fGetVMRequest\x12\x0e\n" +

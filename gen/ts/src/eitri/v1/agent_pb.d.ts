@@ -6,6 +6,7 @@ import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegen
 import type { Message } from "@bufbuild/protobuf";
 import type { UsageSample } from "./usage_pb.js";
 import type { Capacity, ExposureSessions, Metrics, Progress } from "./resources_pb.js";
+import type { ImageReadiness } from "./images_pb.js";
 
 /**
  * Describes the file eitri/v1/agent.proto.
@@ -854,6 +855,15 @@ export declare type VMDesired = Message<"eitri.v1.VMDesired"> & {
    * @generated from field: repeated string ssh_user_ca_keys = 16;
    */
   sshUserCaKeys: string[];
+
+  /**
+   * How the guest is judged ready, as its catalogue image says;
+   * unspecified keeps the host's default (phone home, then ssh, then the
+   * address alone after a long wait).
+   *
+   * @generated from field: eitri.v1.ImageReadiness readiness = 17;
+   */
+  readiness: ImageReadiness;
 };
 
 /**

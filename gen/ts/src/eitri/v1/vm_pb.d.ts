@@ -217,6 +217,21 @@ export declare type VM = Message<"eitri.v1.VM"> & {
    * @generated from field: string trust_fix = 29;
    */
   trustFix: string;
+
+  /**
+   * The catalogue name the VM was created by; empty for a VM created from
+   * a URL. image_sha256 is the digest it was made from either way.
+   *
+   * @generated from field: string image_name = 30;
+   */
+  imageName: string;
+
+  /**
+   * The catalogue version of image_name it was made from; 0 without a name.
+   *
+   * @generated from field: int64 image_version = 31;
+   */
+  imageVersion: bigint;
 };
 
 /**
@@ -321,6 +336,15 @@ export declare type CreateVMRequest = Message<"eitri.v1.CreateVMRequest"> & {
    * @generated from field: string power_state = 9;
    */
   powerState: string;
+
+  /**
+   * A catalogue image name (see ImageService): the VM is made from its
+   * current version, sized at least to its minimums, and judged ready as it
+   * says. Give either image or image_url with image_sha256.
+   *
+   * @generated from field: string image = 10;
+   */
+  image: string;
 };
 
 /**
