@@ -47,7 +47,8 @@ var copyTables = []copyTable{
 	{name: "join_tokens", cols: []string{"id", "hash", "created_by", "created_at", "expires_at", "used_at", "host_id"}, order: "id"},
 	{name: "vms", cols: []string{"id", "owner_id", "host_id", "name", "image_url", "image_sha256", "vcpus", "mem_mb", "disk_gb",
 		"power_state", "status", "last_error", "assigned_ip", "ssh_authorized_key", "ssh_host_pubkey",
-		"created_at", "updated_at", "deleted_at", "destroy_at", "desired_gen", "retry", "exits_seen", "user_ca_keys"}, order: "id"},
+		"created_at", "updated_at", "deleted_at", "destroy_at", "desired_gen", "retry", "exits_seen", "user_ca_keys",
+		"image_name", "image_version", "readiness"}, order: "id"},
 	{name: "exposures", cols: []string{"id", "vm_id", "host_id", "guest_port", "host_port", "protocol", "scope", "max_sessions", "created_at"},
 		order: "id"},
 	{name: "vm_events", cols: []string{"id", "vm_id", "at", "kind", "message"}, order: "id", identity: "id"},
@@ -64,6 +65,11 @@ var copyTables = []copyTable{
 		order: "sha256"},
 	{name: "rollouts", cols: []string{"id", "version", "state", "reason", "max_unavailable", "allow_downgrade", "hosts", "created_by",
 		"created_at", "updated_at"}, order: "id"},
+	{name: "images", cols: []string{"name", "os", "os_version", "architecture", "login_user", "min_disk_gb", "min_mem_mb", "description",
+		"readiness", "url", "sums_url", "sums_signature_url", "sums_file_name", "keyring", "current_version", "created_at", "updated_at"},
+		order: "name"},
+	{name: "image_versions", cols: []string{"name", "version", "url", "sha256", "sha512", "size", "sums_url", "sums_signature_url",
+		"signer", "verified_at", "added_by", "created_at"}, order: "name, version"},
 }
 
 // notCopied are the tables Copy leaves behind, and why.

@@ -98,6 +98,7 @@ func fillEverything(t *testing.T, s *Store) {
 	// leaving a gap in the ids).
 	v1 := testVM("v1", "u1", "h1", "web", t0)
 	v1.UserCAKeys = []string{"ssh-ed25519 AAAAnew eitri-user-ca", "ssh-ed25519 AAAAold eitri-user-ca"}
+	v1.ImageName, v1.ImageVersion, v1.Readiness = "debian-12", 2, "address"
 	require.NoError(t, s.CreateVM(ctx, v1))
 	_, _, err := s.UpdateVM(ctx, "v1", func(vm *VM) error {
 		vm.Status, vm.AssignedIP, vm.SSHHostPubkey, vm.Retry, vm.ExitsSeen = "running", "10.77.0.9", "ssh-ed25519 HOST", 2, 1
@@ -152,6 +153,14 @@ func fillEverything(t *testing.T, s *Store) {
 	require.NoError(t, s.CreateRollout(ctx, Rollout{ID: "r1", Version: "v1.4", State: RolloutHalted, Reason: "h1 failed", MaxUnavailable: 1,
 		Hosts:     []RolloutHost{{HostID: "h1", HostName: "beta", State: HostFailed, Error: "no", StartedAt: ptr(t0), Attempt: 1}},
 		CreatedBy: "u1", CreatedAt: t0}))
+
+	// A catalogue entry with two versions, its keyring in bytes no text
+	// column would keep.
+	require.NoError(t, s.CreateImage(ctx, Image{Name: "debian-12", OS: "debian", MinDiskGB: 2, Readiness: "ssh", URL: "https://example.org/a",
+		SumsURL: "https://example.org/SHA512SUMS", Keyring: []byte{0, 1, 0xff}, CreatedAt: t0},
+		ImageVersion{URL: "https://example.org/a", SHA256: "aa", SHA512: "bb", Signer: "FP", VerifiedAt: ptr(t0), AddedBy: "u1"}))
+	_, _, err = s.AdvanceImage(ctx, "debian-12", ImageVersion{URL: "https://example.org/b", SHA256: "cc", AddedBy: "u1"}, 5)
+	require.NoError(t, err)
 }
 
 // readCase reads one table's rows back through the Store's API.
@@ -219,6 +228,8 @@ var everyTableRead = []readCase{
 		func(ctx context.Context, s *Store) (any, error) { return s.ReleaseData(ctx, "cc") },
 	)},
 	{"rollouts", func(ctx context.Context, s *Store) (any, error) { return s.ListRollouts(ctx) }},
+	{"images", func(ctx context.Context, s *Store) (any, error) { return s.ListImages(ctx) }},
+	{"image_versions", func(ctx context.Context, s *Store) (any, error) { return s.Image(ctx, "debian-12") }},
 }
 
 // filledSource makes a SQLite database holding one of everything, closed,
@@ -265,7 +276,7 @@ func TestACopyToPostgreSQLReadsBackIdenticallyThroughTheStore(t *testing.T) {
 
 	want := map[string]int64{"users": 2, "tokens": 3, "hosts": 3, "join_tokens": 2, "vms": 3, "exposures": 2,
 		"vm_events": 4, "quota_defaults": 1, "user_quotas": 1, "control_plane": 1, "secrets": int64(len(testSecrets)),
-		"releases": 1, "rollouts": 1}
+		"releases": 1, "rollouts": 1, "images": 1, "image_versions": 2}
 	got := map[string]int64{}
 	for _, c := range copied {
 		got[c.Table] = c.Rows

@@ -47,6 +47,12 @@ type VM struct {
 	// guest's seed trusts, as the control plane handed them; nil for a VM
 	// created before they were recorded.
 	UserCAKeys []string
+	// ImageName and ImageVersion are the catalogue entry the VM was made
+	// from ("" and 0 for a URL); Readiness is how its guest is judged ready
+	// (an ImageReadiness word, "" for the host's default).
+	ImageName    string
+	ImageVersion int64
+	Readiness    string
 }
 
 // VMEvent is one line of a VM's history.
@@ -70,13 +76,13 @@ func validVM(vm *VM) error {
 
 const vmCols = `id, owner_id, host_id, name, image_url, image_sha256, vcpus, mem_mb, disk_gb, power_state,
 	status, last_error, assigned_ip, ssh_authorized_key, ssh_host_pubkey, created_at, updated_at, deleted_at, destroy_at, desired_gen,
-	retry, exits_seen, user_ca_keys`
+	retry, exits_seen, user_ca_keys, image_name, image_version, readiness`
 
 func vmArgs(vm *VM) []any {
 	return []any{vm.ID, vm.OwnerID, nullString(vm.HostID), vm.Name, vm.ImageURL, vm.ImageSHA256, vm.VCPUs, vm.MemMB, vm.DiskGB, vm.PowerState,
 		vm.Status, vm.LastError, vm.AssignedIP, vm.SSHAuthorizedKey, vm.SSHHostPubkey,
 		nanos(vm.CreatedAt), nanos(vm.UpdatedAt), nullNanos(vm.DeletedAt), nullNanos(vm.DestroyAt), int64(vm.DesiredGen),
-		int64(vm.Retry), int64(vm.ExitsSeen), strings.Join(vm.UserCAKeys, "\n")}
+		int64(vm.Retry), int64(vm.ExitsSeen), strings.Join(vm.UserCAKeys, "\n"), vm.ImageName, vm.ImageVersion, vm.Readiness}
 }
 
 func scanVM(row interface{ Scan(...any) error }) (VM, error) {
@@ -88,7 +94,7 @@ func scanVM(row interface{ Scan(...any) error }) (VM, error) {
 	var caKeys string
 	err := row.Scan(&vm.ID, &vm.OwnerID, &host, &vm.Name, &vm.ImageURL, &vm.ImageSHA256, &vm.VCPUs, &vm.MemMB, &vm.DiskGB, &vm.PowerState,
 		&vm.Status, &vm.LastError, &vm.AssignedIP, &vm.SSHAuthorizedKey, &vm.SSHHostPubkey, &created, &updated, &deleted, &destroy, &gen,
-		&retry, &exits, &caKeys)
+		&retry, &exits, &caKeys, &vm.ImageName, &vm.ImageVersion, &vm.Readiness)
 	if err != nil {
 		return VM{}, err
 	}
@@ -155,7 +161,7 @@ func (s *Store) CreateVMAdmitted(ctx context.Context, vm VM, admit func(ctx cont
 		}
 		vm.DesiredGen = l.Generation
 		_, err = tx.ExecContext(ctx, `INSERT INTO vms (`+vmCols+`)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)`, vmArgs(&vm)...)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)`, vmArgs(&vm)...)
 		switch {
 		case isUniqueViolation(err):
 			return fmt.Errorf("%w: vm %s (%q) already exists", ErrConflict, vm.ID, vm.Name)
@@ -278,7 +284,7 @@ func (s *Store) updateVM(ctx context.Context, id string, reassert bool, fn func(
 		_, err = tx.ExecContext(ctx, `UPDATE vms SET owner_id = $2, host_id = $3, name = $4, image_url = $5, image_sha256 = $6,
 			vcpus = $7, mem_mb = $8, disk_gb = $9, power_state = $10, status = $11, last_error = $12, assigned_ip = $13,
 			ssh_authorized_key = $14, ssh_host_pubkey = $15, created_at = $16, updated_at = $17, deleted_at = $18, destroy_at = $19,
-			desired_gen = $20, retry = $21, exits_seen = $22, user_ca_keys = $23
+			desired_gen = $20, retry = $21, exits_seen = $22, user_ca_keys = $23, image_name = $24, image_version = $25, readiness = $26
 			WHERE id = $1`, args...)
 		switch {
 		case isUniqueViolation(err):
