@@ -29,6 +29,7 @@ import (
 	"github.com/a73x/eitri/server/pki"
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/addrpolicy"
 	"github.com/a73x/eitri/wire/connclient"
 	"github.com/a73x/eitri/wire/release"
 )
@@ -72,6 +73,9 @@ type Config struct {
 	// ReleaseKey checks uploaded agent builds and goes into join tokens;
 	// zero: no builds are taken.
 	ReleaseKey release.PublicKey
+	// ImagePolicy is what the image catalogue's fetches may connect to
+	// (fleet.Config.ImagePolicy).
+	ImagePolicy addrpolicy.Policy
 	// Version is the control plane's own (agents older than it are shown).
 	Version string
 	// StuckAfter and RolloutTick: see fleet.Config.
@@ -150,7 +154,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 			DeleteGrace: cfg.DeleteGrace, PortMin: cfg.PortMin, PortMax: cfg.PortMax, Log: cfg.Log,
 			RestoreMargin: cfg.RestoreMargin, DestroySweep: cfg.DestroySweep, Now: cfg.Now,
 			MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,
-			ReleaseKey:        cfg.ReleaseKey, Version: cfg.Version,
+			ReleaseKey:        cfg.ReleaseKey, Version: cfg.Version, ImagePolicy: cfg.ImagePolicy,
 			StuckAfter: cfg.StuckAfter, RolloutTick: cfg.RolloutTick,
 			SSHCA:          ca,
 			SecretsChanged: sec.push,

@@ -242,7 +242,7 @@ func (h *Hypervisor) Boot(ctx context.Context, spec state.VMSpec, seedPath strin
 	if err != nil {
 		return err
 	}
-	return h.waitReady(ctx, id, addr)
+	return h.waitReady(ctx, id, addr, spec.Readiness)
 }
 
 func (h *Hypervisor) waitAddress(ctx context.Context, id string) (netip.Addr, error) {

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/a73x/eitri/agent/reconcile"
+	"github.com/a73x/eitri/agent/state"
 )
 
 // Readiness signals (ActualVM.ready_signal), strongest first.
@@ -51,10 +52,13 @@ type readyMark struct {
 // Ready says whether the guest is usable in its current boot, and what said
 // so. It needs an address from this boot, then the first of: a phone home
 // since the QEMU started; sshd answering once SSHFallbackAfter has passed
-// since; ReadyWait having passed since. Everything it reads survives an
-// agent restart (the phone home is kept with the lease), so an adopted
-// guest is judged as it was.
-func (h *Hypervisor) Ready(ctx context.Context, id string) (string, bool) {
+// since; ReadyWait having passed since. how changes the waits: with
+// ReadinessSSH sshd counts at once, with ReadinessAddress the address alone
+// does (an image without cloud-init need not wait ReadyWait for a phone
+// home that never comes). Everything it reads survives an agent restart
+// (the phone home is kept with the lease, how with the VM's record), so an
+// adopted guest is judged as it was.
+func (h *Hypervisor) Ready(ctx context.Context, id string, how state.Readiness) (string, bool) {
 	started, running := h.qemu.StartedAt(id)
 	if !running {
 		return "", false
@@ -69,7 +73,7 @@ func (h *Hypervisor) Ready(ctx context.Context, id string) (string, bool) {
 	if known && m.boot.Equal(started) {
 		return m.signal, true
 	}
-	signal := h.judge(ctx, id, addr, started, time.Now())
+	signal := h.judge(ctx, id, addr, started, time.Now(), how)
 	if signal == "" {
 		return "", false
 	}
@@ -81,12 +85,19 @@ func (h *Hypervisor) Ready(ctx context.Context, id string) (string, bool) {
 
 // judge picks the signal that makes the boot started at started ready at
 // now, or "" for none yet.
-func (h *Hypervisor) judge(ctx context.Context, id string, addr netip.Addr, started, now time.Time) string {
+func (h *Hypervisor) judge(ctx context.Context, id string, addr netip.Addr, started, now time.Time, how state.Readiness) string {
 	if at, ok := h.net.PhonedHomeAt(id); ok && !at.Before(started) {
 		return SignalCloudInit
 	}
+	if how == state.ReadinessAddress {
+		return SignalDHCP
+	}
 	up := now.Sub(started)
-	if up >= h.sshAfter && h.probeDue(id, now) && sshAnswers(ctx, netip.AddrPortFrom(addr, h.sshPort)) {
+	sshAfter := h.sshAfter
+	if how == state.ReadinessSSH {
+		sshAfter = 0
+	}
+	if up >= sshAfter && h.probeDue(id, now) && sshAnswers(ctx, netip.AddrPortFrom(addr, h.sshPort)) {
 		return SignalSSH
 	}
 	if up >= h.readyWait {
@@ -132,20 +143,26 @@ func sshAnswers(ctx context.Context, ap netip.AddrPort) bool {
 // (an error with the console) or ctx ends (QEMU keeps running; the next
 // attempt, or the engine's next pass, picks it up). Ready's own bounds end
 // it otherwise.
-func (h *Hypervisor) waitReady(ctx context.Context, id string, addr netip.Addr) error {
-	reconcile.NarrateAddress(ctx, addr, "waiting for cloud-init")
+func (h *Hypervisor) waitReady(ctx context.Context, id string, addr netip.Addr, how state.Readiness) error {
+	switch how {
+	case state.ReadinessSSH:
+		reconcile.NarrateAddress(ctx, addr, "waiting for ssh")
+	case state.ReadinessAddress:
+	default:
+		reconcile.NarrateAddress(ctx, addr, "waiting for cloud-init")
+	}
 	start := time.Now()
 	tick := time.NewTicker(leasePoll)
 	defer tick.Stop()
 	saidSSH := false
 	for {
-		if signal, ok := h.Ready(ctx, id); ok {
+		if signal, ok := h.Ready(ctx, id, how); ok {
 			h.log.Info("guest is ready", "vm", id, "addr", addr, "signal", signal, "after", time.Since(start).Round(time.Millisecond))
 			return nil
 		}
 		if started, running := h.qemu.StartedAt(id); !running {
 			return fmt.Errorf("hostvm: vm %s: QEMU exited before the guest was ready%s", id, h.tail(id))
-		} else if !saidSSH && time.Since(started) >= h.sshAfter {
+		} else if !saidSSH && how != state.ReadinessSSH && time.Since(started) >= h.sshAfter {
 			saidSSH = true
 			reconcile.NarrateAddress(ctx, addr, "no word from cloud-init; waiting for ssh")
 		}

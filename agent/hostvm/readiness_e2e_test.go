@@ -58,7 +58,7 @@ func TestAGuestWithoutCloudInitResolvesAndIsReadyBySSH(t *testing.T) {
 		bootCtx, cancel := context.WithTimeout(ctx, readyWithin)
 		defer cancel()
 		require.NoError(t, hv.Boot(bootCtx, spec, st.SeedPath(id)))
-		signal, ready := hv.Ready(ctx, id)
+		signal, ready := hv.Ready(ctx, id, state.ReadinessDefault)
 		require.True(t, ready)
 		assert.Equal(t, SignalSSH, signal, "no phone home came; sshd answered")
 		_, phoned := network.PhonedHomeAt(id)

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/a73x/eitri/agent/netsetup"
+	"github.com/a73x/eitri/agent/state"
 )
 
 // listen serves loopback TCP, answering each connection with greeting
@@ -67,7 +68,7 @@ func TestJudgeFallsBackToSSHThenToTheAddress(t *testing.T) {
 			// A network with no leases: nobody has phoned home.
 			h := &Hypervisor{net: &netsetup.Network{}, sshAfter: time.Minute, readyWait: 10 * time.Minute,
 				sshPort: tc.port, probed: map[string]time.Time{}}
-			assert.Equal(t, tc.want, h.judge(context.Background(), "vm-1", lo, started, started.Add(tc.up)))
+			assert.Equal(t, tc.want, h.judge(context.Background(), "vm-1", lo, started, started.Add(tc.up), state.ReadinessDefault))
 		})
 	}
 
@@ -75,9 +76,43 @@ func TestJudgeFallsBackToSSHThenToTheAddress(t *testing.T) {
 		h := &Hypervisor{net: &netsetup.Network{}, sshAfter: time.Minute, readyWait: 10 * time.Minute,
 			sshPort: closed, probed: map[string]time.Time{}}
 		now := started.Add(2 * time.Minute)
-		assert.Empty(t, h.judge(context.Background(), "vm-1", lo, started, now))
+		assert.Empty(t, h.judge(context.Background(), "vm-1", lo, started, now, state.ReadinessDefault))
 		h.sshPort = greets
-		assert.Empty(t, h.judge(context.Background(), "vm-1", lo, started, now.Add(time.Second)), "no second probe within sshProbeEvery")
-		assert.Equal(t, SignalSSH, h.judge(context.Background(), "vm-1", lo, started, now.Add(sshProbeEvery)))
+		assert.Empty(t, h.judge(context.Background(), "vm-1", lo, started, now.Add(time.Second), state.ReadinessDefault), "no second probe within sshProbeEvery")
+		assert.Equal(t, SignalSSH, h.judge(context.Background(), "vm-1", lo, started, now.Add(sshProbeEvery), state.ReadinessDefault))
 	})
+}
+
+// An image's catalogue entry changes the waits: with ssh readiness an
+// answering sshd counts from the first moment, with address readiness the
+// address alone does, where the default waits minutes for a phone home.
+func TestJudgeAsTheImageSays(t *testing.T) {
+	greets := listen(t, "SSH-2.0-OpenSSH_9.2\r\n")
+	closed := func() uint16 {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		p := uint16(ln.Addr().(*net.TCPAddr).Port)
+		ln.Close()
+		return p
+	}()
+	lo := netip.MustParseAddr("127.0.0.1")
+	started := time.Now()
+	for _, tc := range []struct {
+		name string
+		how  state.Readiness
+		port uint16
+		want string
+	}{
+		{"default: sshd up early is not enough", state.ReadinessDefault, greets, ""},
+		{"cloud-init: the same", state.ReadinessCloudInit, greets, ""},
+		{"ssh: sshd up early is enough", state.ReadinessSSH, greets, SignalSSH},
+		{"ssh: but not without sshd", state.ReadinessSSH, closed, ""},
+		{"address: the address is enough at once", state.ReadinessAddress, closed, SignalDHCP},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := &Hypervisor{net: &netsetup.Network{}, sshAfter: time.Minute, readyWait: 10 * time.Minute,
+				sshPort: tc.port, probed: map[string]time.Time{}}
+			assert.Equal(t, tc.want, h.judge(context.Background(), "vm-1", lo, started, started.Add(5*time.Second), tc.how))
+		})
+	}
 }

@@ -246,7 +246,22 @@ func specFrom(d *eitriv1.VMDesired) state.VMSpec {
 		DiskGB:           d.GetDiskGb(),
 		SSHAuthorizedKey: d.GetSshAuthorizedKey(),
 		Owner:            d.GetOwner(),
+		Readiness:        readinessOf(d.GetReadiness()),
 	}
+}
+
+// readinessOf is the host's word for how the guest is judged ready; one
+// this agent does not know is the default.
+func readinessOf(r eitriv1.ImageReadiness) state.Readiness {
+	switch r {
+	case eitriv1.ImageReadiness_IMAGE_READINESS_CLOUD_INIT:
+		return state.ReadinessCloudInit
+	case eitriv1.ImageReadiness_IMAGE_READINESS_SSH:
+		return state.ReadinessSSH
+	case eitriv1.ImageReadiness_IMAGE_READINESS_ADDRESS:
+		return state.ReadinessAddress
+	}
+	return state.ReadinessDefault
 }
 
 func newBootID() string {

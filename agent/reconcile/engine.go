@@ -51,9 +51,10 @@ type Hypervisor interface {
 	// Address is the address the guest took in its current boot, if it
 	// has: known (and reported) before the guest is ready.
 	Address(ctx context.Context, id string) (netip.Addr, bool)
-	// Ready says whether the guest is usable in its current boot, and what
-	// said so (ActualVM.ready_signal: "cloud-init", "ssh", "dhcp").
-	Ready(ctx context.Context, id string) (signal string, ok bool)
+	// Ready says whether the guest is usable in its current boot, judged
+	// as how says, and what said so (ActualVM.ready_signal: "cloud-init",
+	// "ssh", "dhcp").
+	Ready(ctx context.Context, id string, how state.Readiness) (signal string, ok bool)
 	// SetOwner changes whose VM this is (state.VMSpec.Owner, which Boot
 	// also carries) while it exists: the guest's network lets it reach
 	// guests of the same owner only.

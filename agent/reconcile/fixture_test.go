@@ -21,6 +21,7 @@ import (
 // memory and counts what it was asked to do.
 type fakeHyper struct {
 	mu           sync.Mutex
+	judgedAs     map[string]state.Readiness // how Ready was last asked to judge each guest
 	running      map[string]bool
 	exits        map[string]GuestExit // guests that ended unasked, until Exited
 	addr         map[string]netip.Addr
@@ -160,12 +161,16 @@ func (h *fakeHyper) Address(_ context.Context, id string) (netip.Addr, bool) {
 }
 
 // Ready: a fake guest is usable once it has its address, unless notReady.
-func (h *fakeHyper) Ready(ctx context.Context, id string) (string, bool) {
+func (h *fakeHyper) Ready(ctx context.Context, id string, how state.Readiness) (string, bool) {
 	if _, ok := h.Address(ctx, id); !ok {
 		return "", false
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if h.judgedAs == nil {
+		h.judgedAs = map[string]state.Readiness{}
+	}
+	h.judgedAs[id] = how
 	if h.notReady {
 		return "", false
 	}

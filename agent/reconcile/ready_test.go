@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/a73x/eitri/agent/state"
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 )
 
@@ -63,4 +64,20 @@ func TestNarrateAddressReportsTheAddressWhileBooting(t *testing.T) {
 	close(release)
 	f.eventuallyRow("vm1", func(r *eitriv1.ActualVM) bool { return r.GetPhase() == "ready" }, "ready")
 	require.Equal(t, "ops", f.seeds.last().LoginUser)
+}
+
+// The image's readiness reaches the hypervisor's judgement through the
+// VM's record, so a guest adopted after a restart is judged the same way.
+func TestAGuestIsJudgedAsItsImageSays(t *testing.T) {
+	f := setup(t)
+	d := vm("vm1")
+	d.Readiness = eitriv1.ImageReadiness_IMAGE_READINESS_ADDRESS
+	f.apply(snap(1, d, vm("vm2")))
+	f.eventuallyRow("vm1", phaseIs("ready"), "ready")
+	f.eventuallyRow("vm2", phaseIs("ready"), "ready")
+	assert.Equal(t, state.ReadinessAddress, f.record("vm1").Spec.Readiness, "kept with the record")
+	var how1, how2 state.Readiness
+	f.hv.set(func(h *fakeHyper) { how1, how2 = h.judgedAs["vm1"], h.judgedAs["vm2"] })
+	assert.Equal(t, state.ReadinessAddress, how1)
+	assert.Equal(t, state.ReadinessDefault, how2, "an image that says nothing gets the host's default")
 }

@@ -31,7 +31,7 @@ func (e *Engine) observeKnown(ctx context.Context, d *eitriv1.VMDesired, rec sta
 	if !leased {
 		return outcome{row: newRow(id, rec, vmstate.PowerRunning, waitPhase, lastErr, SayWaitingForAddress)}
 	}
-	signal, ready := e.cfg.Hyper.Ready(ctx, id)
+	signal, ready := e.cfg.Hyper.Ready(ctx, id, rec.Spec.Readiness)
 	if !ready {
 		return outcome{row: newRow(id, rec, vmstate.PowerRunning, waitPhase, lastErr, sayWaitingForReady)}
 	}

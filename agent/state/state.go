@@ -75,7 +75,28 @@ type VMSpec struct {
 	// each other on the host's bridge. Records from before it existed read
 	// as "", which isolates the guest from every other.
 	Owner string `json:",omitempty"`
+	// Readiness is how the guest is judged ready, as its catalogue image
+	// says; "" (records from before it, and images that say nothing) is
+	// the host's default.
+	Readiness Readiness `json:",omitempty"`
 }
+
+// Readiness is how a guest is judged ready.
+type Readiness string
+
+const (
+	// ReadinessDefault: a phone home, then an answering sshd after the
+	// host's fallback wait, then the address alone after its long wait.
+	ReadinessDefault Readiness = ""
+	// ReadinessCloudInit: as the default; the image runs cloud-init.
+	ReadinessCloudInit Readiness = "cloud-init"
+	// ReadinessSSH: an answering sshd counts at once, without waiting for a
+	// phone home that will not come.
+	ReadinessSSH Readiness = "ssh"
+	// ReadinessAddress: the guest is ready once it has leased its address;
+	// the image has neither cloud-init nor sshd to wait for.
+	ReadinessAddress Readiness = "address"
+)
 
 // Record is everything the agent keeps about one VM between passes and
 // across restarts.

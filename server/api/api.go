@@ -55,6 +55,7 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 			return eitriv1connect.NewReleaseServiceHandler(releaseService{h}, opts...)
 		},
 		func() (string, http.Handler) { return eitriv1connect.NewUsageServiceHandler(usageService{h}, opts...) },
+		func() (string, http.Handler) { return eitriv1connect.NewImageServiceHandler(imageService{h}, opts...) },
 	} {
 		path, handler := mount()
 		// auth.Console: the console's cookie is good here (from its own pages).

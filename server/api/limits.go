@@ -10,6 +10,7 @@ import (
 
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/server/imagesource"
 )
 
 // Bounds on one message, after decompression. Connect refuses a larger one
@@ -61,6 +62,9 @@ func MessageLimit(procedure string) int64 {
 		return MaxReportMessage
 	case procedure == eitriv1connect.ReleaseServiceUploadReleaseProcedure:
 		return MaxReleaseChunk + 1<<10
+	case procedure == eitriv1connect.ImageServiceAddImageProcedure:
+		// An image's fields and its pinned keyring.
+		return imagesource.MaxKeyringBytes + MaxUserMessage
 	case IsReflection(procedure):
 		return MaxReflectionMessage
 	default:

@@ -24,6 +24,7 @@ import (
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/server/usage"
 	"github.com/a73x/eitri/server/watch"
+	"github.com/a73x/eitri/wire/addrpolicy"
 	"github.com/a73x/eitri/wire/release"
 )
 
@@ -132,6 +133,10 @@ type Config struct {
 	// ReleaseKey checks uploaded agent builds, and join tokens carry it to
 	// new agents; zero: no builds are taken, and agents learn no key here.
 	ReleaseKey release.PublicKey
+	// ImagePolicy is what the image catalogue's fetches (SUMS files,
+	// signatures, the image hashed once) may connect to; the zero policy
+	// admits public addresses only, as hosts' image downloads do.
+	ImagePolicy addrpolicy.Policy
 	// Version is this control plane's own, to show agents older than it.
 	Version string
 	// StuckAfter is how long a connected host may stay on its old version

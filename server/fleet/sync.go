@@ -163,7 +163,7 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 			VmId: v.ID, Name: v.Name, ImageUrl: v.ImageURL, ImageSha256: v.ImageSHA256,
 			Vcpus: v.VCPUs, MemMb: v.MemMB, DiskGb: v.DiskGB, PowerState: v.PowerState,
 			SshAuthorizedKey: v.SSHAuthorizedKey, Owner: v.OwnerID, Version: v.DesiredGen,
-			Retry: v.Retry, SshUserCaKeys: userCAs,
+			Retry: v.Retry, SshUserCaKeys: userCAs, Readiness: readinessOf(v.Readiness),
 		}
 		if len(v.UserCAKeys) > 0 {
 			// The keys recorded for the VM are the ones its seed gets, so

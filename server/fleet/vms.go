@@ -61,6 +61,7 @@ func validateVM(r *eitriv1.CreateVMRequest) error {
 	}{
 		{"name", r.GetName(), bounds.MaxNameLen},
 		{"host_id", r.GetHostId(), bounds.MaxIDLen},
+		{"image", r.GetImage(), bounds.MaxNameLen},
 		{"image_url", r.GetImageUrl(), bounds.MaxURLLen},
 		{"image_sha256", r.GetImageSha256(), 64},
 		{"ssh_authorized_key", r.GetSshAuthorizedKey(), bounds.MaxSSHKeyLen},
@@ -73,17 +74,26 @@ func validateVM(r *eitriv1.CreateVMRequest) error {
 	if why := vmNameProblem(r.GetName()); why != "" {
 		return invalid("name", "%s", why)
 	}
-	switch {
-	case r.GetImageUrl() == "":
-		return invalid("image_url", "required")
+	if r.GetImage() != "" {
+		switch {
+		case r.GetImageUrl() != "":
+			return invalid("image_url", "give either image (a catalogue name) or image_url with image_sha256, not both")
+		case r.GetImageSha256() != "":
+			return invalid("image_sha256", "give either image (a catalogue name) or image_url with image_sha256, not both")
+		}
+	} else {
+		if r.GetImageUrl() == "" {
+			return invalid("image_url", "required (or image, a catalogue name)")
+		}
+		u, err := url.Parse(r.GetImageUrl())
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return invalid("image_url", "%q is not an http(s) URL", r.GetImageUrl())
+		}
+		if !sha256Re.MatchString(r.GetImageSha256()) {
+			return invalid("image_sha256", "must be 64 lowercase hex characters")
+		}
 	}
-	u, err := url.Parse(r.GetImageUrl())
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return invalid("image_url", "%q is not an http(s) URL", r.GetImageUrl())
-	}
 	switch {
-	case !sha256Re.MatchString(r.GetImageSha256()):
-		return invalid("image_sha256", "must be 64 lowercase hex characters")
 	case r.GetVcpus() < bounds.MinVCPUs || r.GetVcpus() > bounds.MaxVCPUs:
 		return invalid("vcpus", "must be between %d and %d, got %d", bounds.MinVCPUs, bounds.MaxVCPUs, r.GetVcpus())
 	case r.GetMemMb() < bounds.MinMemMB || r.GetMemMb() > bounds.MaxMemMB:
@@ -113,6 +123,13 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 	if err := validateVM(r); err != nil {
 		return nil, err
 	}
+	var img store.Image
+	var ver store.ImageVersion
+	if r.GetImage() != "" {
+		if img, ver, err = f.imageForCreate(ctx, r); err != nil {
+			return nil, err
+		}
+	}
 	f.quota.admit.Lock()
 	defer f.quota.admit.Unlock()
 	need := Usage{VMs: 1, VCPUs: int64(r.GetVcpus()), MemMB: r.GetMemMb(), DiskGB: r.GetDiskGb()}
@@ -137,6 +154,10 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 		// What its seed will trust, kept so a later rotation can show the
 		// guest left behind (snapshots send the VM these keys).
 		UserCAKeys: f.trustedUserCAKeys(),
+	}
+	if r.GetImage() != "" {
+		vm.ImageURL, vm.ImageSHA256 = ver.URL, ver.SHA256
+		vm.ImageName, vm.ImageVersion, vm.Readiness = img.Name, ver.Version, img.Readiness
 	}
 	// The checks above, again inside the insert's transaction: with other
 	// replicas on the same database, f.quota.admit does not stop them
@@ -447,6 +468,7 @@ func (f *Fleet) vmView(v store.VM) *eitriv1.VM {
 		AssignedIp: v.AssignedIP, CreatedAt: timestamppb.New(v.CreatedAt),
 		Deleted: v.DeletedAt != nil, SshAuthorizedKey: v.SSHAuthorizedKey,
 		SshHostPubkey: v.SSHHostPubkey, Lifecycle: lifecycle,
+		ImageName: v.ImageName, ImageVersion: v.ImageVersion,
 	}
 	if v.DestroyAt != nil {
 		out.DestroyAt = timestamppb.New(*v.DestroyAt)

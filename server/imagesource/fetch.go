@@ -24,7 +24,9 @@ import (
 const (
 	MaxSumsBytes      = 1 << 20
 	MaxSignatureBytes = 64 << 10
-	MaxKeyringBytes   = 1 << 20
+	// MaxKeyringBytes holds a distribution's few signing keys with room
+	// to spare; it rides in the AddImage request.
+	MaxKeyringBytes = 256 << 10
 	// MaxImageBytes bounds the one download that hashes an image.
 	MaxImageBytes = 64 << 30
 	maxRedirects  = 5
