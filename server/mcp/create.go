@@ -27,8 +27,9 @@ const notListed = "not listed yet"
 // to wait.
 type VMCreateIn struct {
 	Name             string `json:"name" jsonschema:"a DNS label unique among your VMs: lowercase letters, digits and '-', 1-63 characters, no leading or trailing '-'"`
-	ImageURL         string `json:"image_url" jsonschema:"http(s) URL of a raw, gzip raw or qcow2 image"`
-	ImageSHA256      string `json:"image_sha256" jsonschema:"sha256 of the image as served, 64 lowercase hex characters"`
+	Image            string `json:"image,omitempty" jsonschema:"a catalogue image name (image_list shows them), e.g. debian-12; or give image_url and image_sha256 instead"`
+	ImageURL         string `json:"image_url,omitempty" jsonschema:"without image: http(s) URL of a raw, gzip raw or qcow2 image"`
+	ImageSHA256      string `json:"image_sha256,omitempty" jsonschema:"with image_url: sha256 of the image as served, 64 lowercase hex characters"`
 	VCPUs            int32  `json:"vcpus" jsonschema:"virtual CPUs"`
 	MemMB            int64  `json:"mem_mb" jsonschema:"memory in MiB"`
 	DiskGB           int64  `json:"disk_gb" jsonschema:"root disk size in GiB"`
@@ -46,7 +47,8 @@ type VMCreateOut struct {
 
 var vmCreateSchema = schemaFor[VMCreateIn](func(p map[string]*jsonschema.Schema) {
 	length(p["name"], 1, bounds.MaxNameLen)
-	length(p["image_url"], 1, bounds.MaxURLLen)
+	length(p["image"], 0, bounds.MaxNameLen)
+	length(p["image_url"], 0, bounds.MaxURLLen)
 	length(p["image_sha256"], 0, 64) // the fleet says what a sha256 looks like
 	between(p["vcpus"], bounds.MinVCPUs, bounds.MaxVCPUs)
 	between(p["mem_mb"], bounds.MinMemMB, bounds.MaxMemMB)
@@ -76,7 +78,7 @@ func (t *tools) vmCreate(ctx context.Context, req *mcp.CallToolRequest, in VMCre
 		wait = time.Duration(in.WaitSeconds) * time.Second
 	}
 	vm, err := t.f.CreateVM(ctx, &eitriv1.CreateVMRequest{
-		Name: in.Name, ImageUrl: in.ImageURL, ImageSha256: in.ImageSHA256,
+		Name: in.Name, Image: in.Image, ImageUrl: in.ImageURL, ImageSha256: in.ImageSHA256,
 		Vcpus: in.VCPUs, MemMb: in.MemMB, DiskGb: in.DiskGB,
 		SshAuthorizedKey: in.SSHAuthorizedKey, HostId: in.HostID, PowerState: in.PowerState,
 	})

@@ -308,3 +308,38 @@ func TestVMRetryTriesAFailedVMAgain(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// vm_create by a catalogue name: image_list shows the name, the create
+// takes the image's current digest, and the VM says what it was made from.
+func TestVMCreateByImageName(t *testing.T) {
+	e := start(t)
+	h := connectHost(t, e)
+	sha := strings.Repeat("c", 64)
+	_, err := e.fleet.AddImage(e.as(t, e.token), &eitriv1.AddImageRequest{Name: "debian-12", Url: "http://images.test/d.qcow2", Sha256: sha,
+		Properties: &eitriv1.ImageProperties{Description: "Debian 12", MinMemMb: 1024}})
+	require.NoError(t, err)
+	progress := make(chan *mcp.ProgressNotificationParams, 16)
+	cs := connect(t, e, progress)
+
+	imgs := ok[eitrimcp.ImageListOut](t, cs, "image_list", map[string]any{})
+	require.Len(t, imgs.Images, 1)
+	assert.Equal(t, eitrimcp.Image{Name: "debian-12", Description: "Debian 12", MinMemMB: 1024, Version: 1, SHA256: sha}, imgs.Images[0])
+
+	args := map[string]any{"name": "web-1", "image": "debian-12", "vcpus": 1, "mem_mb": 512, "disk_gb": 4, "wait_seconds": 2}
+	res := call(t, cs, "vm_create", args)
+	assert.True(t, res.IsError)
+	assert.Contains(t, text(res), "mem_mb: image debian-12 needs at least 1024 MiB", "the refusal names the field")
+
+	args["mem_mb"] = 1024
+	notices, done := createInBackground(t, cs, progress, args)
+	next(t, notices)
+	id := onlyVMID(t, e)
+	h.report(&eitriv1.ActualVM{VmId: id, Phase: "ready", Power: "running", Ip: "10.77.0.5"})
+	res = result(t, done)
+	require.False(t, res.IsError, text(res))
+	out := structured[eitrimcp.VMCreateOut](t, res)
+	assert.Equal(t, "ready", out.VM.Lifecycle)
+	assert.Equal(t, "debian-12", out.VM.ImageName)
+	assert.Equal(t, int64(1), out.VM.ImageVersion)
+	assert.Equal(t, sha, out.VM.ImageSHA256)
+}

@@ -21,6 +21,7 @@ type tools struct {
 func (t *tools) register(s *mcp.Server) {
 	t.registerVMs(s)
 	t.registerCreate(s)
+	t.registerImages(s)
 	t.registerExposures(s)
 }
 

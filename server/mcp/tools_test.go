@@ -59,10 +59,10 @@ func TestListTools(t *testing.T) {
 	}
 	assert.ElementsMatch(t, []string{
 		"vm_list", "vm_get", "vm_create", "vm_start", "vm_stop", "vm_delete", "vm_restore", "vm_retry", "vm_events",
-		"exposure_create", "exposure_list", "exposure_delete",
+		"exposure_create", "exposure_list", "exposure_delete", "image_list",
 	}, names)
-	assert.ElementsMatch(t, []string{"name", "image_url", "image_sha256", "vcpus", "mem_mb", "disk_gb"}, ins["vm_create"].Required)
-	for _, p := range []string{"ssh_authorized_key", "host_id", "power_state", "wait_seconds"} {
+	assert.ElementsMatch(t, []string{"name", "vcpus", "mem_mb", "disk_gb"}, ins["vm_create"].Required, "an image by name, or by URL and digest")
+	for _, p := range []string{"image", "image_url", "image_sha256", "ssh_authorized_key", "host_id", "power_state", "wait_seconds"} {
 		assert.Contains(t, ins["vm_create"].Properties, p, "vm_create takes every field CreateVM does")
 	}
 	assert.ElementsMatch(t, []string{"vm_id", "guest_port"}, ins["exposure_create"].Required)

@@ -45,8 +45,10 @@ type VM struct {
 	PowerState       string    `json:"power_state" jsonschema:"desired power: running or stopped"`
 	ActualPower      string    `json:"actual_power,omitempty" jsonschema:"running or stopped as the host last said; empty when it is not reporting"`
 	LastError        string    `json:"last_error,omitempty" jsonschema:"why the VM failed, as its host said"`
+	ImageName        string    `json:"image_name,omitempty" jsonschema:"the catalogue image it was created by; empty for an image URL"`
+	ImageVersion     int64     `json:"image_version,omitempty" jsonschema:"the catalogue version of image_name it was made from"`
 	ImageURL         string    `json:"image_url"`
-	ImageSHA256      string    `json:"image_sha256"`
+	ImageSHA256      string    `json:"image_sha256" jsonschema:"the digest it was made from"`
 	VCPUs            int32     `json:"vcpus"`
 	MemMB            int64     `json:"mem_mb"`
 	DiskGB           int64     `json:"disk_gb"`
@@ -199,6 +201,7 @@ func vmOut(v *eitriv1.VM) VM {
 		StatusDetail: v.GetStatusDetail(), Progress: progressOut(v.GetProgress()),
 		AssignedIP: v.GetAssignedIp(), HostID: v.GetHostId(), PowerState: v.GetPowerState(),
 		ActualPower: v.GetActualPower(), LastError: v.GetLastError(),
+		ImageName: v.GetImageName(), ImageVersion: v.GetImageVersion(),
 		ImageURL: v.GetImageUrl(), ImageSHA256: v.GetImageSha256(),
 		VCPUs: v.GetVcpus(), MemMB: v.GetMemMb(), DiskGB: v.GetDiskGb(),
 		SSHAuthorizedKey: v.GetSshAuthorizedKey(), SSHHostPubkey: v.GetSshHostPubkey(),
