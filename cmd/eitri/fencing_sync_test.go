@@ -55,8 +55,8 @@ func (g *guests) Power(_ context.Context, id string) (bool, error) {
 func (g *guests) Address(context.Context, string) (netip.Addr, bool) {
 	return netip.MustParseAddr("10.77.0.9"), true
 }
-func (g *guests) Ready(context.Context, string) (string, bool)   { return "dhcp", true }
-func (g *guests) SetOwner(context.Context, string, string) error { return nil }
+func (g *guests) Ready(context.Context, string, state.Readiness) (string, bool) { return "dhcp", true }
+func (g *guests) SetOwner(context.Context, string, string) error                { return nil }
 func (g *guests) Exited(context.Context, string) (reconcile.GuestExit, bool) {
 	return reconcile.GuestExit{}, false
 }

@@ -22,9 +22,12 @@ import (
 	"github.com/a73x/eitri/agent/imagecache"
 	"github.com/a73x/eitri/cmd/eitri/cli"
 	"github.com/a73x/eitri/frontend"
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/fleet"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/wire/addrpolicy"
 )
 
 // cpFlags are the control plane's flags, which eitri server and eitri dev
@@ -58,6 +61,10 @@ type serverFlags struct {
 	publicURL, advertiseURL   string
 	tlsCert, tlsKey, tlsHosts string
 	releaseKey                releaseKeyFlag
+	// imageAllow admits these prefixes to the image catalogue's fetches
+	// beyond the public internet, as the agent's flag of the same name
+	// does for image downloads.
+	imageAllow prefixList
 }
 
 func newServerCmd() *cobra.Command {
@@ -83,6 +90,7 @@ func newServerCmd() *cobra.Command {
 	fs.StringVar(&f.tlsKey, "tls-key", "", "key for --tls-cert")
 	fs.StringVar(&f.tlsHosts, "tls-hosts", "", "extra comma-separated names/IPs for the self-made certificate")
 	fs.Var(&f.releaseKey, "release-key", "release public key (or a .pub file, from eitri release keygen) that agent builds must be signed with; join tokens carry it to new agents")
+	fs.Var(&f.imageAllow, "image-allow", "CIDR,... the image catalogue's fetches (SUMS files, signatures, the image it hashes) may also reach; by default only public addresses")
 	cmd.AddCommand(newMigrateDBCmd())
 	return cmd
 }
@@ -119,6 +127,7 @@ func runServer(ctx context.Context, f serverFlags) error {
 		DataDir: f.dataDir, DB: db, PublicURL: pub, AdvertiseURL: advertise, TLSCert: f.tlsCert, TLSKey: f.tlsKey, TLSHosts: hosts,
 		DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max, Console: consoleHandler(), Log: log,
 		ReleaseKey: f.releaseKey.key, Version: version,
+		ImagePolicy: addrpolicy.Policy{Allow: f.imageAllow, Hint: "an operator can allow it with eitri server --image-allow"},
 	})
 	if err != nil {
 		return err
@@ -199,12 +208,17 @@ func runDev(ctx context.Context, f devFlags) error {
 		DataDir: cpDir, PublicURL: url, Plaintext: true, DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max,
 		Console: consoleHandler(), Log: log.With("part", "control"),
 		Routes: func(r chi.Router) { serveGuestImage(r, f.guestImage, url) },
+		// One --image-allow for both halves: they are one machine.
+		ImagePolicy: addrpolicy.Policy{Allow: ac.imageAllow, Hint: "an operator can allow it with --image-allow"},
 	})
 	if err != nil {
 		return err
 	}
 	defer srv.Close()
 	announce(srv, cpDir, url)
+	if err := listTestGuest(ctx, srv.Fleet, f.guestImage, url); err != nil {
+		log.Warn("the test guest is not in the catalogue", "err", err)
+	}
 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -311,6 +325,29 @@ func serveGuestImage(r chi.Router, dir, base string) {
 		return
 	}
 	r.Handle("/guest-image/*", http.StripPrefix("/guest-image/", http.FileServer(http.Dir(dir))))
+}
+
+// TestGuestImage is the catalogue name eitri dev lists its test guest
+// under, so the quickstart creates by name.
+const TestGuestImage = "test-guest"
+
+// listTestGuest puts the served test guest in the catalogue as
+// TestGuestImage, at the digest built beside it. Its guest init phones
+// home like cloud-init, so that is its readiness.
+func listTestGuest(ctx context.Context, f *fleet.Fleet, dir, base string) error {
+	if dir == "" {
+		return nil
+	}
+	name, sum, err := guestImage(dir)
+	if err != nil {
+		return err
+	}
+	u := base + "/guest-image/" + name
+	return f.PutImage(ctx, TestGuestImage, u, sum, &eitriv1.ImageProperties{
+		Os: "busybox", Architecture: "amd64", MinMemMb: 128, MinDiskGb: 1,
+		Description: "eitri's tiny test guest: a Debian kernel and a busybox initramfs; boots in seconds",
+		Readiness:   eitriv1.ImageReadiness_IMAGE_READINESS_CLOUD_INIT,
+	}, "eitri dev")
 }
 
 // guestImageEndpoints admits dev mode's own test guest to its agent's image

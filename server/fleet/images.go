@@ -251,13 +251,20 @@ func (f *Fleet) ListImages(ctx context.Context) ([]*eitriv1.Image, error) {
 	return out, nil
 }
 
-// PutImage makes the catalogue say name is img at digest v, without a
-// caller or a download: how a control plane lists an image it serves itself
-// (eitri dev's test guest). An entry already there is pointed at v.
-func (f *Fleet) PutImage(ctx context.Context, img store.Image, v store.ImageVersion) error {
+// PutImage makes the catalogue say name is the image at url with digest
+// sha256, without a caller or a download: how a control plane lists an
+// image it serves itself (eitri dev's test guest). An entry already there
+// is pointed at the digest.
+func (f *Fleet) PutImage(ctx context.Context, name, url, sha256 string, props *eitriv1.ImageProperties, by string) error {
+	img := store.Image{
+		Name: name, OS: props.GetOs(), OSVersion: props.GetOsVersion(), Architecture: props.GetArchitecture(),
+		LoginUser: props.GetLoginUser(), Description: props.GetDescription(), MinDiskGB: props.GetMinDiskGb(), MinMemMB: props.GetMinMemMb(),
+		Readiness: readinessWords[props.GetReadiness()], URL: url,
+	}
+	v := store.ImageVersion{URL: url, SHA256: sha256, AddedBy: by}
 	err := f.st.CreateImage(ctx, img, v)
 	if errors.Is(err, store.ErrConflict) {
-		_, _, err = f.st.AdvanceImage(ctx, img.Name, v, KeptImageVersions)
+		_, _, err = f.st.AdvanceImage(ctx, name, v, KeptImageVersions)
 	}
 	return err
 }

@@ -95,7 +95,7 @@ override it. Add -o json or -o yaml for the API's own field names.`,
 	a := &app{io: io, format: formatTable}
 	for _, c := range []*cobra.Command{
 		newLoginCmd(a), newLogoutCmd(a),
-		newVMCmd(a), newHostCmd(a), newExposeCmd(a), newTokenCmd(a), newQuotaCmd(a),
+		newVMCmd(a), newImageCmd(a), newHostCmd(a), newExposeCmd(a), newTokenCmd(a), newQuotaCmd(a),
 		newSSHCmd(a), newTunnelCmd(a), newPortForwardCmd(a),
 		newSSHCACmd(a), newReleaseCmd(a),
 	} {

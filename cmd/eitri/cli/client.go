@@ -74,6 +74,7 @@ type client struct {
 	quota   eitriv1connect.QuotaServiceClient
 	ssh     eitriv1connect.SSHServiceClient
 	release eitriv1connect.ReleaseServiceClient
+	image   eitriv1connect.ImageServiceClient
 	out     io.Writer
 	// errOut is for what a person reads beside machine output (the
 	// narration of a wait under -o json).
@@ -110,6 +111,7 @@ func (a *app) clientFor(ep endpoint) *client {
 		quota:   eitriv1connect.NewQuotaServiceClient(hc, ep.URL, opt),
 		ssh:     eitriv1connect.NewSSHServiceClient(hc, ep.URL, opt),
 		release: eitriv1connect.NewReleaseServiceClient(hc, ep.URL, opt),
+		image:   eitriv1connect.NewImageServiceClient(hc, ep.URL, opt),
 		out:     a.io.Out,
 		errOut:  a.io.Err,
 		format:  a.format,
@@ -202,6 +204,17 @@ func (a *app) withClient(fn func(ctx context.Context, c *client) error) func(*co
 			return err
 		}
 		return fn(cmd.Context(), c)
+	}
+}
+
+// withClientArgs is withClient for a command that reads its arguments.
+func (a *app) withClientArgs(fn func(ctx context.Context, c *client, args []string) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		c, err := a.dial()
+		if err != nil {
+			return err
+		}
+		return fn(cmd.Context(), c, args)
 	}
 }
 

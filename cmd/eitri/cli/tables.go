@@ -65,7 +65,7 @@ func vmDetail(w io.Writer, v *eitriv1.VM) {
 	rows := [][2]string{
 		{"id", v.Id}, {"name", v.Name}, {"host", v.HostId}, {"status", v.Lifecycle + " " + statusLine(v)},
 		{"power", dash(v.ActualPower) + " (desired " + v.PowerState + ")"}, {"address", dash(v.AssignedIp) + " (host-local NAT)"},
-		{"size", fmt.Sprintf("%d vCPU, %d MiB, %d GiB", v.Vcpus, v.MemMb, v.DiskGb)}, {"image", v.ImageUrl},
+		{"size", fmt.Sprintf("%d vCPU, %d MiB, %d GiB", v.Vcpus, v.MemMb, v.DiskGb)}, {"image", vmImage(v)},
 		{"sha256", v.ImageSha256}, {"created", when(v.CreatedAt.AsTime())},
 	}
 	if len(v.TrustedCas) > 0 {
@@ -185,4 +185,13 @@ func eventTable(w io.Writer, events ...*eitriv1.VMEvent) {
 			fmt.Fprintf(w, "\t\t  %s\n", strings.ReplaceAll(rest, "\n", "\n\t\t  "))
 		}
 	}
+}
+
+// vmImage is the catalogue name and version a VM was made from, with its
+// URL; the URL alone for an ad-hoc image.
+func vmImage(v *eitriv1.VM) string {
+	if v.ImageName == "" {
+		return v.ImageUrl
+	}
+	return fmt.Sprintf("%s version %d (%s)", v.ImageName, v.ImageVersion, v.ImageUrl)
 }

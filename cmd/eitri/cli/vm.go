@@ -57,9 +57,10 @@ type createFlags struct {
 func newVMCreateCmd(a *app) *cobra.Command {
 	var f createFlags
 	cmd := &cobra.Command{
-		Use:   "create NAME --image URL --sha256 HEX",
+		Use:   "create NAME --image NAME|URL [--sha256 HEX]",
 		Short: "Create a VM (--wait follows it until it is ready)",
-		Example: `  eitri vm create web-1 --image https://example.org/debian.raw --sha256 3f0c… --mem-mb 1024 --wait
+		Example: `  eitri vm create web-1 --image debian-12 --wait
+  eitri vm create web-2 --image https://example.org/debian.raw --sha256 3f0c… --mem-mb 1024 --wait
   eitri vm create db-1 --image … --sha256 … --ssh-key ~/.ssh/id_ed25519.pub --stopped`,
 		Args: needArgs("a NAME"),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -68,8 +69,12 @@ func newVMCreateCmd(a *app) *cobra.Command {
 				return err
 			}
 			ctx := cmd.Context()
-			req := &eitriv1.CreateVMRequest{Name: args[0], ImageUrl: f.image, ImageSha256: f.sha,
-				Vcpus: int32(f.vcpus), MemMb: f.mem, DiskGb: f.disk, SshAuthorizedKey: sshKey(f.sshKey)}
+			req := &eitriv1.CreateVMRequest{Name: args[0], Vcpus: int32(f.vcpus), MemMb: f.mem, DiskGb: f.disk, SshAuthorizedKey: sshKey(f.sshKey)}
+			if isImageURL(f.image, f.sha) {
+				req.ImageUrl, req.ImageSha256 = f.image, f.sha
+			} else if err := c.byImageName(ctx, cmd, req, f.image); err != nil {
+				return err
+			}
 			if f.stopped {
 				req.PowerState = vmstate.PowerStopped
 			}
@@ -92,8 +97,8 @@ func newVMCreateCmd(a *app) *cobra.Command {
 		},
 	}
 	fs := cmd.Flags()
-	fs.StringVar(&f.image, "image", "", "image URL (http or https)")
-	fs.StringVar(&f.sha, "sha256", "", "image sha256 (64 lowercase hex)")
+	fs.StringVar(&f.image, "image", "", "a catalogue image name (eitri image ls), or an image URL (http or https) with --sha256")
+	fs.StringVar(&f.sha, "sha256", "", "with an image URL: its sha256 (64 lowercase hex)")
 	fs.IntVar(&f.vcpus, "vcpus", 1, "vCPUs")
 	fs.Int64Var(&f.mem, "mem-mb", 512, "memory in MiB")
 	fs.Int64Var(&f.disk, "disk-gb", 4, "disk in GiB")
@@ -102,6 +107,37 @@ func newVMCreateCmd(a *app) *cobra.Command {
 	fs.BoolVar(&f.stopped, "stopped", false, "create without starting")
 	addWaitFlags(fs, &f.wait, &f.timeout)
 	return cmd
+}
+
+// isImageURL says whether --image is an ad-hoc image's URL rather than a
+// catalogue name (which is a DNS label, so never has a scheme).
+func isImageURL(image, sha string) bool {
+	return sha != "" || strings.Contains(image, "://")
+}
+
+// byImageName makes req create from the catalogue image name. Sizes left
+// at their defaults are raised to the image's minimums, so the defaults
+// never make a create the image would refuse.
+func (c *client) byImageName(ctx context.Context, cmd *cobra.Command, req *eitriv1.CreateVMRequest, name string) error {
+	if name == "" {
+		return Usagef("--image: required (a catalogue name, or a URL with --sha256)")
+	}
+	req.Image = name
+	r, err := c.image.GetImage(ctx, connect.NewRequest(&eitriv1.GetImageRequest{Name: name}))
+	if err != nil {
+		if connect.CodeOf(err) == connect.CodeNotFound {
+			return Usagef("--image: no image named %q in the catalogue (eitri image ls), and not a URL", name)
+		}
+		return apiError(err)
+	}
+	p := r.Msg.Image.GetProperties()
+	if !flagGiven(cmd.Flags(), "disk-gb") {
+		req.DiskGb = max(req.DiskGb, p.GetMinDiskGb())
+	}
+	if !flagGiven(cmd.Flags(), "mem-mb") {
+		req.MemMb = max(req.MemMb, p.GetMinMemMb())
+	}
+	return nil
 }
 
 // sshKey is the key itself, read from the file when arg names one.

@@ -1,0 +1,54 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/a73x/eitri/cmd/eitri/cli"
+	"github.com/a73x/eitri/cmd/eitri/internal/outputtest"
+)
+
+// The README's quickstart against a real dev instance and a real guest:
+// eitri dev lists its test guest in the catalogue, and a create by that
+// name alone reaches ready.
+func TestTheQuickstartCreatesTheTestGuestByName(t *testing.T) {
+	if !inNetns(t) {
+		return
+	}
+	dir := t.TempDir()
+	dev := startDevWith(t, dir, "--guest-image", filepath.Dir(os.Getenv("EITRI_GUEST_IMAGE")))
+	defer dev.stop(t)
+	dev.vms(t, dir) // the local host can take VMs
+	tok, err := os.ReadFile(filepath.Join(dir, "control", "admin.token"))
+	require.NoError(t, err)
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	t.Setenv("EITRI_URL", "")
+	t.Setenv("EITRI_TOKEN", "")
+	_, err = eitriIn("", "login", "http://127.0.0.1:18080", "--token", strings.TrimSpace(string(tok)))
+	require.NoError(t, err)
+
+	out, err := eitriIn("", "image", "ls")
+	require.NoError(t, err)
+	assert.Regexp(t, `test-guest\s+1\s+busybox`, out)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	var buf bytes.Buffer
+	err = execute(ctx, []string{"vm", "create", "web-1", "--image", "test-guest", "--wait"}, cli.IO{In: strings.NewReader(""), Out: &buf, Err: &buf})
+	text := buf.String()
+	t.Logf("\n%s", text)
+	require.NoError(t, err)
+	outputtest.LinesInOrder(t, text, []string{"creating: downloading image", "creating: booting", "ready at 10.79.0."})
+
+	out, err = eitriIn("", "vm", "get", "web-1")
+	require.NoError(t, err)
+	assert.Contains(t, out, "test-guest version 1 (http://127.0.0.1:18080/guest-image/")
+}
