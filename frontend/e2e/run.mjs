@@ -349,7 +349,8 @@ async function inside(bin, guest) {
 			// A marker that a reload would wipe: everything below must be pushed.
 			await page.evaluate(() => (window.__e2eNoReload = true));
 			await page.getByRole('button', { name: 'Create VM' }).click();
-			await page.waitForURL(/\/vms\/[^/]+$/, { timeout: 15_000 });
+			// The form is at /vms/new: wait for the VM's own page.
+			await page.waitForURL(/\/vms\/(?!new$)[^/]+$/, { timeout: 15_000 });
 			vmId = page.url().split('/').pop();
 			await page.getByRole('heading', { name: 'ui-1', level: 1 }).waitFor();
 			// Every distinct status line the page shows, as it is pushed.
@@ -521,6 +522,82 @@ async function inside(bin, guest) {
 			if (!watches.some((w) => w.path.endsWith('/WatchVMs')) || !watches.some((w) => w.path.endsWith('/WatchHosts')))
 				throw new Error('the fleet page has no open WatchVMs/WatchHosts stream');
 		}).then(async (ok) => ok || (await failShot('idle'), false));
+
+		// 6. A user CA rotation leaves the VM made before it trusting only the
+		// key rotated out: its page says so and what fixes it.
+		if (!vmReady) fail('a VM made before a user CA rotation is flagged stale with its fix', 'no ready VM');
+		else
+			await check('a VM made before a user CA rotation is flagged stale on its page, with what fixes it', async () => {
+				const errorsBefore = consoleErrors.length;
+				const trusts = factsValue(page, 'Trusts user CAs');
+				await page.goto(`${BASE}/vms/${vmId}`);
+				await trusts.getByText('current', { exact: true }).waitFor();
+				if (await page.locator('[data-trust-stale]').count()) throw new Error('stale before any rotation');
+				const rot = spawnSync(bin, ['ssh-ca', 'rotate', 'user'], {
+					encoding: 'utf8',
+					timeout: 30_000,
+					env: { ...process.env, EITRI_URL: BASE, EITRI_TOKEN: token, HOME: tmp }
+				});
+				if (rot.status !== 0) throw new Error(`eitri ssh-ca rotate user: ${rot.status} ${rot.stderr}`);
+				await page.goto(`${BASE}/vms/${vmId}`);
+				await trusts.getByText('rotated out', { exact: true }).waitFor();
+				const alert = trusts.locator('[data-trust-stale]');
+				await alert.waitFor();
+				const say = ((await alert.textContent()) ?? '').trim();
+				for (const want of ['stale SSH trust', 'recreate the VM', '/etc/ssh/eitri_user_ca.pub'])
+					if (!say.includes(want)) throw new Error(`the stale warning says ${JSON.stringify(say)}, without ${JSON.stringify(want)}`);
+				if ((await alert.getAttribute('role')) !== 'alert') throw new Error('the stale warning is not an alert');
+				await shot('vm-detail-trust-stale');
+				const errors = consoleErrors.slice(errorsBefore);
+				if (errors.length) throw new Error(`console errors: ${JSON.stringify(errors)}`);
+			}).then(async (ok) => ok || (await failShot('trust-stale'), false));
+
+		// 7. An agent rollout, watched live on the hosts page. The build is a
+		// script signed with dev's own release key that says another version:
+		// the agent fetches and verifies it, then refuses it when it runs it
+		// ("version"), before anything is swapped — so the binary this run is
+		// from is never replaced (checked below).
+		await check('a rollout of a build the agent refuses shows on the hosts page, live: the canary and its failure', async () => {
+			const errorsBefore = consoleErrors.length;
+			const binSum = () => createHash('sha256').update(readFileSync(bin)).digest('hex');
+			const before = binSum();
+			const version = 'v9.9.9-e2e';
+			const build = join(tmp, 'fake-agent');
+			await writeFile(build, '#!/bin/sh\necho "eitri version v0.0.0-not-it"\n', { mode: 0o755 });
+			const cli = (...args) => {
+				const r = spawnSync(bin, args, {
+					encoding: 'utf8',
+					timeout: 30_000,
+					env: { ...process.env, EITRI_URL: BASE, EITRI_TOKEN: token, HOME: tmp }
+				});
+				if (r.status !== 0) throw new Error(`eitri ${args.join(' ')}: ${r.status} ${r.stderr}`);
+				return r.stdout;
+			};
+			cli('release', 'sign', build, '--key', join(dataDir, 'control', 'release.key'), '--version', version, '--os', 'linux', '--arch', 'amd64');
+			cli('release', 'upload', build);
+			await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Hosts' }).click();
+			await page.getByRole('heading', { name: 'Hosts', level: 1 }).waitFor();
+			await page.evaluate(() => (window.__e2eNoReload = true));
+			cli('host', 'upgrade', '--to', version, '--all', '--allow-downgrade');
+			const panel = page.locator('section[aria-labelledby="rollout-h"]');
+			await panel.getByRole('status').getByText(`Upgrading to ${version}`).waitFor({ timeout: 30_000 });
+			await panel.locator('li[data-rollout-host]').first().getByText('(canary)').waitFor();
+			const note = page.locator('main tbody tr').first().locator('[data-upgrade]');
+			await waitFor(
+				async () => /failed/.test((await note.textContent({ timeout: 1000 })) ?? ''),
+				120_000,
+				'the host row says its upgrade failed'
+			);
+			const said = ((await note.textContent()) ?? '').trim();
+			if (!said.includes(`upgrade to ${version} failed`) || !said.includes('v0.0.0-not-it'))
+				throw new Error(`the host row says ${JSON.stringify(said)}, want the failure and what the build said`);
+			log(`host row: ${JSON.stringify(said)}; rollout: ${JSON.stringify(((await panel.textContent()) ?? '').trim().replace(/\s+/g, ' '))}`);
+			await shot('hosts-rollout-failed');
+			if (!(await page.evaluate(() => window.__e2eNoReload === true))) throw new Error('the page reloaded');
+			if (binSum() !== before) throw new Error(`${bin} changed under the run`);
+			const errors = consoleErrors.slice(errorsBefore);
+			if (errors.length) throw new Error(`console errors: ${JSON.stringify(errors)}`);
+		}).then(async (ok) => ok || (await failShot('rollout'), false));
 	} catch (e) {
 		failed = true;
 		log(`aborted: ${e?.message ?? e}`);
