@@ -340,6 +340,11 @@ async function inside(bin, guest) {
 		await check('create a VM: "downloading image" then ready with a 10.81.0.x address, without reloading', async () => {
 			await page.getByRole('heading', { name: /^VMs/ }).getByRole('link', { name: 'New VM' }).click();
 			await page.getByRole('heading', { name: 'New VM', level: 1 }).waitFor();
+			// eitri dev lists its test guest in the catalogue, chosen first;
+			// this VM takes the image server that narrates, by URL.
+			await page.getByRole('radiogroup', { name: 'Images' }).getByRole('radio', { name: /^test-guest\b/ }).waitFor();
+			await shot('create-vm-catalogue');
+			await page.getByRole('radio', { name: /^By URL\b/ }).check();
 			await page.getByRole('button', { name: 'Use the built-in test image' }).waitFor();
 			await shot('create-vm');
 			await page.getByLabel('Name', { exact: true }).fill('ui-1');
@@ -467,6 +472,25 @@ async function inside(bin, guest) {
 				log(`summary after close: ${((await traffic.textContent()) ?? '').trim()}`);
 				if (!(await page.evaluate(() => window.__e2eNoReload === true))) throw new Error('the page reloaded');
 			}).then(async (ok) => ok || (await failShot('exposure'), false));
+
+		// 2c. A VM from the catalogue, by name: the form raises nothing the
+		// image does not need, the page names the image and its version.
+		await check('create a VM by picking test-guest from the catalogue; its page shows "test-guest version 1" and it becomes ready', async () => {
+			await page.goto(BASE + '/vms/new');
+			await page.getByRole('heading', { name: 'New VM', level: 1 }).waitFor();
+			const pick = page.getByRole('radiogroup', { name: 'Images' }).getByRole('radio', { name: /^test-guest\b/ });
+			await pick.check();
+			if (await page.getByLabel('Image URL').count()) throw new Error('the URL fields are shown with a catalogue image chosen');
+			await page.getByLabel('Name', { exact: true }).fill('ui-2');
+			await page.getByRole('group', { name: 'Size presets' }).getByRole('button').first().click();
+			await page.getByRole('button', { name: 'Create VM' }).click();
+			await page.waitForURL(/\/vms\/[^/]+$/, { timeout: 15_000 });
+			await page.getByRole('heading', { name: 'ui-2', level: 1 }).waitFor();
+			await factsValue(page, 'Image').getByText('test-guest', { exact: true }).waitFor();
+			await factsValue(page, 'Image').getByText('version 1', { exact: true }).waitFor();
+			await factsValue(page, 'Status').getByText(/^ready/).waitFor({ timeout: 180_000 });
+			await shot('vm-detail-by-name');
+		}).then(async (ok) => ok || (await failShot('create-by-name'), false));
 
 		// 5. Screenshots of the remaining pages (client-side navigation).
 		await check('hosts and tokens pages render (screenshots)', async () => {

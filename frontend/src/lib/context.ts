@@ -6,6 +6,7 @@ import { ExposureService } from '@eitri/sdk/exposure_pb';
 import { HostService } from '@eitri/sdk/host_pb';
 import { TokenService } from '@eitri/sdk/token_pb';
 import { ReleaseService } from '@eitri/sdk/release_pb';
+import { ImageService } from '@eitri/sdk/images_pb';
 import { LinkBoard, Session } from './live.svelte';
 
 export type Eitri = {
@@ -15,6 +16,7 @@ export type Eitri = {
 	hosts: Client<typeof HostService>;
 	tokens: Client<typeof TokenService>;
 	releases: Client<typeof ReleaseService>;
+	images: Client<typeof ImageService>;
 	board: LinkBoard;
 	session: Session;
 };
@@ -38,6 +40,7 @@ export function provideEitri(transport: Transport): Eitri {
 		hosts: createClient(HostService, transport),
 		tokens: createClient(TokenService, transport),
 		releases: createClient(ReleaseService, transport),
+		images: createClient(ImageService, transport),
 		board: new LinkBoard(),
 		session: new Session()
 	};

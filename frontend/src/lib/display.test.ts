@@ -1,6 +1,7 @@
 import { describe, expect, test } from 'vitest';
 import { create, type MessageInitShape } from '@bufbuild/protobuf';
 import { VMSchema } from '@eitri/sdk/vm_pb';
+import { ImageReadiness, ImageSchema } from '@eitri/sdk/images_pb';
 import { ExposureSessionsSchema } from '@eitri/sdk/resources_pb';
 import { timestampFromDate } from '@bufbuild/protobuf/wkt';
 import {
@@ -9,6 +10,7 @@ import {
 	eventParts,
 	formatBytes,
 	formatGB,
+	imageFacts,
 	formatMB,
 	gauge,
 	hostPort,
@@ -221,5 +223,19 @@ describe('ssh fingerprints', () => {
 			'ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIIzUPnMzYig98JsArCMRgaSipeWYxWpnf98LHBcyUEvp test@eitri';
 		expect(sshFingerprint(key)).toBe('SHA256:VsIYPFyWVaVkQkrZj0iar4SIg9qpB4b+fxovq4w431w (ed25519)');
 		expect(sshFingerprint('not a key')).toBeNull();
+	});
+});
+
+describe('imageFacts', () => {
+	test('says what the image is, what it needs and how it is judged ready', () => {
+		const img = create(ImageSchema, {
+			name: 'debian-12',
+			properties: { os: 'debian', osVersion: '12', architecture: 'amd64', minMemMb: 512n, minDiskGb: 3n, readiness: ImageReadiness.ADDRESS },
+			current: { version: 2n, size: 400n * 1024n * 1024n }
+		});
+		expect(imageFacts(img)).toBe('debian 12 · amd64 · needs 512 MiB, 3 GiB disk · 400 MiB download · version 2 · ready at its address');
+	});
+	test('says nothing it was not told', () => {
+		expect(imageFacts(create(ImageSchema, { name: 'x', current: { version: 1n } }))).toBe('version 1');
 	});
 });

@@ -2,6 +2,7 @@
 // Svelte so every rule is unit-tested on its own.
 import type { Timestamp } from '@bufbuild/protobuf/wkt';
 import type { VM } from '@eitri/sdk/vm_pb';
+import { ImageReadiness, type Image } from '@eitri/sdk/images_pb';
 import type { ExposureSessions } from '@eitri/sdk/resources_pb';
 import { isNarrated, Lifecycle } from './vmstate';
 
@@ -201,3 +202,33 @@ export const sizePresets: SizePreset[] = [
 	{ name: 'medium', vcpus: 2, memMb: 4096, diskGb: 20 },
 	{ name: 'large', vcpus: 4, memMb: 8192, diskGb: 40 }
 ];
+
+const readinessWords: Record<ImageReadiness, string> = {
+	[ImageReadiness.UNSPECIFIED]: '',
+	[ImageReadiness.CLOUD_INIT]: 'ready by cloud-init',
+	[ImageReadiness.SSH]: 'ready by ssh',
+	[ImageReadiness.ADDRESS]: 'ready at its address'
+};
+
+/** What a person choosing a catalogue image reads beside its name. */
+export function imageFacts(img: Image): string {
+	const p = img.properties;
+	const parts: string[] = [];
+	const os = [p?.os, p?.osVersion].filter(Boolean).join(' ');
+	if (os) parts.push(os);
+	if (p?.architecture) parts.push(p.architecture);
+	const minMem = Number(p?.minMemMb ?? 0n);
+	const minDisk = Number(p?.minDiskGb ?? 0n);
+	if (minMem || minDisk) {
+		const need: string[] = [];
+		if (minMem) need.push(formatMB(minMem));
+		if (minDisk) need.push(`${formatGB(minDisk)} disk`);
+		parts.push(`needs ${need.join(', ')}`);
+	}
+	const size = Number(img.current?.size ?? 0n);
+	if (size) parts.push(`${formatBytes(size)} download`);
+	if (img.current) parts.push(`version ${img.current.version}`);
+	const ready = p ? readinessWords[p.readiness] : '';
+	if (ready) parts.push(ready);
+	return parts.join(' · ');
+}
