@@ -18,10 +18,11 @@ VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 # run openssh-server's sshd on loopback; the store's tests run each on
 # PostgreSQL too, in a throwaway server of their own (server/store/pgtest),
 # never the cluster the package may start; haproxy checks and runs the load
-# balancer config in deploy/haproxy.
+# balancer config in deploy/haproxy; prometheus scrapes /metrics in
+# server/metrics' test and its promtool checks the exposition.
 APT_PKGS := qemu-system-x86 qemu-utils busybox-static syslinux syslinux-common \
 	mtools dosfstools fdisk cpio kmod genisoimage iproute2 socat chromium curl jq \
-	mmdebstrap e2fsprogs openssh-client openssh-server postgresql haproxy
+	mmdebstrap e2fsprogs openssh-client openssh-server postgresql haproxy prometheus
 
 .PHONY: help
 help:

@@ -26,6 +26,7 @@ import (
 	"github.com/a73x/eitri/server/fleet"
 	"github.com/a73x/eitri/server/httpguard"
 	"github.com/a73x/eitri/server/mcp"
+	"github.com/a73x/eitri/server/metrics"
 	"github.com/a73x/eitri/server/pki"
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
@@ -191,6 +192,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	api.MountReleases(r, s.Fleet)
 	// AI agents: MCP over streamable HTTP, bearer-token auth.
 	r.Handle("/mcp", mcp.Handler(s.Fleet, cfg.Log))
+	// Prometheus: the whole fleet in one scrape, as the token may see it.
+	r.Handle(MetricsPath, metrics.Handler(s.Fleet, s.Fleet.Usage, cfg.Log))
 	if cfg.Routes != nil {
 		cfg.Routes(r)
 	}
@@ -208,6 +211,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 // credential in its headers: the console's files and /healthz take none,
 // and /auth/login's holds one token.
 const MaxOpenBody = 16 << 10
+
+// MetricsPath serves the fleet to Prometheus.
+const MetricsPath = "/metrics"
 
 // rpcPrefix starts the path of every Connect procedure (/eitri.v1.VMService/…).
 const rpcPrefix = "/eitri.v1."
@@ -247,6 +253,10 @@ func (s *Server) route(r *http.Request) httpguard.Rule {
 		return httpguard.Rule{MaxBody: MaxOpenBody, RPC: true}
 	case p == "/mcp":
 		return httpguard.Rule{Check: s.checkBearer, MaxBody: api.MaxUserMessage}
+	case p == MetricsPath:
+		// A personal access token, as Prometheus sends it (bearer); no
+		// cookie. What the token's user may see is what the scrape holds.
+		return httpguard.Rule{Check: s.checkBearer, MaxBody: MaxOpenBody}
 	default:
 		return httpguard.Rule{MaxBody: MaxOpenBody}
 	}

@@ -1,0 +1,48 @@
+// Package metrics serves the fleet to Prometheus: one scrape target for
+// every host and VM, read from the control plane's current state at scrape
+// time (the VMs and hosts as the caller may see them, and each one's newest
+// usage sample). Built on prometheus/client_golang, whose collectors and
+// exposition are what every Prometheus-compatible scraper reads.
+package metrics
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/usage"
+)
+
+// Fleet is what a scrape reads: the VMs and hosts the caller (on ctx) may
+// see, as ListVMs and ListHosts serve them.
+type Fleet interface {
+	ListVMs(ctx context.Context) ([]*eitriv1.VM, error)
+	ListHosts(ctx context.Context) ([]*eitriv1.Host, error)
+}
+
+// Usage is the newest sample of each VM and host.
+type Usage interface {
+	Latest() ([]usage.VMLatest, []*eitriv1.HostUsage)
+}
+
+// Fresh is how old a sample may be and still be served: a VM that stopped
+// (or a host that went away) drops out of the scrape within it rather than
+// repeating its last counters for the hour its window is kept.
+const Fresh = time.Minute
+
+// Handler serves the exposition. The caller is authenticated before it (the
+// principal rides on the request's context); what it may not see through
+// the API it does not see here either.
+func Handler(f Fleet, u Usage, log *slog.Logger) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		reg := prometheus.NewRegistry()
+		// A registry per scrape: what it holds depends on who asks.
+		reg.MustRegister(&collector{ctx: r.Context(), fleet: f, usage: u, now: time.Now(), log: log})
+		promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.HTTPErrorOnError}).ServeHTTP(w, r)
+	})
+}

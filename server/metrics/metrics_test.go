@@ -1,0 +1,328 @@
+package metrics_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
+	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/wire/connclient"
+)
+
+const sha = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+
+// fleet is a real control plane with one host running alice's and bob's
+// VMs, driven over the real AgentService.
+type fleet struct {
+	t                 *testing.T
+	url               string
+	http              *http.Client
+	admin, alice, bob string
+	hostID            string
+	alicesVM, bobsVM  *eitriv1.VM
+	sync              *connect.BidiStreamForClient[eitriv1.SyncRequest, eitriv1.SyncResponse]
+}
+
+func bearer(tok string) connect.ClientOption { return connect.WithInterceptors(connclient.Bearer(tok)) }
+
+func newFleet(t *testing.T) *fleet {
+	ctx := context.Background()
+	s, err := server.New(ctx, server.Config{DataDir: t.TempDir(), Plaintext: true})
+	require.NoError(t, err)
+	ts := httptest.NewUnstartedServer(s.Handler())
+	ts.EnableHTTP2 = true
+	ts.StartTLS()
+	t.Cleanup(func() { ts.Close(); s.Close() })
+	f := &fleet{t: t, url: ts.URL, http: ts.Client(), admin: s.AdminToken}
+
+	hosts := eitriv1connect.NewHostServiceClient(f.http, f.url, bearer(f.admin))
+	jt, err := hosts.CreateJoinToken(ctx, connect.NewRequest(&eitriv1.CreateJoinTokenRequest{}))
+	require.NoError(t, err)
+	ac := eitriv1connect.NewAgentServiceClient(f.http, f.url)
+	en, err := ac.Enroll(ctx, connect.NewRequest(&eitriv1.EnrollRequest{JoinToken: jt.Msg.Token, Hostname: "h1"}))
+	require.NoError(t, err)
+	f.hostID = en.Msg.HostId
+	sctx, cancel := context.WithCancel(ctx)
+	f.sync = eitriv1connect.NewAgentServiceClient(f.http, f.url, bearer(en.Msg.HostCredential)).Sync(sctx)
+	t.Cleanup(func() {
+		cancel()
+		_ = f.sync.CloseRequest()
+		_ = f.sync.CloseResponse()
+	})
+	require.NoError(t, f.sync.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Hello{Hello: &eitriv1.Hello{AgentVersion: "test"}}}))
+	go func() {
+		for {
+			if _, err := f.sync.Receive(); err != nil {
+				return
+			}
+		}
+	}()
+	capacity := &eitriv1.Capacity{Vcpus: 8, MemMb: 16384, DiskGb: 200}
+	f.report(&eitriv1.ActualStateReport{Capacity: capacity})
+	require.Eventually(t, func() bool {
+		h, err := hosts.GetHost(ctx, connect.NewRequest(&eitriv1.GetHostRequest{Id: f.hostID}))
+		return err == nil && h.Msg.Host.GetCapacity() != nil
+	}, 10*time.Second, 5*time.Millisecond)
+
+	tokens := eitriv1connect.NewTokenServiceClient(f.http, f.url, bearer(f.admin))
+	user := func(name string) string {
+		tok, err := tokens.CreateToken(ctx, connect.NewRequest(&eitriv1.CreateTokenRequest{Name: "t", UserName: name}))
+		require.NoError(t, err)
+		return tok.Msg.Secret
+	}
+	f.alice, f.bob = user("alice"), user("bob")
+	create := func(tok, name string) *eitriv1.VM {
+		vm, err := eitriv1connect.NewVMServiceClient(f.http, f.url, bearer(tok)).CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{
+			Name: name, ImageUrl: "http://images.test/guest.raw", ImageSha256: sha, Vcpus: 1, MemMb: 256, DiskGb: 2}))
+		require.NoError(t, err)
+		return vm.Msg.Vm
+	}
+	f.alicesVM, f.bobsVM = create(f.alice, "alices"), create(f.bob, "bobs")
+	running := func(id string) *eitriv1.ActualVM {
+		return &eitriv1.ActualVM{VmId: id, Power: "running", Phase: "ready"}
+	}
+	f.report(&eitriv1.ActualStateReport{Capacity: capacity, Vms: []*eitriv1.ActualVM{running(f.alicesVM.Id), running(f.bobsVM.Id)}})
+	vms := eitriv1connect.NewVMServiceClient(f.http, f.url, bearer(f.admin))
+	require.Eventually(t, func() bool {
+		v, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: f.bobsVM.Id}))
+		return err == nil && v.Msg.Vm.GetActualPower() == "running"
+	}, 10*time.Second, 5*time.Millisecond)
+	return f
+}
+
+func (f *fleet) report(rep *eitriv1.ActualStateReport) {
+	require.NoError(f.t, f.sync.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Report{Report: rep}}))
+}
+
+// sample sends a round of usage where alice's VM has used cpu seconds and
+// sent netBytes.
+func (f *fleet) sample(cpu float64, netBytes uint64) {
+	now := timestamppb.Now()
+	vm := func(id string, cpu float64) *eitriv1.VMUsage {
+		return &eitriv1.VMUsage{VmId: id, At: now, CpuSeconds: proto.Float64(cpu), MemoryRssBytes: proto.Uint64(300 << 20),
+			Disk: &eitriv1.DiskUsage{ReadBytes: 4096, WriteBytes: 8192, ReadOps: 1, WriteOps: 2},
+			Net:  &eitriv1.NetUsage{ReceivedBytes: 1, SentBytes: netBytes, ReceivedPackets: 1, SentPackets: 2}}
+	}
+	require.NoError(f.t, f.sync.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Usage{Usage: &eitriv1.UsageSample{
+		Host: &eitriv1.HostUsage{At: now, Cpus: 2, CpuBusySeconds: proto.Float64(1000), MemoryTotalBytes: proto.Uint64(8 << 30),
+			MemoryAvailableBytes: proto.Uint64(6 << 30), Load: &eitriv1.LoadAverage{Load1: 0.5, Load5: 0.25, Load15: 0.1}},
+		Vms: []*eitriv1.VMUsage{vm(f.alicesVM.Id, cpu), vm(f.bobsVM.Id, 99)},
+	}}}))
+}
+
+func (f *fleet) scrape(tok string) (int, string) {
+	req, err := http.NewRequest(http.MethodGet, f.url+server.MetricsPath, nil)
+	require.NoError(f.t, err)
+	if tok != "" {
+		req.Header.Set("Authorization", "Bearer "+tok)
+	}
+	resp, err := f.http.Do(req)
+	require.NoError(f.t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(f.t, err)
+	return resp.StatusCode, string(b)
+}
+
+func parse(t *testing.T, body string) map[string]*dto.MetricFamily {
+	p := expfmt.NewTextParser(model.LegacyValidation)
+	fams, err := p.TextToMetricFamilies(strings.NewReader(body))
+	require.NoError(t, err)
+	return fams
+}
+
+// value is the sample of family name whose "vm" (or "host") label is id.
+func value(fams map[string]*dto.MetricFamily, name, id string) (float64, bool) {
+	for _, m := range fams[name].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if (l.GetName() == "vm" || l.GetName() == "host") && l.GetValue() == id {
+				if c := m.GetCounter(); c != nil {
+					return c.GetValue(), true
+				}
+				return m.GetGauge().GetValue(), true
+			}
+		}
+	}
+	return 0, false
+}
+
+func TestAScrapeServesTheFleetAsTheTokenMaySeeIt(t *testing.T) {
+	f := newFleet(t)
+	f.sample(12.5, 4096)
+	require.Eventually(t, func() bool {
+		_, body := f.scrape(f.admin)
+		_, ok := value(parse(t, body), "eitri_vm_cpu_seconds_total", f.bobsVM.Id)
+		return ok
+	}, 10*time.Second, 10*time.Millisecond)
+
+	status, body := f.scrape(f.admin)
+	require.Equal(t, http.StatusOK, status)
+	fams := parse(t, body)
+	cpu, ok := value(fams, "eitri_vm_cpu_seconds_total", f.alicesVM.Id)
+	require.True(t, ok)
+	assert.Equal(t, 12.5, cpu)
+	assert.Equal(t, dto.MetricType_COUNTER, fams["eitri_vm_cpu_seconds_total"].GetType())
+	sent, _ := value(fams, "eitri_vm_network_transmit_bytes_total", f.alicesVM.Id)
+	assert.Equal(t, float64(4096), sent)
+	labels := map[string]string{}
+	for _, l := range fams["eitri_vm_cpu_seconds_total"].GetMetric()[0].GetLabel() {
+		labels[l.GetName()] = l.GetValue()
+	}
+	assert.ElementsMatch(t, []string{"vm", "name", "host", "owner"}, keys(labels))
+	assert.Equal(t, f.hostID, labels["host"])
+	load, ok := value(fams, "eitri_host_load1", f.hostID)
+	require.True(t, ok)
+	assert.Equal(t, 0.5, load)
+	capacity, _ := value(fams, "eitri_host_capacity_memory_bytes", f.hostID)
+	assert.Equal(t, float64(16384<<20), capacity)
+	_, ok = value(fams, "eitri_vm_memory_balloon_bytes", f.alicesVM.Id)
+	assert.False(t, ok, "no balloon measured: no series, not 0")
+
+	// Alice's token sees her VM and not bob's.
+	status, body = f.scrape(f.alice)
+	require.Equal(t, http.StatusOK, status)
+	fams = parse(t, body)
+	_, ok = value(fams, "eitri_vm_cpu_seconds_total", f.alicesVM.Id)
+	assert.True(t, ok)
+	assert.NotContains(t, body, f.bobsVM.Id)
+	assert.NotContains(t, body, "bobs")
+
+	// No token, or a bad one: nothing at all.
+	for _, tok := range []string{"", "eitri_pat_nonsense"} {
+		status, body = f.scrape(tok)
+		assert.Equal(t, http.StatusUnauthorized, status)
+		assert.NotContains(t, body, "eitri_vm")
+	}
+
+	// promtool holds the exposition to Prometheus' conventions.
+	if promtool, err := exec.LookPath("promtool"); err == nil {
+		_, body = f.scrape(f.admin)
+		cmd := exec.Command(promtool, "check", "metrics")
+		cmd.Stdin = strings.NewReader(body)
+		out, err := cmd.CombinedOutput()
+		assert.NoError(t, err, "promtool check metrics:\n%s", out)
+	}
+}
+
+func keys(m map[string]string) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}
+
+// A real Prometheus (Debian's), run as nobody in a temporary directory,
+// scrapes the control plane on loopback with alice's token; PromQL through
+// its HTTP API sees her VM's CPU seconds grow and the bytes it sent.
+func TestARealPrometheusScrapesTheFleet(t *testing.T) {
+	bin, err := exec.LookPath("prometheus")
+	if err != nil {
+		t.Skip("prometheus is not installed (Debian package prometheus)")
+	}
+	f := newFleet(t)
+	f.sample(10, 1000)
+
+	// Not t.TempDir: its parent is private to root, and Prometheus runs
+	// as nobody.
+	dir, err := os.MkdirTemp("", "eitri-prometheus-")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	require.NoError(t, os.Chmod(dir, 0o777))
+	tokFile := filepath.Join(dir, "token")
+	require.NoError(t, os.WriteFile(tokFile, []byte(f.alice), 0o644))
+	target, err := url.Parse(f.url)
+	require.NoError(t, err)
+	cfg := fmt.Sprintf(`global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: eitri
+    scheme: https
+    tls_config:
+      insecure_skip_verify: true
+    authorization:
+      credentials_file: %s
+    static_configs:
+      - targets: ['%s']
+`, tokFile, target.Host)
+	cfgFile := filepath.Join(dir, "prometheus.yml")
+	require.NoError(t, os.WriteFile(cfgFile, []byte(cfg), 0o644))
+	addr := freeLoopback(t)
+	cmd := exec.Command(bin, "--config.file="+cfgFile, "--storage.tsdb.path="+filepath.Join(dir, "data"),
+		"--web.listen-address="+addr, "--log.level=warn")
+	cmd.Dir = dir
+	if os.Geteuid() == 0 {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	}
+	var logs strings.Builder
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+
+	query := func(q string) (float64, bool) {
+		resp, err := http.Get("http://" + addr + "/api/v1/query?query=" + url.QueryEscape(q))
+		if err != nil {
+			return 0, false
+		}
+		defer resp.Body.Close()
+		var r struct {
+			Data struct {
+				Result []struct {
+					Metric map[string]string `json:"metric"`
+					Value  [2]any            `json:"value"`
+				} `json:"result"`
+			} `json:"data"`
+		}
+		if json.NewDecoder(resp.Body).Decode(&r) != nil || len(r.Data.Result) != 1 {
+			return 0, false
+		}
+		var v float64
+		s, _ := r.Data.Result[0].Value[1].(string)
+		_, err = fmt.Sscan(s, &v)
+		return v, err == nil
+	}
+	cpu := fmt.Sprintf(`eitri_vm_cpu_seconds_total{vm=%q}`, f.alicesVM.Id)
+	require.Eventually(t, func() bool { v, ok := query(cpu); return ok && v == 10 }, 60*time.Second, 200*time.Millisecond,
+		"prometheus never saw the VM's CPU seconds; its log:\n%s", &logs)
+
+	f.sample(17.5, 5000)
+	require.Eventually(t, func() bool { v, ok := query(cpu); return ok && v == 17.5 }, 30*time.Second, 200*time.Millisecond,
+		"the CPU seconds never grew; prometheus' log:\n%s", &logs)
+	v, ok := query(fmt.Sprintf(`eitri_vm_network_transmit_bytes_total{vm=%q}`, f.alicesVM.Id))
+	require.True(t, ok)
+	assert.Equal(t, float64(5000), v)
+	_, ok = query(fmt.Sprintf(`eitri_vm_cpu_seconds_total{vm=%q}`, f.bobsVM.Id))
+	assert.False(t, ok, "alice's token scrapes no VM of bob's")
+}
+
+// freeLoopback returns a loopback address nothing listens on right now.
+func freeLoopback(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	return addr
+}
