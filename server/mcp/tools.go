@@ -23,6 +23,7 @@ func (t *tools) register(s *mcp.Server) {
 	t.registerCreate(s)
 	t.registerImages(s)
 	t.registerExposures(s)
+	t.registerUsage(s)
 }
 
 // addTool registers a tool whose handler runs as the caller (authed), and

@@ -59,7 +59,7 @@ func TestListTools(t *testing.T) {
 	}
 	assert.ElementsMatch(t, []string{
 		"vm_list", "vm_get", "vm_create", "vm_start", "vm_stop", "vm_delete", "vm_restore", "vm_retry", "vm_events",
-		"exposure_create", "exposure_list", "exposure_delete", "image_list",
+		"exposure_create", "exposure_list", "exposure_delete", "image_list", "vm_usage",
 	}, names)
 	assert.ElementsMatch(t, []string{"name", "vcpus", "mem_mb", "disk_gb"}, ins["vm_create"].Required, "an image by name, or by URL and digest")
 	for _, p := range []string{"image", "image_url", "image_sha256", "ssh_authorized_key", "host_id", "power_state", "wait_seconds"} {

@@ -75,6 +75,7 @@ type client struct {
 	ssh     eitriv1connect.SSHServiceClient
 	release eitriv1connect.ReleaseServiceClient
 	image   eitriv1connect.ImageServiceClient
+	usage   eitriv1connect.UsageServiceClient
 	out     io.Writer
 	// errOut is for what a person reads beside machine output (the
 	// narration of a wait under -o json).
@@ -112,6 +113,7 @@ func (a *app) clientFor(ep endpoint) *client {
 		ssh:     eitriv1connect.NewSSHServiceClient(hc, ep.URL, opt),
 		release: eitriv1connect.NewReleaseServiceClient(hc, ep.URL, opt),
 		image:   eitriv1connect.NewImageServiceClient(hc, ep.URL, opt),
+		usage:   eitriv1connect.NewUsageServiceClient(hc, ep.URL, opt),
 		out:     a.io.Out,
 		errOut:  a.io.Err,
 		format:  a.format,

@@ -16,7 +16,8 @@ import (
 
 func newHostCmd(a *app) *cobra.Command {
 	cmd := noun("host", "List, add and retire hosts",
-		newHostListCmd(a), newHostGetCmd(a), newHostJoinTokenCmd(a), newHostDecommissionCmd(a), newHostUpgradeCmd(a))
+		newHostListCmd(a), newHostGetCmd(a), newHostJoinTokenCmd(a), newHostDecommissionCmd(a), newHostUpgradeCmd(a),
+		newHostTopCmd(a))
 	a.addOutputFlag(cmd)
 	return cmd
 }

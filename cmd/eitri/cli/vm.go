@@ -35,6 +35,8 @@ func newVMCmd(a *app) *cobra.Command {
 			byID(eitriv1connect.VMServiceClient.RetryVM, func(id string) *eitriv1.RetryVMRequest { return &eitriv1.RetryVMRequest{Id: id} })),
 		newVMEventsCmd(a),
 		newVMWatchCmd(a),
+		newVMTopCmd(a),
+		newVMStatsCmd(a),
 		newVMConsoleCmd(a),
 		newVMLogsCmd(a),
 		newVMWaitCmd(a),
