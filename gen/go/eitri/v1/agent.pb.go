@@ -496,7 +496,9 @@ type ActualStateReport struct {
 	SnapshotRefused *SnapshotRefusal `protobuf:"bytes,12,opt,name=snapshot_refused,json=snapshotRefused,proto3" json:"snapshot_refused,omitempty"`
 	// The agent's own upgrade: what it is doing about the last offer, or how
 	// that ended. Unset when it was never offered one (or predates upgrades).
-	Upgrade       *AgentUpgradeStatus `protobuf:"bytes,13,opt,name=upgrade,proto3" json:"upgrade,omitempty"`
+	Upgrade *AgentUpgradeStatus `protobuf:"bytes,13,opt,name=upgrade,proto3" json:"upgrade,omitempty"`
+	// One row per image the last snapshot wanted (DesiredStateSnapshot.images).
+	Images        []*ImageHeld `protobuf:"bytes,14,rep,name=images,proto3" json:"images,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -618,6 +620,13 @@ func (x *ActualStateReport) GetSnapshotRefused() *SnapshotRefusal {
 func (x *ActualStateReport) GetUpgrade() *AgentUpgradeStatus {
 	if x != nil {
 		return x.Upgrade
+	}
+	return nil
+}
+
+func (x *ActualStateReport) GetImages() []*ImageHeld {
+	if x != nil {
+		return x.Images
 	}
 	return nil
 }
@@ -1181,7 +1190,11 @@ type DesiredStateSnapshot struct {
 	// applied a generation it no longer knows of); its counter then restarts
 	// past everything agents applied. An agent refuses an epoch below the one
 	// it applied.
-	Epoch         uint64 `protobuf:"varint,6,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	Epoch uint64 `protobuf:"varint,6,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	// Images to hold in the host's cache ahead of creates (eitri image pull),
+	// pinned against eviction while listed. Complete, like vms: an image no
+	// longer listed is unpinned (the cache may then evict it as usual).
+	Images        []*ImageWanted `protobuf:"bytes,7,rep,name=images,proto3" json:"images,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1258,6 +1271,149 @@ func (x *DesiredStateSnapshot) GetEpoch() uint64 {
 	return 0
 }
 
+func (x *DesiredStateSnapshot) GetImages() []*ImageWanted {
+	if x != nil {
+		return x.Images
+	}
+	return nil
+}
+
+// ImageWanted is one image a host is to fetch and keep.
+type ImageWanted struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Url   string                 `protobuf:"bytes,1,opt,name=url,proto3" json:"url,omitempty"`
+	// 64 lowercase hex characters.
+	Sha256        string `protobuf:"bytes,2,opt,name=sha256,proto3" json:"sha256,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImageWanted) Reset() {
+	*x = ImageWanted{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImageWanted) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImageWanted) ProtoMessage() {}
+
+func (x *ImageWanted) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImageWanted.ProtoReflect.Descriptor instead.
+func (*ImageWanted) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ImageWanted) GetUrl() string {
+	if x != nil {
+		return x.Url
+	}
+	return ""
+}
+
+func (x *ImageWanted) GetSha256() string {
+	if x != nil {
+		return x.Sha256
+	}
+	return ""
+}
+
+// ImageHeld is how a host stands with one ImageWanted.
+type ImageHeld struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Sha256 string                 `protobuf:"bytes,1,opt,name=sha256,proto3" json:"sha256,omitempty"`
+	// In the cache, verified and pinned.
+	Held bool `protobuf:"varint,2,opt,name=held,proto3" json:"held,omitempty"`
+	// What the host is doing about it ("downloading image 1.2/3.7 GiB");
+	// empty once held or failed.
+	StatusDetail string `protobuf:"bytes,3,opt,name=status_detail,json=statusDetail,proto3" json:"status_detail,omitempty"`
+	// The download's measure; null when there is none.
+	Progress *Progress `protobuf:"bytes,4,opt,name=progress,proto3" json:"progress,omitempty"`
+	// Why the last attempt failed; empty otherwise. The host tries again.
+	Error         string `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImageHeld) Reset() {
+	*x = ImageHeld{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImageHeld) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImageHeld) ProtoMessage() {}
+
+func (x *ImageHeld) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImageHeld.ProtoReflect.Descriptor instead.
+func (*ImageHeld) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ImageHeld) GetSha256() string {
+	if x != nil {
+		return x.Sha256
+	}
+	return ""
+}
+
+func (x *ImageHeld) GetHeld() bool {
+	if x != nil {
+		return x.Held
+	}
+	return false
+}
+
+func (x *ImageHeld) GetStatusDetail() string {
+	if x != nil {
+		return x.StatusDetail
+	}
+	return ""
+}
+
+func (x *ImageHeld) GetProgress() *Progress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
+}
+
+func (x *ImageHeld) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
 type VMDesired struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	VmId  string                 `protobuf:"bytes,1,opt,name=vm_id,json=vmId,proto3" json:"vm_id,omitempty"`
@@ -1310,7 +1466,7 @@ type VMDesired struct {
 
 func (x *VMDesired) Reset() {
 	*x = VMDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1322,7 +1478,7 @@ func (x *VMDesired) String() string {
 func (*VMDesired) ProtoMessage() {}
 
 func (x *VMDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1335,7 +1491,7 @@ func (x *VMDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMDesired.ProtoReflect.Descriptor instead.
 func (*VMDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *VMDesired) GetVmId() string {
@@ -1489,7 +1645,7 @@ type AgentUpgrade struct {
 
 func (x *AgentUpgrade) Reset() {
 	*x = AgentUpgrade{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1501,7 +1657,7 @@ func (x *AgentUpgrade) String() string {
 func (*AgentUpgrade) ProtoMessage() {}
 
 func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1514,7 +1670,7 @@ func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentUpgrade.ProtoReflect.Descriptor instead.
 func (*AgentUpgrade) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *AgentUpgrade) GetVersion() string {
@@ -1607,7 +1763,7 @@ type ExposureDesired struct {
 
 func (x *ExposureDesired) Reset() {
 	*x = ExposureDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[14]
+	mi := &file_eitri_v1_agent_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1619,7 +1775,7 @@ func (x *ExposureDesired) String() string {
 func (*ExposureDesired) ProtoMessage() {}
 
 func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[14]
+	mi := &file_eitri_v1_agent_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1632,7 +1788,7 @@ func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureDesired.ProtoReflect.Descriptor instead.
 func (*ExposureDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ExposureDesired) GetId() string {
@@ -1700,7 +1856,7 @@ type ExposureActual struct {
 
 func (x *ExposureActual) Reset() {
 	*x = ExposureActual{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[15]
+	mi := &file_eitri_v1_agent_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1712,7 +1868,7 @@ func (x *ExposureActual) String() string {
 func (*ExposureActual) ProtoMessage() {}
 
 func (x *ExposureActual) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[15]
+	mi := &file_eitri_v1_agent_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1725,7 +1881,7 @@ func (x *ExposureActual) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureActual.ProtoReflect.Descriptor instead.
 func (*ExposureActual) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{15}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ExposureActual) GetId() string {
@@ -1782,7 +1938,7 @@ type JoinToken struct {
 
 func (x *JoinToken) Reset() {
 	*x = JoinToken{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[16]
+	mi := &file_eitri_v1_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1794,7 +1950,7 @@ func (x *JoinToken) String() string {
 func (*JoinToken) ProtoMessage() {}
 
 func (x *JoinToken) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[16]
+	mi := &file_eitri_v1_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1807,7 +1963,7 @@ func (x *JoinToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
 func (*JoinToken) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{16}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *JoinToken) GetUrl() string {
@@ -1856,7 +2012,7 @@ type CallsRequest struct {
 
 func (x *CallsRequest) Reset() {
 	*x = CallsRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[17]
+	mi := &file_eitri_v1_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1868,7 +2024,7 @@ func (x *CallsRequest) String() string {
 func (*CallsRequest) ProtoMessage() {}
 
 func (x *CallsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[17]
+	mi := &file_eitri_v1_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1881,7 +2037,7 @@ func (x *CallsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallsRequest.ProtoReflect.Descriptor instead.
 func (*CallsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{17}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CallsRequest) GetInstanceId() string {
@@ -1914,7 +2070,7 @@ type CallsResponse struct {
 
 func (x *CallsResponse) Reset() {
 	*x = CallsResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[18]
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1926,7 +2082,7 @@ func (x *CallsResponse) String() string {
 func (*CallsResponse) ProtoMessage() {}
 
 func (x *CallsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[18]
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1939,7 +2095,7 @@ func (x *CallsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallsResponse.ProtoReflect.Descriptor instead.
 func (*CallsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{18}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *CallsResponse) GetId() string {
@@ -2028,7 +2184,7 @@ type ConsoleOutputCall struct {
 
 func (x *ConsoleOutputCall) Reset() {
 	*x = ConsoleOutputCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[19]
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2040,7 +2196,7 @@ func (x *ConsoleOutputCall) String() string {
 func (*ConsoleOutputCall) ProtoMessage() {}
 
 func (x *ConsoleOutputCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[19]
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2053,7 +2209,7 @@ func (x *ConsoleOutputCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleOutputCall.ProtoReflect.Descriptor instead.
 func (*ConsoleOutputCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{19}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ConsoleOutputCall) GetVmId() string {
@@ -2102,7 +2258,7 @@ type ConsoleInputCall struct {
 
 func (x *ConsoleInputCall) Reset() {
 	*x = ConsoleInputCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	mi := &file_eitri_v1_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2114,7 +2270,7 @@ func (x *ConsoleInputCall) String() string {
 func (*ConsoleInputCall) ProtoMessage() {}
 
 func (x *ConsoleInputCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	mi := &file_eitri_v1_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2127,7 +2283,7 @@ func (x *ConsoleInputCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleInputCall.ProtoReflect.Descriptor instead.
 func (*ConsoleInputCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ConsoleInputCall) GetVmId() string {
@@ -2157,7 +2313,7 @@ type TunnelCall struct {
 
 func (x *TunnelCall) Reset() {
 	*x = TunnelCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	mi := &file_eitri_v1_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2169,7 +2325,7 @@ func (x *TunnelCall) String() string {
 func (*TunnelCall) ProtoMessage() {}
 
 func (x *TunnelCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	mi := &file_eitri_v1_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2182,7 +2338,7 @@ func (x *TunnelCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelCall.ProtoReflect.Descriptor instead.
 func (*TunnelCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *TunnelCall) GetVmId() string {
@@ -2223,7 +2379,7 @@ type ConsoleRequest struct {
 
 func (x *ConsoleRequest) Reset() {
 	*x = ConsoleRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[22]
+	mi := &file_eitri_v1_agent_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2235,7 +2391,7 @@ func (x *ConsoleRequest) String() string {
 func (*ConsoleRequest) ProtoMessage() {}
 
 func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[22]
+	mi := &file_eitri_v1_agent_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2248,7 +2404,7 @@ func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleRequest.ProtoReflect.Descriptor instead.
 func (*ConsoleRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{22}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ConsoleRequest) GetCallId() string {
@@ -2317,7 +2473,7 @@ type ConsoleResponse struct {
 
 func (x *ConsoleResponse) Reset() {
 	*x = ConsoleResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[23]
+	mi := &file_eitri_v1_agent_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2329,7 +2485,7 @@ func (x *ConsoleResponse) String() string {
 func (*ConsoleResponse) ProtoMessage() {}
 
 func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[23]
+	mi := &file_eitri_v1_agent_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2342,7 +2498,7 @@ func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleResponse.ProtoReflect.Descriptor instead.
 func (*ConsoleResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{23}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{25}
 }
 
 // TunnelRequest is one frame from the agent on a Tunnel stream.
@@ -2367,7 +2523,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[24]
+	mi := &file_eitri_v1_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2379,7 +2535,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[24]
+	mi := &file_eitri_v1_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2392,7 +2548,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{24}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *TunnelRequest) GetCallId() string {
@@ -2451,7 +2607,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	mi := &file_eitri_v1_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2463,7 +2619,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	mi := &file_eitri_v1_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2476,7 +2632,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{25}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *TunnelResponse) GetData() []byte {
@@ -2504,7 +2660,7 @@ type SignHostKeyRequest struct {
 
 func (x *SignHostKeyRequest) Reset() {
 	*x = SignHostKeyRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[26]
+	mi := &file_eitri_v1_agent_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2516,7 +2672,7 @@ func (x *SignHostKeyRequest) String() string {
 func (*SignHostKeyRequest) ProtoMessage() {}
 
 func (x *SignHostKeyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[26]
+	mi := &file_eitri_v1_agent_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2529,7 +2685,7 @@ func (x *SignHostKeyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignHostKeyRequest.ProtoReflect.Descriptor instead.
 func (*SignHostKeyRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{26}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SignHostKeyRequest) GetVmId() string {
@@ -2559,7 +2715,7 @@ type SignHostKeyResponse struct {
 
 func (x *SignHostKeyResponse) Reset() {
 	*x = SignHostKeyResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[27]
+	mi := &file_eitri_v1_agent_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2571,7 +2727,7 @@ func (x *SignHostKeyResponse) String() string {
 func (*SignHostKeyResponse) ProtoMessage() {}
 
 func (x *SignHostKeyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[27]
+	mi := &file_eitri_v1_agent_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2584,7 +2740,7 @@ func (x *SignHostKeyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignHostKeyResponse.ProtoReflect.Descriptor instead.
 func (*SignHostKeyResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{27}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SignHostKeyResponse) GetCertificate() string {
@@ -2629,7 +2785,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x12applied_generation\x18\n" +
 	" \x01(\x04R\x11appliedGeneration\x12\x0e\n" +
 	"\x02os\x18\v \x01(\tR\x02os\x12\x12\n" +
-	"\x04arch\x18\f \x01(\tR\x04arch\"\xf4\x04\n" +
+	"\x04arch\x18\f \x01(\tR\x04arch\"\xa1\x05\n" +
 	"\x11ActualStateReport\x12$\n" +
 	"\x03vms\x18\x01 \x03(\v2\x12.eitri.v1.ActualVMR\x03vms\x12\x1c\n" +
 	"\tdestroyed\x18\x02 \x03(\tR\tdestroyed\x129\n" +
@@ -2644,7 +2800,8 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	" \x01(\x04R\fappliedEpoch\x12(\n" +
 	"\x10control_plane_id\x18\v \x01(\tR\x0econtrolPlaneId\x12D\n" +
 	"\x10snapshot_refused\x18\f \x01(\v2\x19.eitri.v1.SnapshotRefusalR\x0fsnapshotRefused\x126\n" +
-	"\aupgrade\x18\r \x01(\v2\x1c.eitri.v1.AgentUpgradeStatusR\aupgrade\"\x85\x02\n" +
+	"\aupgrade\x18\r \x01(\v2\x1c.eitri.v1.AgentUpgradeStatusR\aupgrade\x12+\n" +
+	"\x06images\x18\x0e \x03(\v2\x13.eitri.v1.ImageHeldR\x06images\"\x85\x02\n" +
 	"\x12AgentUpgradeStatus\x12%\n" +
 	"\x0etarget_version\x18\x01 \x01(\tR\rtargetVersion\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\tR\x04step\x12\x16\n" +
@@ -2696,7 +2853,7 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x06reason\x18\a \x01(\tR\x06reason\x12\x14\n" +
 	"\x05stale\x18\b \x01(\bR\x05stale\x12\x1d\n" +
 	"\n" +
-	"since_unix\x18\t \x01(\x03R\tsinceUnix\"\x93\x02\n" +
+	"since_unix\x18\t \x01(\x03R\tsinceUnix\"\xc2\x02\n" +
 	"\x14DesiredStateSnapshot\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x01 \x01(\x04R\n" +
@@ -2705,7 +2862,17 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\ragent_upgrade\x18\x03 \x01(\v2\x16.eitri.v1.AgentUpgradeR\fagentUpgrade\x127\n" +
 	"\texposures\x18\x04 \x03(\v2\x19.eitri.v1.ExposureDesiredR\texposures\x12(\n" +
 	"\x10control_plane_id\x18\x05 \x01(\tR\x0econtrolPlaneId\x12\x14\n" +
-	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\"\x8c\x04\n" +
+	"\x05epoch\x18\x06 \x01(\x04R\x05epoch\x12-\n" +
+	"\x06images\x18\a \x03(\v2\x15.eitri.v1.ImageWantedR\x06images\"7\n" +
+	"\vImageWanted\x12\x10\n" +
+	"\x03url\x18\x01 \x01(\tR\x03url\x12\x16\n" +
+	"\x06sha256\x18\x02 \x01(\tR\x06sha256\"\xa2\x01\n" +
+	"\tImageHeld\x12\x16\n" +
+	"\x06sha256\x18\x01 \x01(\tR\x06sha256\x12\x12\n" +
+	"\x04held\x18\x02 \x01(\bR\x04held\x12#\n" +
+	"\rstatus_detail\x18\x03 \x01(\tR\fstatusDetail\x12.\n" +
+	"\bprogress\x18\x04 \x01(\v2\x12.eitri.v1.ProgressR\bprogress\x12\x14\n" +
+	"\x05error\x18\x05 \x01(\tR\x05error\"\x8c\x04\n" +
 	"\tVMDesired\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -2833,7 +3000,7 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
@@ -2847,70 +3014,75 @@ var file_eitri_v1_agent_proto_goTypes = []any{
 	(*GuestExit)(nil),            // 9: eitri.v1.GuestExit
 	(*QuarantinedVM)(nil),        // 10: eitri.v1.QuarantinedVM
 	(*DesiredStateSnapshot)(nil), // 11: eitri.v1.DesiredStateSnapshot
-	(*VMDesired)(nil),            // 12: eitri.v1.VMDesired
-	(*AgentUpgrade)(nil),         // 13: eitri.v1.AgentUpgrade
-	(*ExposureDesired)(nil),      // 14: eitri.v1.ExposureDesired
-	(*ExposureActual)(nil),       // 15: eitri.v1.ExposureActual
-	(*JoinToken)(nil),            // 16: eitri.v1.JoinToken
-	(*CallsRequest)(nil),         // 17: eitri.v1.CallsRequest
-	(*CallsResponse)(nil),        // 18: eitri.v1.CallsResponse
-	(*ConsoleOutputCall)(nil),    // 19: eitri.v1.ConsoleOutputCall
-	(*ConsoleInputCall)(nil),     // 20: eitri.v1.ConsoleInputCall
-	(*TunnelCall)(nil),           // 21: eitri.v1.TunnelCall
-	(*ConsoleRequest)(nil),       // 22: eitri.v1.ConsoleRequest
-	(*ConsoleResponse)(nil),      // 23: eitri.v1.ConsoleResponse
-	(*TunnelRequest)(nil),        // 24: eitri.v1.TunnelRequest
-	(*TunnelResponse)(nil),       // 25: eitri.v1.TunnelResponse
-	(*SignHostKeyRequest)(nil),   // 26: eitri.v1.SignHostKeyRequest
-	(*SignHostKeyResponse)(nil),  // 27: eitri.v1.SignHostKeyResponse
-	(*UsageSample)(nil),          // 28: eitri.v1.UsageSample
-	(*Capacity)(nil),             // 29: eitri.v1.Capacity
-	(*Metrics)(nil),              // 30: eitri.v1.Metrics
-	(*Progress)(nil),             // 31: eitri.v1.Progress
-	(ImageReadiness)(0),          // 32: eitri.v1.ImageReadiness
-	(*ExposureSessions)(nil),     // 33: eitri.v1.ExposureSessions
+	(*ImageWanted)(nil),          // 12: eitri.v1.ImageWanted
+	(*ImageHeld)(nil),            // 13: eitri.v1.ImageHeld
+	(*VMDesired)(nil),            // 14: eitri.v1.VMDesired
+	(*AgentUpgrade)(nil),         // 15: eitri.v1.AgentUpgrade
+	(*ExposureDesired)(nil),      // 16: eitri.v1.ExposureDesired
+	(*ExposureActual)(nil),       // 17: eitri.v1.ExposureActual
+	(*JoinToken)(nil),            // 18: eitri.v1.JoinToken
+	(*CallsRequest)(nil),         // 19: eitri.v1.CallsRequest
+	(*CallsResponse)(nil),        // 20: eitri.v1.CallsResponse
+	(*ConsoleOutputCall)(nil),    // 21: eitri.v1.ConsoleOutputCall
+	(*ConsoleInputCall)(nil),     // 22: eitri.v1.ConsoleInputCall
+	(*TunnelCall)(nil),           // 23: eitri.v1.TunnelCall
+	(*ConsoleRequest)(nil),       // 24: eitri.v1.ConsoleRequest
+	(*ConsoleResponse)(nil),      // 25: eitri.v1.ConsoleResponse
+	(*TunnelRequest)(nil),        // 26: eitri.v1.TunnelRequest
+	(*TunnelResponse)(nil),       // 27: eitri.v1.TunnelResponse
+	(*SignHostKeyRequest)(nil),   // 28: eitri.v1.SignHostKeyRequest
+	(*SignHostKeyResponse)(nil),  // 29: eitri.v1.SignHostKeyResponse
+	(*UsageSample)(nil),          // 30: eitri.v1.UsageSample
+	(*Capacity)(nil),             // 31: eitri.v1.Capacity
+	(*Metrics)(nil),              // 32: eitri.v1.Metrics
+	(*Progress)(nil),             // 33: eitri.v1.Progress
+	(ImageReadiness)(0),          // 34: eitri.v1.ImageReadiness
+	(*ExposureSessions)(nil),     // 35: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
 	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
 	5,  // 1: eitri.v1.SyncRequest.report:type_name -> eitri.v1.ActualStateReport
-	28, // 2: eitri.v1.SyncRequest.usage:type_name -> eitri.v1.UsageSample
+	30, // 2: eitri.v1.SyncRequest.usage:type_name -> eitri.v1.UsageSample
 	11, // 3: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
 	8,  // 4: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
 	10, // 5: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	29, // 6: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	30, // 7: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
-	15, // 8: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
+	31, // 6: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	32, // 7: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	17, // 8: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
 	7,  // 9: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
 	6,  // 10: eitri.v1.ActualStateReport.upgrade:type_name -> eitri.v1.AgentUpgradeStatus
-	31, // 11: eitri.v1.AgentUpgradeStatus.progress:type_name -> eitri.v1.Progress
-	9,  // 12: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
-	31, // 13: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
-	12, // 14: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
-	12, // 15: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
-	13, // 16: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
-	14, // 17: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	32, // 18: eitri.v1.VMDesired.readiness:type_name -> eitri.v1.ImageReadiness
-	33, // 19: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	19, // 20: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
-	20, // 21: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
-	21, // 22: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
-	0,  // 23: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 24: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	17, // 25: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
-	22, // 26: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
-	24, // 27: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
-	26, // 28: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
-	1,  // 29: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 30: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	18, // 31: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
-	23, // 32: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
-	25, // 33: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
-	27, // 34: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
-	29, // [29:35] is the sub-list for method output_type
-	23, // [23:29] is the sub-list for method input_type
-	23, // [23:23] is the sub-list for extension type_name
-	23, // [23:23] is the sub-list for extension extendee
-	0,  // [0:23] is the sub-list for field type_name
+	13, // 11: eitri.v1.ActualStateReport.images:type_name -> eitri.v1.ImageHeld
+	33, // 12: eitri.v1.AgentUpgradeStatus.progress:type_name -> eitri.v1.Progress
+	9,  // 13: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
+	33, // 14: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
+	14, // 15: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
+	14, // 16: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
+	15, // 17: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
+	16, // 18: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
+	12, // 19: eitri.v1.DesiredStateSnapshot.images:type_name -> eitri.v1.ImageWanted
+	33, // 20: eitri.v1.ImageHeld.progress:type_name -> eitri.v1.Progress
+	34, // 21: eitri.v1.VMDesired.readiness:type_name -> eitri.v1.ImageReadiness
+	35, // 22: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	21, // 23: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
+	22, // 24: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
+	23, // 25: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
+	0,  // 26: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 27: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	19, // 28: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
+	24, // 29: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
+	26, // 30: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
+	28, // 31: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
+	1,  // 32: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	3,  // 33: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	20, // 34: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
+	25, // 35: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
+	27, // 36: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
+	29, // 37: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
+	32, // [32:38] is the sub-list for method output_type
+	26, // [26:32] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -2929,7 +3101,7 @@ func file_eitri_v1_agent_proto_init() {
 	file_eitri_v1_agent_proto_msgTypes[3].OneofWrappers = []any{
 		(*SyncResponse_Snapshot)(nil),
 	}
-	file_eitri_v1_agent_proto_msgTypes[18].OneofWrappers = []any{
+	file_eitri_v1_agent_proto_msgTypes[20].OneofWrappers = []any{
 		(*CallsResponse_ConsoleOutput)(nil),
 		(*CallsResponse_ConsoleInput)(nil),
 		(*CallsResponse_Tunnel)(nil),
@@ -2940,7 +3112,7 @@ func file_eitri_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   28,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -389,6 +389,9 @@ type Image struct {
 	KeyringPinned bool                   `protobuf:"varint,6,opt,name=keyring_pinned,json=keyringPinned,proto3" json:"keyring_pinned,omitempty"`
 	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	UpdatedAt     *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=updated_at,json=updatedAt,proto3" json:"updated_at,omitempty"`
+	// The hosts it was pulled to, and how each stands, live from their
+	// reports.
+	Hosts         []*ImageOnHost `protobuf:"bytes,9,rep,name=hosts,proto3" json:"hosts,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -479,6 +482,102 @@ func (x *Image) GetUpdatedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *Image) GetHosts() []*ImageOnHost {
+	if x != nil {
+		return x.Hosts
+	}
+	return nil
+}
+
+// ImageOnHost is one host an image was pulled to.
+type ImageOnHost struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	HostId   string                 `protobuf:"bytes,1,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	HostName string                 `protobuf:"bytes,2,opt,name=host_name,json=hostName,proto3" json:"host_name,omitempty"`
+	// "held" (in the cache, pinned), "pulling", "failed" (error says why; the
+	// host tries again), or "unknown" while the host is not reporting on it.
+	State string `protobuf:"bytes,3,opt,name=state,proto3" json:"state,omitempty"`
+	// The host's words while pulling ("downloading image 1.2/3.7 GiB").
+	StatusDetail string `protobuf:"bytes,4,opt,name=status_detail,json=statusDetail,proto3" json:"status_detail,omitempty"`
+	// The download's measure; null when there is none.
+	Progress      *Progress `protobuf:"bytes,5,opt,name=progress,proto3" json:"progress,omitempty"`
+	Error         string    `protobuf:"bytes,6,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImageOnHost) Reset() {
+	*x = ImageOnHost{}
+	mi := &file_eitri_v1_images_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImageOnHost) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImageOnHost) ProtoMessage() {}
+
+func (x *ImageOnHost) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_images_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImageOnHost.ProtoReflect.Descriptor instead.
+func (*ImageOnHost) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ImageOnHost) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
+func (x *ImageOnHost) GetHostName() string {
+	if x != nil {
+		return x.HostName
+	}
+	return ""
+}
+
+func (x *ImageOnHost) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *ImageOnHost) GetStatusDetail() string {
+	if x != nil {
+		return x.StatusDetail
+	}
+	return ""
+}
+
+func (x *ImageOnHost) GetProgress() *Progress {
+	if x != nil {
+		return x.Progress
+	}
+	return nil
+}
+
+func (x *ImageOnHost) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
 type AddImageRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -505,7 +604,7 @@ type AddImageRequest struct {
 
 func (x *AddImageRequest) Reset() {
 	*x = AddImageRequest{}
-	mi := &file_eitri_v1_images_proto_msgTypes[4]
+	mi := &file_eitri_v1_images_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -517,7 +616,7 @@ func (x *AddImageRequest) String() string {
 func (*AddImageRequest) ProtoMessage() {}
 
 func (x *AddImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[4]
+	mi := &file_eitri_v1_images_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -530,7 +629,7 @@ func (x *AddImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddImageRequest.ProtoReflect.Descriptor instead.
 func (*AddImageRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{4}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *AddImageRequest) GetName() string {
@@ -598,7 +697,7 @@ type AddImageResponse struct {
 
 func (x *AddImageResponse) Reset() {
 	*x = AddImageResponse{}
-	mi := &file_eitri_v1_images_proto_msgTypes[5]
+	mi := &file_eitri_v1_images_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -610,7 +709,7 @@ func (x *AddImageResponse) String() string {
 func (*AddImageResponse) ProtoMessage() {}
 
 func (x *AddImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[5]
+	mi := &file_eitri_v1_images_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -623,7 +722,7 @@ func (x *AddImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddImageResponse.ProtoReflect.Descriptor instead.
 func (*AddImageResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{5}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *AddImageResponse) GetImage() *Image {
@@ -642,7 +741,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_eitri_v1_images_proto_msgTypes[6]
+	mi := &file_eitri_v1_images_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -654,7 +753,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[6]
+	mi := &file_eitri_v1_images_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -667,7 +766,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{6}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GetImageRequest) GetName() string {
@@ -686,7 +785,7 @@ type GetImageResponse struct {
 
 func (x *GetImageResponse) Reset() {
 	*x = GetImageResponse{}
-	mi := &file_eitri_v1_images_proto_msgTypes[7]
+	mi := &file_eitri_v1_images_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -698,7 +797,7 @@ func (x *GetImageResponse) String() string {
 func (*GetImageResponse) ProtoMessage() {}
 
 func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[7]
+	mi := &file_eitri_v1_images_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -711,7 +810,7 @@ func (x *GetImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageResponse.ProtoReflect.Descriptor instead.
 func (*GetImageResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{7}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *GetImageResponse) GetImage() *Image {
@@ -729,7 +828,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_eitri_v1_images_proto_msgTypes[8]
+	mi := &file_eitri_v1_images_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -741,7 +840,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[8]
+	mi := &file_eitri_v1_images_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -754,7 +853,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{8}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{9}
 }
 
 type ListImagesResponse struct {
@@ -766,7 +865,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_eitri_v1_images_proto_msgTypes[9]
+	mi := &file_eitri_v1_images_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -778,7 +877,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[9]
+	mi := &file_eitri_v1_images_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -791,7 +890,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{9}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -810,7 +909,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_eitri_v1_images_proto_msgTypes[10]
+	mi := &file_eitri_v1_images_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -822,7 +921,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[10]
+	mi := &file_eitri_v1_images_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -835,7 +934,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{10}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DeleteImageRequest) GetName() string {
@@ -853,7 +952,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_eitri_v1_images_proto_msgTypes[11]
+	mi := &file_eitri_v1_images_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -865,7 +964,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[11]
+	mi := &file_eitri_v1_images_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -878,7 +977,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{12}
 }
 
 type RefreshImageRequest struct {
@@ -893,7 +992,7 @@ type RefreshImageRequest struct {
 
 func (x *RefreshImageRequest) Reset() {
 	*x = RefreshImageRequest{}
-	mi := &file_eitri_v1_images_proto_msgTypes[12]
+	mi := &file_eitri_v1_images_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -905,7 +1004,7 @@ func (x *RefreshImageRequest) String() string {
 func (*RefreshImageRequest) ProtoMessage() {}
 
 func (x *RefreshImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[12]
+	mi := &file_eitri_v1_images_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -918,7 +1017,7 @@ func (x *RefreshImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RefreshImageRequest.ProtoReflect.Descriptor instead.
 func (*RefreshImageRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *RefreshImageRequest) GetName() string {
@@ -946,7 +1045,7 @@ type RefreshImageResponse struct {
 
 func (x *RefreshImageResponse) Reset() {
 	*x = RefreshImageResponse{}
-	mi := &file_eitri_v1_images_proto_msgTypes[13]
+	mi := &file_eitri_v1_images_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -958,7 +1057,7 @@ func (x *RefreshImageResponse) String() string {
 func (*RefreshImageResponse) ProtoMessage() {}
 
 func (x *RefreshImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[13]
+	mi := &file_eitri_v1_images_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -971,7 +1070,7 @@ func (x *RefreshImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RefreshImageResponse.ProtoReflect.Descriptor instead.
 func (*RefreshImageResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RefreshImageResponse) GetImage() *Image {
@@ -988,11 +1087,116 @@ func (x *RefreshImageResponse) GetChanged() bool {
 	return false
 }
 
+type PullImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Hosts by id; or all.
+	HostIds       []string `protobuf:"bytes,2,rep,name=host_ids,json=hostIds,proto3" json:"host_ids,omitempty"`
+	All           bool     `protobuf:"varint,3,opt,name=all,proto3" json:"all,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageRequest) Reset() {
+	*x = PullImageRequest{}
+	mi := &file_eitri_v1_images_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageRequest) ProtoMessage() {}
+
+func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_images_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
+func (*PullImageRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *PullImageRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *PullImageRequest) GetHostIds() []string {
+	if x != nil {
+		return x.HostIds
+	}
+	return nil
+}
+
+func (x *PullImageRequest) GetAll() bool {
+	if x != nil {
+		return x.All
+	}
+	return false
+}
+
+type PullImageResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Image         *Image                 `protobuf:"bytes,1,opt,name=image,proto3" json:"image,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PullImageResponse) Reset() {
+	*x = PullImageResponse{}
+	mi := &file_eitri_v1_images_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PullImageResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PullImageResponse) ProtoMessage() {}
+
+func (x *PullImageResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_images_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PullImageResponse.ProtoReflect.Descriptor instead.
+func (*PullImageResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *PullImageResponse) GetImage() *Image {
+	if x != nil {
+		return x.Image
+	}
+	return nil
+}
+
 var File_eitri_v1_images_proto protoreflect.FileDescriptor
 
 const file_eitri_v1_images_proto_rawDesc = "" +
 	"\n" +
-	"\x15eitri/v1/images.proto\x12\beitri.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9b\x02\n" +
+	"\x15eitri/v1/images.proto\x12\beitri.v1\x1a\x18eitri/v1/resources.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9b\x02\n" +
 	"\x0fImageProperties\x12\x0e\n" +
 	"\x02os\x18\x01 \x01(\tR\x02os\x12\x1d\n" +
 	"\n" +
@@ -1022,7 +1226,7 @@ const file_eitri_v1_images_proto_rawDesc = "" +
 	"provenance\x18\x06 \x01(\v2\x19.eitri.v1.ImageProvenanceR\n" +
 	"provenance\x129\n" +
 	"\n" +
-	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\xff\x02\n" +
+	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\"\xac\x03\n" +
 	"\x05Image\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x129\n" +
 	"\n" +
@@ -1035,7 +1239,15 @@ const file_eitri_v1_images_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x129\n" +
 	"\n" +
-	"updated_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\"\x93\x02\n" +
+	"updated_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x12+\n" +
+	"\x05hosts\x18\t \x03(\v2\x15.eitri.v1.ImageOnHostR\x05hosts\"\xc4\x01\n" +
+	"\vImageOnHost\x12\x17\n" +
+	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12\x1b\n" +
+	"\thost_name\x18\x02 \x01(\tR\bhostName\x12\x14\n" +
+	"\x05state\x18\x03 \x01(\tR\x05state\x12#\n" +
+	"\rstatus_detail\x18\x04 \x01(\tR\fstatusDetail\x12.\n" +
+	"\bprogress\x18\x05 \x01(\v2\x12.eitri.v1.ProgressR\bprogress\x12\x14\n" +
+	"\x05error\x18\x06 \x01(\tR\x05error\"\x93\x02\n" +
 	"\x0fAddImageRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x10\n" +
 	"\x03url\x18\x02 \x01(\tR\x03url\x12\x16\n" +
@@ -1064,19 +1276,26 @@ const file_eitri_v1_images_proto_rawDesc = "" +
 	"\x03url\x18\x02 \x01(\tR\x03url\"W\n" +
 	"\x14RefreshImageResponse\x12%\n" +
 	"\x05image\x18\x01 \x01(\v2\x0f.eitri.v1.ImageR\x05image\x12\x18\n" +
-	"\achanged\x18\x02 \x01(\bR\achanged*\x87\x01\n" +
+	"\achanged\x18\x02 \x01(\bR\achanged\"S\n" +
+	"\x10PullImageRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
+	"\bhost_ids\x18\x02 \x03(\tR\ahostIds\x12\x10\n" +
+	"\x03all\x18\x03 \x01(\bR\x03all\":\n" +
+	"\x11PullImageResponse\x12%\n" +
+	"\x05image\x18\x01 \x01(\v2\x0f.eitri.v1.ImageR\x05image*\x87\x01\n" +
 	"\x0eImageReadiness\x12\x1f\n" +
 	"\x1bIMAGE_READINESS_UNSPECIFIED\x10\x00\x12\x1e\n" +
 	"\x1aIMAGE_READINESS_CLOUD_INIT\x10\x01\x12\x17\n" +
 	"\x13IMAGE_READINESS_SSH\x10\x02\x12\x1b\n" +
-	"\x17IMAGE_READINESS_ADDRESS\x10\x032\xf8\x02\n" +
+	"\x17IMAGE_READINESS_ADDRESS\x10\x032\xbe\x03\n" +
 	"\fImageService\x12A\n" +
 	"\bAddImage\x12\x19.eitri.v1.AddImageRequest\x1a\x1a.eitri.v1.AddImageResponse\x12A\n" +
 	"\bGetImage\x12\x19.eitri.v1.GetImageRequest\x1a\x1a.eitri.v1.GetImageResponse\x12G\n" +
 	"\n" +
 	"ListImages\x12\x1b.eitri.v1.ListImagesRequest\x1a\x1c.eitri.v1.ListImagesResponse\x12J\n" +
 	"\vDeleteImage\x12\x1c.eitri.v1.DeleteImageRequest\x1a\x1d.eitri.v1.DeleteImageResponse\x12M\n" +
-	"\fRefreshImage\x12\x1d.eitri.v1.RefreshImageRequest\x1a\x1e.eitri.v1.RefreshImageResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\fRefreshImage\x12\x1d.eitri.v1.RefreshImageRequest\x1a\x1e.eitri.v1.RefreshImageResponse\x12D\n" +
+	"\tPullImage\x12\x1a.eitri.v1.PullImageRequest\x1a\x1b.eitri.v1.PullImageResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_images_proto_rawDescOnce sync.Once
@@ -1091,55 +1310,64 @@ func file_eitri_v1_images_proto_rawDescGZIP() []byte {
 }
 
 var file_eitri_v1_images_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_eitri_v1_images_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_eitri_v1_images_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_eitri_v1_images_proto_goTypes = []any{
 	(ImageReadiness)(0),           // 0: eitri.v1.ImageReadiness
 	(*ImageProperties)(nil),       // 1: eitri.v1.ImageProperties
 	(*ImageProvenance)(nil),       // 2: eitri.v1.ImageProvenance
 	(*ImageVersion)(nil),          // 3: eitri.v1.ImageVersion
 	(*Image)(nil),                 // 4: eitri.v1.Image
-	(*AddImageRequest)(nil),       // 5: eitri.v1.AddImageRequest
-	(*AddImageResponse)(nil),      // 6: eitri.v1.AddImageResponse
-	(*GetImageRequest)(nil),       // 7: eitri.v1.GetImageRequest
-	(*GetImageResponse)(nil),      // 8: eitri.v1.GetImageResponse
-	(*ListImagesRequest)(nil),     // 9: eitri.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),    // 10: eitri.v1.ListImagesResponse
-	(*DeleteImageRequest)(nil),    // 11: eitri.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),   // 12: eitri.v1.DeleteImageResponse
-	(*RefreshImageRequest)(nil),   // 13: eitri.v1.RefreshImageRequest
-	(*RefreshImageResponse)(nil),  // 14: eitri.v1.RefreshImageResponse
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(*ImageOnHost)(nil),           // 5: eitri.v1.ImageOnHost
+	(*AddImageRequest)(nil),       // 6: eitri.v1.AddImageRequest
+	(*AddImageResponse)(nil),      // 7: eitri.v1.AddImageResponse
+	(*GetImageRequest)(nil),       // 8: eitri.v1.GetImageRequest
+	(*GetImageResponse)(nil),      // 9: eitri.v1.GetImageResponse
+	(*ListImagesRequest)(nil),     // 10: eitri.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),    // 11: eitri.v1.ListImagesResponse
+	(*DeleteImageRequest)(nil),    // 12: eitri.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),   // 13: eitri.v1.DeleteImageResponse
+	(*RefreshImageRequest)(nil),   // 14: eitri.v1.RefreshImageRequest
+	(*RefreshImageResponse)(nil),  // 15: eitri.v1.RefreshImageResponse
+	(*PullImageRequest)(nil),      // 16: eitri.v1.PullImageRequest
+	(*PullImageResponse)(nil),     // 17: eitri.v1.PullImageResponse
+	(*timestamppb.Timestamp)(nil), // 18: google.protobuf.Timestamp
+	(*Progress)(nil),              // 19: eitri.v1.Progress
 }
 var file_eitri_v1_images_proto_depIdxs = []int32{
 	0,  // 0: eitri.v1.ImageProperties.readiness:type_name -> eitri.v1.ImageReadiness
-	15, // 1: eitri.v1.ImageProvenance.verified_at:type_name -> google.protobuf.Timestamp
+	18, // 1: eitri.v1.ImageProvenance.verified_at:type_name -> google.protobuf.Timestamp
 	2,  // 2: eitri.v1.ImageVersion.provenance:type_name -> eitri.v1.ImageProvenance
-	15, // 3: eitri.v1.ImageVersion.created_at:type_name -> google.protobuf.Timestamp
+	18, // 3: eitri.v1.ImageVersion.created_at:type_name -> google.protobuf.Timestamp
 	1,  // 4: eitri.v1.Image.properties:type_name -> eitri.v1.ImageProperties
 	3,  // 5: eitri.v1.Image.current:type_name -> eitri.v1.ImageVersion
 	3,  // 6: eitri.v1.Image.versions:type_name -> eitri.v1.ImageVersion
-	15, // 7: eitri.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	15, // 8: eitri.v1.Image.updated_at:type_name -> google.protobuf.Timestamp
-	1,  // 9: eitri.v1.AddImageRequest.properties:type_name -> eitri.v1.ImageProperties
-	4,  // 10: eitri.v1.AddImageResponse.image:type_name -> eitri.v1.Image
-	4,  // 11: eitri.v1.GetImageResponse.image:type_name -> eitri.v1.Image
-	4,  // 12: eitri.v1.ListImagesResponse.images:type_name -> eitri.v1.Image
-	4,  // 13: eitri.v1.RefreshImageResponse.image:type_name -> eitri.v1.Image
-	5,  // 14: eitri.v1.ImageService.AddImage:input_type -> eitri.v1.AddImageRequest
-	7,  // 15: eitri.v1.ImageService.GetImage:input_type -> eitri.v1.GetImageRequest
-	9,  // 16: eitri.v1.ImageService.ListImages:input_type -> eitri.v1.ListImagesRequest
-	11, // 17: eitri.v1.ImageService.DeleteImage:input_type -> eitri.v1.DeleteImageRequest
-	13, // 18: eitri.v1.ImageService.RefreshImage:input_type -> eitri.v1.RefreshImageRequest
-	6,  // 19: eitri.v1.ImageService.AddImage:output_type -> eitri.v1.AddImageResponse
-	8,  // 20: eitri.v1.ImageService.GetImage:output_type -> eitri.v1.GetImageResponse
-	10, // 21: eitri.v1.ImageService.ListImages:output_type -> eitri.v1.ListImagesResponse
-	12, // 22: eitri.v1.ImageService.DeleteImage:output_type -> eitri.v1.DeleteImageResponse
-	14, // 23: eitri.v1.ImageService.RefreshImage:output_type -> eitri.v1.RefreshImageResponse
-	19, // [19:24] is the sub-list for method output_type
-	14, // [14:19] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	18, // 7: eitri.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	18, // 8: eitri.v1.Image.updated_at:type_name -> google.protobuf.Timestamp
+	5,  // 9: eitri.v1.Image.hosts:type_name -> eitri.v1.ImageOnHost
+	19, // 10: eitri.v1.ImageOnHost.progress:type_name -> eitri.v1.Progress
+	1,  // 11: eitri.v1.AddImageRequest.properties:type_name -> eitri.v1.ImageProperties
+	4,  // 12: eitri.v1.AddImageResponse.image:type_name -> eitri.v1.Image
+	4,  // 13: eitri.v1.GetImageResponse.image:type_name -> eitri.v1.Image
+	4,  // 14: eitri.v1.ListImagesResponse.images:type_name -> eitri.v1.Image
+	4,  // 15: eitri.v1.RefreshImageResponse.image:type_name -> eitri.v1.Image
+	4,  // 16: eitri.v1.PullImageResponse.image:type_name -> eitri.v1.Image
+	6,  // 17: eitri.v1.ImageService.AddImage:input_type -> eitri.v1.AddImageRequest
+	8,  // 18: eitri.v1.ImageService.GetImage:input_type -> eitri.v1.GetImageRequest
+	10, // 19: eitri.v1.ImageService.ListImages:input_type -> eitri.v1.ListImagesRequest
+	12, // 20: eitri.v1.ImageService.DeleteImage:input_type -> eitri.v1.DeleteImageRequest
+	14, // 21: eitri.v1.ImageService.RefreshImage:input_type -> eitri.v1.RefreshImageRequest
+	16, // 22: eitri.v1.ImageService.PullImage:input_type -> eitri.v1.PullImageRequest
+	7,  // 23: eitri.v1.ImageService.AddImage:output_type -> eitri.v1.AddImageResponse
+	9,  // 24: eitri.v1.ImageService.GetImage:output_type -> eitri.v1.GetImageResponse
+	11, // 25: eitri.v1.ImageService.ListImages:output_type -> eitri.v1.ListImagesResponse
+	13, // 26: eitri.v1.ImageService.DeleteImage:output_type -> eitri.v1.DeleteImageResponse
+	15, // 27: eitri.v1.ImageService.RefreshImage:output_type -> eitri.v1.RefreshImageResponse
+	17, // 28: eitri.v1.ImageService.PullImage:output_type -> eitri.v1.PullImageResponse
+	23, // [23:29] is the sub-list for method output_type
+	17, // [17:23] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_images_proto_init() }
@@ -1147,13 +1375,14 @@ func file_eitri_v1_images_proto_init() {
 	if File_eitri_v1_images_proto != nil {
 		return
 	}
+	file_eitri_v1_resources_proto_init()
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_images_proto_rawDesc), len(file_eitri_v1_images_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   14,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -45,6 +45,8 @@ const (
 	// ImageServiceRefreshImageProcedure is the fully-qualified name of the ImageService's RefreshImage
 	// RPC.
 	ImageServiceRefreshImageProcedure = "/eitri.v1.ImageService/RefreshImage"
+	// ImageServicePullImageProcedure is the fully-qualified name of the ImageService's PullImage RPC.
+	ImageServicePullImageProcedure = "/eitri.v1.ImageService/PullImage"
 )
 
 // ImageServiceClient is a client for the eitri.v1.ImageService service.
@@ -64,6 +66,10 @@ type ImageServiceClient interface {
 	// signature) and points it at what that says now. FailedPrecondition for
 	// an image added with a fixed sha256.
 	RefreshImage(context.Context, *connect.Request[v1.RefreshImageRequest]) (*connect.Response[v1.RefreshImageResponse], error)
+	// PullImage has hosts fetch the image's current version into their
+	// caches ahead of creates, and keep it pinned until the image is removed
+	// from the catalogue. Image.hosts then says how each stands. Admin only.
+	PullImage(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.Response[v1.PullImageResponse], error)
 }
 
 // NewImageServiceClient constructs a client for the eitri.v1.ImageService service. By default, it
@@ -107,6 +113,12 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(imageServiceMethods.ByName("RefreshImage")),
 			connect.WithClientOptions(opts...),
 		),
+		pullImage: connect.NewClient[v1.PullImageRequest, v1.PullImageResponse](
+			httpClient,
+			baseURL+ImageServicePullImageProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("PullImage")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -117,6 +129,7 @@ type imageServiceClient struct {
 	listImages   *connect.Client[v1.ListImagesRequest, v1.ListImagesResponse]
 	deleteImage  *connect.Client[v1.DeleteImageRequest, v1.DeleteImageResponse]
 	refreshImage *connect.Client[v1.RefreshImageRequest, v1.RefreshImageResponse]
+	pullImage    *connect.Client[v1.PullImageRequest, v1.PullImageResponse]
 }
 
 // AddImage calls eitri.v1.ImageService.AddImage.
@@ -144,6 +157,11 @@ func (c *imageServiceClient) RefreshImage(ctx context.Context, req *connect.Requ
 	return c.refreshImage.CallUnary(ctx, req)
 }
 
+// PullImage calls eitri.v1.ImageService.PullImage.
+func (c *imageServiceClient) PullImage(ctx context.Context, req *connect.Request[v1.PullImageRequest]) (*connect.Response[v1.PullImageResponse], error) {
+	return c.pullImage.CallUnary(ctx, req)
+}
+
 // ImageServiceHandler is an implementation of the eitri.v1.ImageService service.
 type ImageServiceHandler interface {
 	// AddImage puts a name in the catalogue. The digest comes from sha256, or
@@ -161,6 +179,10 @@ type ImageServiceHandler interface {
 	// signature) and points it at what that says now. FailedPrecondition for
 	// an image added with a fixed sha256.
 	RefreshImage(context.Context, *connect.Request[v1.RefreshImageRequest]) (*connect.Response[v1.RefreshImageResponse], error)
+	// PullImage has hosts fetch the image's current version into their
+	// caches ahead of creates, and keep it pinned until the image is removed
+	// from the catalogue. Image.hosts then says how each stands. Admin only.
+	PullImage(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.Response[v1.PullImageResponse], error)
 }
 
 // NewImageServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -200,6 +222,12 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(imageServiceMethods.ByName("RefreshImage")),
 		connect.WithHandlerOptions(opts...),
 	)
+	imageServicePullImageHandler := connect.NewUnaryHandler(
+		ImageServicePullImageProcedure,
+		svc.PullImage,
+		connect.WithSchema(imageServiceMethods.ByName("PullImage")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.ImageService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ImageServiceAddImageProcedure:
@@ -212,6 +240,8 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 			imageServiceDeleteImageHandler.ServeHTTP(w, r)
 		case ImageServiceRefreshImageProcedure:
 			imageServiceRefreshImageHandler.ServeHTTP(w, r)
+		case ImageServicePullImageProcedure:
+			imageServicePullImageHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -239,4 +269,8 @@ func (UnimplementedImageServiceHandler) DeleteImage(context.Context, *connect.Re
 
 func (UnimplementedImageServiceHandler) RefreshImage(context.Context, *connect.Request[v1.RefreshImageRequest]) (*connect.Response[v1.RefreshImageResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.ImageService.RefreshImage is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) PullImage(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.Response[v1.PullImageResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.ImageService.PullImage is not implemented"))
 }

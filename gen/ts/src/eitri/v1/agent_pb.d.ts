@@ -331,6 +331,13 @@ export declare type ActualStateReport = Message<"eitri.v1.ActualStateReport"> & 
    * @generated from field: eitri.v1.AgentUpgradeStatus upgrade = 13;
    */
   upgrade?: AgentUpgradeStatus | undefined;
+
+  /**
+   * One row per image the last snapshot wanted (DesiredStateSnapshot.images).
+   *
+   * @generated from field: repeated eitri.v1.ImageHeld images = 14;
+   */
+  images: ImageHeld[];
 };
 
 /**
@@ -729,6 +736,15 @@ export declare type DesiredStateSnapshot = Message<"eitri.v1.DesiredStateSnapsho
    * @generated from field: uint64 epoch = 6;
    */
   epoch: bigint;
+
+  /**
+   * Images to hold in the host's cache ahead of creates (eitri image pull),
+   * pinned against eviction while listed. Complete, like vms: an image no
+   * longer listed is unpinned (the cache may then evict it as usual).
+   *
+   * @generated from field: repeated eitri.v1.ImageWanted images = 7;
+   */
+  images: ImageWanted[];
 };
 
 /**
@@ -736,6 +752,78 @@ export declare type DesiredStateSnapshot = Message<"eitri.v1.DesiredStateSnapsho
  * Use `create(DesiredStateSnapshotSchema)` to create a new message.
  */
 export declare const DesiredStateSnapshotSchema: GenMessage<DesiredStateSnapshot>;
+
+/**
+ * ImageWanted is one image a host is to fetch and keep.
+ *
+ * @generated from message eitri.v1.ImageWanted
+ */
+export declare type ImageWanted = Message<"eitri.v1.ImageWanted"> & {
+  /**
+   * @generated from field: string url = 1;
+   */
+  url: string;
+
+  /**
+   * 64 lowercase hex characters.
+   *
+   * @generated from field: string sha256 = 2;
+   */
+  sha256: string;
+};
+
+/**
+ * Describes the message eitri.v1.ImageWanted.
+ * Use `create(ImageWantedSchema)` to create a new message.
+ */
+export declare const ImageWantedSchema: GenMessage<ImageWanted>;
+
+/**
+ * ImageHeld is how a host stands with one ImageWanted.
+ *
+ * @generated from message eitri.v1.ImageHeld
+ */
+export declare type ImageHeld = Message<"eitri.v1.ImageHeld"> & {
+  /**
+   * @generated from field: string sha256 = 1;
+   */
+  sha256: string;
+
+  /**
+   * In the cache, verified and pinned.
+   *
+   * @generated from field: bool held = 2;
+   */
+  held: boolean;
+
+  /**
+   * What the host is doing about it ("downloading image 1.2/3.7 GiB");
+   * empty once held or failed.
+   *
+   * @generated from field: string status_detail = 3;
+   */
+  statusDetail: string;
+
+  /**
+   * The download's measure; null when there is none.
+   *
+   * @generated from field: eitri.v1.Progress progress = 4;
+   */
+  progress?: Progress | undefined;
+
+  /**
+   * Why the last attempt failed; empty otherwise. The host tries again.
+   *
+   * @generated from field: string error = 5;
+   */
+  error: string;
+};
+
+/**
+ * Describes the message eitri.v1.ImageHeld.
+ * Use `create(ImageHeldSchema)` to create a new message.
+ */
+export declare const ImageHeldSchema: GenMessage<ImageHeld>;
 
 /**
  * @generated from message eitri.v1.VMDesired

@@ -5,6 +5,7 @@
 import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import type { Message } from "@bufbuild/protobuf";
 import type { Timestamp } from "@bufbuild/protobuf/wkt";
+import type { Progress } from "./resources_pb.js";
 
 /**
  * Describes the file eitri/v1/images.proto.
@@ -240,6 +241,14 @@ export declare type Image = Message<"eitri.v1.Image"> & {
    * @generated from field: google.protobuf.Timestamp updated_at = 8;
    */
   updatedAt?: Timestamp | undefined;
+
+  /**
+   * The hosts it was pulled to, and how each stands, live from their
+   * reports.
+   *
+   * @generated from field: repeated eitri.v1.ImageOnHost hosts = 9;
+   */
+  hosts: ImageOnHost[];
 };
 
 /**
@@ -247,6 +256,56 @@ export declare type Image = Message<"eitri.v1.Image"> & {
  * Use `create(ImageSchema)` to create a new message.
  */
 export declare const ImageSchema: GenMessage<Image>;
+
+/**
+ * ImageOnHost is one host an image was pulled to.
+ *
+ * @generated from message eitri.v1.ImageOnHost
+ */
+export declare type ImageOnHost = Message<"eitri.v1.ImageOnHost"> & {
+  /**
+   * @generated from field: string host_id = 1;
+   */
+  hostId: string;
+
+  /**
+   * @generated from field: string host_name = 2;
+   */
+  hostName: string;
+
+  /**
+   * "held" (in the cache, pinned), "pulling", "failed" (error says why; the
+   * host tries again), or "unknown" while the host is not reporting on it.
+   *
+   * @generated from field: string state = 3;
+   */
+  state: string;
+
+  /**
+   * The host's words while pulling ("downloading image 1.2/3.7 GiB").
+   *
+   * @generated from field: string status_detail = 4;
+   */
+  statusDetail: string;
+
+  /**
+   * The download's measure; null when there is none.
+   *
+   * @generated from field: eitri.v1.Progress progress = 5;
+   */
+  progress?: Progress | undefined;
+
+  /**
+   * @generated from field: string error = 6;
+   */
+  error: string;
+};
+
+/**
+ * Describes the message eitri.v1.ImageOnHost.
+ * Use `create(ImageOnHostSchema)` to create a new message.
+ */
+export declare const ImageOnHostSchema: GenMessage<ImageOnHost>;
 
 /**
  * @generated from message eitri.v1.AddImageRequest
@@ -467,6 +526,50 @@ export declare type RefreshImageResponse = Message<"eitri.v1.RefreshImageRespons
 export declare const RefreshImageResponseSchema: GenMessage<RefreshImageResponse>;
 
 /**
+ * @generated from message eitri.v1.PullImageRequest
+ */
+export declare type PullImageRequest = Message<"eitri.v1.PullImageRequest"> & {
+  /**
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * Hosts by id; or all.
+   *
+   * @generated from field: repeated string host_ids = 2;
+   */
+  hostIds: string[];
+
+  /**
+   * @generated from field: bool all = 3;
+   */
+  all: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.PullImageRequest.
+ * Use `create(PullImageRequestSchema)` to create a new message.
+ */
+export declare const PullImageRequestSchema: GenMessage<PullImageRequest>;
+
+/**
+ * @generated from message eitri.v1.PullImageResponse
+ */
+export declare type PullImageResponse = Message<"eitri.v1.PullImageResponse"> & {
+  /**
+   * @generated from field: eitri.v1.Image image = 1;
+   */
+  image?: Image | undefined;
+};
+
+/**
+ * Describes the message eitri.v1.PullImageResponse.
+ * Use `create(PullImageResponseSchema)` to create a new message.
+ */
+export declare const PullImageResponseSchema: GenMessage<PullImageResponse>;
+
+/**
  * ImageReadiness is how a VM made from the image is judged ready.
  *
  * @generated from enum eitri.v1.ImageReadiness
@@ -569,6 +672,18 @@ export declare const ImageService: GenService<{
     methodKind: "unary";
     input: typeof RefreshImageRequestSchema;
     output: typeof RefreshImageResponseSchema;
+  },
+  /**
+   * PullImage has hosts fetch the image's current version into their
+   * caches ahead of creates, and keep it pinned until the image is removed
+   * from the catalogue. Image.hosts then says how each stands. Admin only.
+   *
+   * @generated from rpc eitri.v1.ImageService.PullImage
+   */
+  pullImage: {
+    methodKind: "unary";
+    input: typeof PullImageRequestSchema;
+    output: typeof PullImageResponseSchema;
   },
 }>;
 

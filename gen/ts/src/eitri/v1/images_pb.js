@@ -3,13 +3,14 @@
 /* eslint-disable */
 
 import { enumDesc, fileDesc, messageDesc, serviceDesc, tsEnum } from "@bufbuild/protobuf/codegenv2";
+import { file_eitri_v1_resources } from "./resources_pb.js";
 import { file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 
 /**
  * Describes the file eitri/v1/images.proto.
  */
 export const file_eitri_v1_images = /*@__PURE__*/
-  fileDesc("ChVlaXRyaS92MS9pbWFnZXMucHJvdG8SCGVpdHJpLnYxIsYBCg9JbWFnZVByb3BlcnRpZXMSCgoCb3MYASABKAkSEgoKb3NfdmVyc2lvbhgCIAEoCRIUCgxhcmNoaXRlY3R1cmUYAyABKAkSEgoKbG9naW5fdXNlchgEIAEoCRITCgttaW5fZGlza19nYhgFIAEoAxISCgptaW5fbWVtX21iGAYgASgDEhMKC2Rlc2NyaXB0aW9uGAcgASgJEisKCXJlYWRpbmVzcxgIIAEoDjIYLmVpdHJpLnYxLkltYWdlUmVhZGluZXNzIpIBCg9JbWFnZVByb3ZlbmFuY2USEAoIc3Vtc191cmwYASABKAkSGgoSc3Vtc19zaWduYXR1cmVfdXJsGAIgASgJEg4KBnNpZ25lchgDIAEoCRIvCgt2ZXJpZmllZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEAoIYWRkZWRfYnkYBSABKAkiuQEKDEltYWdlVmVyc2lvbhIPCgd2ZXJzaW9uGAEgASgDEgsKA3VybBgCIAEoCRIOCgZzaGEyNTYYAyABKAkSDgoGc2hhNTEyGAQgASgJEgwKBHNpemUYBSABKAMSLQoKcHJvdmVuYW5jZRgGIAEoCzIZLmVpdHJpLnYxLkltYWdlUHJvdmVuYW5jZRIuCgpjcmVhdGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCKnAgoFSW1hZ2USDAoEbmFtZRgBIAEoCRItCgpwcm9wZXJ0aWVzGAIgASgLMhkuZWl0cmkudjEuSW1hZ2VQcm9wZXJ0aWVzEicKB2N1cnJlbnQYAyABKAsyFi5laXRyaS52MS5JbWFnZVZlcnNpb24SKAoIdmVyc2lvbnMYBCADKAsyFi5laXRyaS52MS5JbWFnZVZlcnNpb24SFgoOc3Vtc19maWxlX25hbWUYBSABKAkSFgoOa2V5cmluZ19waW5uZWQYBiABKAgSLgoKY3JlYXRlZF9hdBgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKdXBkYXRlZF9hdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiwgEKD0FkZEltYWdlUmVxdWVzdBIMCgRuYW1lGAEgASgJEgsKA3VybBgCIAEoCRIOCgZzaGEyNTYYAyABKAkSEAoIc3Vtc191cmwYBCABKAkSGgoSc3Vtc19zaWduYXR1cmVfdXJsGAUgASgJEg8KB2tleXJpbmcYBiABKAwSFgoOc3Vtc19maWxlX25hbWUYByABKAkSLQoKcHJvcGVydGllcxgIIAEoCzIZLmVpdHJpLnYxLkltYWdlUHJvcGVydGllcyIyChBBZGRJbWFnZVJlc3BvbnNlEh4KBWltYWdlGAEgASgLMg8uZWl0cmkudjEuSW1hZ2UiHwoPR2V0SW1hZ2VSZXF1ZXN0EgwKBG5hbWUYASABKAkiMgoQR2V0SW1hZ2VSZXNwb25zZRIeCgVpbWFnZRgBIAEoCzIPLmVpdHJpLnYxLkltYWdlIhMKEUxpc3RJbWFnZXNSZXF1ZXN0IjUKEkxpc3RJbWFnZXNSZXNwb25zZRIfCgZpbWFnZXMYASADKAsyDy5laXRyaS52MS5JbWFnZSIiChJEZWxldGVJbWFnZVJlcXVlc3QSDAoEbmFtZRgBIAEoCSIVChNEZWxldGVJbWFnZVJlc3BvbnNlIjAKE1JlZnJlc2hJbWFnZVJlcXVlc3QSDAoEbmFtZRgBIAEoCRILCgN1cmwYAiABKAkiRwoUUmVmcmVzaEltYWdlUmVzcG9uc2USHgoFaW1hZ2UYASABKAsyDy5laXRyaS52MS5JbWFnZRIPCgdjaGFuZ2VkGAIgASgIKocBCg5JbWFnZVJlYWRpbmVzcxIfChtJTUFHRV9SRUFESU5FU1NfVU5TUEVDSUZJRUQQABIeChpJTUFHRV9SRUFESU5FU1NfQ0xPVURfSU5JVBABEhcKE0lNQUdFX1JFQURJTkVTU19TU0gQAhIbChdJTUFHRV9SRUFESU5FU1NfQUREUkVTUxADMvgCCgxJbWFnZVNlcnZpY2USQQoIQWRkSW1hZ2USGS5laXRyaS52MS5BZGRJbWFnZVJlcXVlc3QaGi5laXRyaS52MS5BZGRJbWFnZVJlc3BvbnNlEkEKCEdldEltYWdlEhkuZWl0cmkudjEuR2V0SW1hZ2VSZXF1ZXN0GhouZWl0cmkudjEuR2V0SW1hZ2VSZXNwb25zZRJHCgpMaXN0SW1hZ2VzEhsuZWl0cmkudjEuTGlzdEltYWdlc1JlcXVlc3QaHC5laXRyaS52MS5MaXN0SW1hZ2VzUmVzcG9uc2USSgoLRGVsZXRlSW1hZ2USHC5laXRyaS52MS5EZWxldGVJbWFnZVJlcXVlc3QaHS5laXRyaS52MS5EZWxldGVJbWFnZVJlc3BvbnNlEk0KDFJlZnJlc2hJbWFnZRIdLmVpdHJpLnYxLlJlZnJlc2hJbWFnZVJlcXVlc3QaHi5laXRyaS52MS5SZWZyZXNoSW1hZ2VSZXNwb25zZUIvWi1naXRodWIuY29tL2E3M3gvZWl0cmkvZ2VuL2dvL2VpdHJpL3YxO2VpdHJpdjFiBnByb3RvMw", [file_google_protobuf_timestamp]);
+  fileDesc("ChVlaXRyaS92MS9pbWFnZXMucHJvdG8SCGVpdHJpLnYxIsYBCg9JbWFnZVByb3BlcnRpZXMSCgoCb3MYASABKAkSEgoKb3NfdmVyc2lvbhgCIAEoCRIUCgxhcmNoaXRlY3R1cmUYAyABKAkSEgoKbG9naW5fdXNlchgEIAEoCRITCgttaW5fZGlza19nYhgFIAEoAxISCgptaW5fbWVtX21iGAYgASgDEhMKC2Rlc2NyaXB0aW9uGAcgASgJEisKCXJlYWRpbmVzcxgIIAEoDjIYLmVpdHJpLnYxLkltYWdlUmVhZGluZXNzIpIBCg9JbWFnZVByb3ZlbmFuY2USEAoIc3Vtc191cmwYASABKAkSGgoSc3Vtc19zaWduYXR1cmVfdXJsGAIgASgJEg4KBnNpZ25lchgDIAEoCRIvCgt2ZXJpZmllZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEAoIYWRkZWRfYnkYBSABKAkiuQEKDEltYWdlVmVyc2lvbhIPCgd2ZXJzaW9uGAEgASgDEgsKA3VybBgCIAEoCRIOCgZzaGEyNTYYAyABKAkSDgoGc2hhNTEyGAQgASgJEgwKBHNpemUYBSABKAMSLQoKcHJvdmVuYW5jZRgGIAEoCzIZLmVpdHJpLnYxLkltYWdlUHJvdmVuYW5jZRIuCgpjcmVhdGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCLNAgoFSW1hZ2USDAoEbmFtZRgBIAEoCRItCgpwcm9wZXJ0aWVzGAIgASgLMhkuZWl0cmkudjEuSW1hZ2VQcm9wZXJ0aWVzEicKB2N1cnJlbnQYAyABKAsyFi5laXRyaS52MS5JbWFnZVZlcnNpb24SKAoIdmVyc2lvbnMYBCADKAsyFi5laXRyaS52MS5JbWFnZVZlcnNpb24SFgoOc3Vtc19maWxlX25hbWUYBSABKAkSFgoOa2V5cmluZ19waW5uZWQYBiABKAgSLgoKY3JlYXRlZF9hdBgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKdXBkYXRlZF9hdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASJAoFaG9zdHMYCSADKAsyFS5laXRyaS52MS5JbWFnZU9uSG9zdCKMAQoLSW1hZ2VPbkhvc3QSDwoHaG9zdF9pZBgBIAEoCRIRCglob3N0X25hbWUYAiABKAkSDQoFc3RhdGUYAyABKAkSFQoNc3RhdHVzX2RldGFpbBgEIAEoCRIkCghwcm9ncmVzcxgFIAEoCzISLmVpdHJpLnYxLlByb2dyZXNzEg0KBWVycm9yGAYgASgJIsIBCg9BZGRJbWFnZVJlcXVlc3QSDAoEbmFtZRgBIAEoCRILCgN1cmwYAiABKAkSDgoGc2hhMjU2GAMgASgJEhAKCHN1bXNfdXJsGAQgASgJEhoKEnN1bXNfc2lnbmF0dXJlX3VybBgFIAEoCRIPCgdrZXlyaW5nGAYgASgMEhYKDnN1bXNfZmlsZV9uYW1lGAcgASgJEi0KCnByb3BlcnRpZXMYCCABKAsyGS5laXRyaS52MS5JbWFnZVByb3BlcnRpZXMiMgoQQWRkSW1hZ2VSZXNwb25zZRIeCgVpbWFnZRgBIAEoCzIPLmVpdHJpLnYxLkltYWdlIh8KD0dldEltYWdlUmVxdWVzdBIMCgRuYW1lGAEgASgJIjIKEEdldEltYWdlUmVzcG9uc2USHgoFaW1hZ2UYASABKAsyDy5laXRyaS52MS5JbWFnZSITChFMaXN0SW1hZ2VzUmVxdWVzdCI1ChJMaXN0SW1hZ2VzUmVzcG9uc2USHwoGaW1hZ2VzGAEgAygLMg8uZWl0cmkudjEuSW1hZ2UiIgoSRGVsZXRlSW1hZ2VSZXF1ZXN0EgwKBG5hbWUYASABKAkiFQoTRGVsZXRlSW1hZ2VSZXNwb25zZSIwChNSZWZyZXNoSW1hZ2VSZXF1ZXN0EgwKBG5hbWUYASABKAkSCwoDdXJsGAIgASgJIkcKFFJlZnJlc2hJbWFnZVJlc3BvbnNlEh4KBWltYWdlGAEgASgLMg8uZWl0cmkudjEuSW1hZ2USDwoHY2hhbmdlZBgCIAEoCCI/ChBQdWxsSW1hZ2VSZXF1ZXN0EgwKBG5hbWUYASABKAkSEAoIaG9zdF9pZHMYAiADKAkSCwoDYWxsGAMgASgIIjMKEVB1bGxJbWFnZVJlc3BvbnNlEh4KBWltYWdlGAEgASgLMg8uZWl0cmkudjEuSW1hZ2UqhwEKDkltYWdlUmVhZGluZXNzEh8KG0lNQUdFX1JFQURJTkVTU19VTlNQRUNJRklFRBAAEh4KGklNQUdFX1JFQURJTkVTU19DTE9VRF9JTklUEAESFwoTSU1BR0VfUkVBRElORVNTX1NTSBACEhsKF0lNQUdFX1JFQURJTkVTU19BRERSRVNTEAMyvgMKDEltYWdlU2VydmljZRJBCghBZGRJbWFnZRIZLmVpdHJpLnYxLkFkZEltYWdlUmVxdWVzdBoaLmVpdHJpLnYxLkFkZEltYWdlUmVzcG9uc2USQQoIR2V0SW1hZ2USGS5laXRyaS52MS5HZXRJbWFnZVJlcXVlc3QaGi5laXRyaS52MS5HZXRJbWFnZVJlc3BvbnNlEkcKCkxpc3RJbWFnZXMSGy5laXRyaS52MS5MaXN0SW1hZ2VzUmVxdWVzdBocLmVpdHJpLnYxLkxpc3RJbWFnZXNSZXNwb25zZRJKCgtEZWxldGVJbWFnZRIcLmVpdHJpLnYxLkRlbGV0ZUltYWdlUmVxdWVzdBodLmVpdHJpLnYxLkRlbGV0ZUltYWdlUmVzcG9uc2USTQoMUmVmcmVzaEltYWdlEh0uZWl0cmkudjEuUmVmcmVzaEltYWdlUmVxdWVzdBoeLmVpdHJpLnYxLlJlZnJlc2hJbWFnZVJlc3BvbnNlEkQKCVB1bGxJbWFnZRIaLmVpdHJpLnYxLlB1bGxJbWFnZVJlcXVlc3QaGy5laXRyaS52MS5QdWxsSW1hZ2VSZXNwb25zZUIvWi1naXRodWIuY29tL2E3M3gvZWl0cmkvZ2VuL2dvL2VpdHJpL3YxO2VpdHJpdjFiBnByb3RvMw", [file_eitri_v1_resources, file_google_protobuf_timestamp]);
 
 /**
  * Describes the message eitri.v1.ImageProperties.
@@ -40,74 +41,95 @@ export const ImageSchema = /*@__PURE__*/
   messageDesc(file_eitri_v1_images, 3);
 
 /**
+ * Describes the message eitri.v1.ImageOnHost.
+ * Use `create(ImageOnHostSchema)` to create a new message.
+ */
+export const ImageOnHostSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_images, 4);
+
+/**
  * Describes the message eitri.v1.AddImageRequest.
  * Use `create(AddImageRequestSchema)` to create a new message.
  */
 export const AddImageRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 4);
+  messageDesc(file_eitri_v1_images, 5);
 
 /**
  * Describes the message eitri.v1.AddImageResponse.
  * Use `create(AddImageResponseSchema)` to create a new message.
  */
 export const AddImageResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 5);
+  messageDesc(file_eitri_v1_images, 6);
 
 /**
  * Describes the message eitri.v1.GetImageRequest.
  * Use `create(GetImageRequestSchema)` to create a new message.
  */
 export const GetImageRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 6);
+  messageDesc(file_eitri_v1_images, 7);
 
 /**
  * Describes the message eitri.v1.GetImageResponse.
  * Use `create(GetImageResponseSchema)` to create a new message.
  */
 export const GetImageResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 7);
+  messageDesc(file_eitri_v1_images, 8);
 
 /**
  * Describes the message eitri.v1.ListImagesRequest.
  * Use `create(ListImagesRequestSchema)` to create a new message.
  */
 export const ListImagesRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 8);
+  messageDesc(file_eitri_v1_images, 9);
 
 /**
  * Describes the message eitri.v1.ListImagesResponse.
  * Use `create(ListImagesResponseSchema)` to create a new message.
  */
 export const ListImagesResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 9);
+  messageDesc(file_eitri_v1_images, 10);
 
 /**
  * Describes the message eitri.v1.DeleteImageRequest.
  * Use `create(DeleteImageRequestSchema)` to create a new message.
  */
 export const DeleteImageRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 10);
+  messageDesc(file_eitri_v1_images, 11);
 
 /**
  * Describes the message eitri.v1.DeleteImageResponse.
  * Use `create(DeleteImageResponseSchema)` to create a new message.
  */
 export const DeleteImageResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 11);
+  messageDesc(file_eitri_v1_images, 12);
 
 /**
  * Describes the message eitri.v1.RefreshImageRequest.
  * Use `create(RefreshImageRequestSchema)` to create a new message.
  */
 export const RefreshImageRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 12);
+  messageDesc(file_eitri_v1_images, 13);
 
 /**
  * Describes the message eitri.v1.RefreshImageResponse.
  * Use `create(RefreshImageResponseSchema)` to create a new message.
  */
 export const RefreshImageResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_images, 13);
+  messageDesc(file_eitri_v1_images, 14);
+
+/**
+ * Describes the message eitri.v1.PullImageRequest.
+ * Use `create(PullImageRequestSchema)` to create a new message.
+ */
+export const PullImageRequestSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_images, 15);
+
+/**
+ * Describes the message eitri.v1.PullImageResponse.
+ * Use `create(PullImageResponseSchema)` to create a new message.
+ */
+export const PullImageResponseSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_images, 16);
 
 /**
  * Describes the enum eitri.v1.ImageReadiness.
