@@ -70,6 +70,7 @@ var copyTables = []copyTable{
 		order: "name"},
 	{name: "image_versions", cols: []string{"name", "version", "url", "sha256", "sha512", "size", "sums_url", "sums_signature_url",
 		"signer", "verified_at", "added_by", "created_at"}, order: "name, version"},
+	{name: "image_pulls", cols: []string{"name", "host_id", "created_at"}, order: "name, host_id"},
 }
 
 // notCopied are the tables Copy leaves behind, and why.

@@ -161,6 +161,7 @@ func fillEverything(t *testing.T, s *Store) {
 		ImageVersion{URL: "https://example.org/a", SHA256: "aa", SHA512: "bb", Signer: "FP", VerifiedAt: ptr(t0), AddedBy: "u1"}))
 	_, _, err = s.AdvanceImage(ctx, "debian-12", ImageVersion{URL: "https://example.org/b", SHA256: "cc", AddedBy: "u1"}, 5)
 	require.NoError(t, err)
+	require.NoError(t, s.AddImagePulls(ctx, "debian-12", []string{"h1", "h2"}))
 }
 
 // readCase reads one table's rows back through the Store's API.
@@ -230,6 +231,7 @@ var everyTableRead = []readCase{
 	{"rollouts", func(ctx context.Context, s *Store) (any, error) { return s.ListRollouts(ctx) }},
 	{"images", func(ctx context.Context, s *Store) (any, error) { return s.ListImages(ctx) }},
 	{"image_versions", func(ctx context.Context, s *Store) (any, error) { return s.Image(ctx, "debian-12") }},
+	{"image_pulls", func(ctx context.Context, s *Store) (any, error) { return s.ImagePullHosts(ctx, "debian-12") }},
 }
 
 // filledSource makes a SQLite database holding one of everything, closed,
@@ -276,7 +278,7 @@ func TestACopyToPostgreSQLReadsBackIdenticallyThroughTheStore(t *testing.T) {
 
 	want := map[string]int64{"users": 2, "tokens": 3, "hosts": 3, "join_tokens": 2, "vms": 3, "exposures": 2,
 		"vm_events": 4, "quota_defaults": 1, "user_quotas": 1, "control_plane": 1, "secrets": int64(len(testSecrets)),
-		"releases": 1, "rollouts": 1, "images": 1, "image_versions": 2}
+		"releases": 1, "rollouts": 1, "images": 1, "image_versions": 2, "image_pulls": 2}
 	got := map[string]int64{}
 	for _, c := range copied {
 		got[c.Table] = c.Rows

@@ -183,9 +183,61 @@ func (s *Store) DeleteImage(ctx context.Context, name string) error {
 		if err := mustAffect(res, err, "image "+name); err != nil {
 			return err
 		}
-		_, err = tx.ExecContext(ctx, `DELETE FROM image_versions WHERE name = $1`, name)
+		if _, err = tx.ExecContext(ctx, `DELETE FROM image_versions WHERE name = $1`, name); err != nil {
+			return err
+		}
+		_, err = tx.ExecContext(ctx, `DELETE FROM image_pulls WHERE name = $1`, name)
 		return err
 	})
+}
+
+// AddImagePulls records that name is to be held on each of hosts (again
+// is no change). ErrNotFound when the name is not in the catalogue.
+func (s *Store) AddImagePulls(ctx context.Context, name string, hosts []string) error {
+	now := nanos(s.now())
+	return s.write(ctx, func(tx *sql.Tx) error {
+		var n int
+		if err := tx.QueryRowContext(ctx, `SELECT COUNT(*) FROM images WHERE name = $1`, name).Scan(&n); err != nil {
+			return err
+		}
+		if n == 0 {
+			return fmt.Errorf("%w: image %s", ErrNotFound, name)
+		}
+		for _, h := range hosts {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO image_pulls (name, host_id, created_at) VALUES ($1, $2, $3)
+				ON CONFLICT (name, host_id) DO NOTHING`, name, h, now); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+func stringColumn(ctx context.Context, q queryer, query string, args ...any) ([]string, error) {
+	rows, err := q.QueryContext(ctx, query, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var v string
+		if err := rows.Scan(&v); err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, rows.Err()
+}
+
+// ImagePullHosts lists the hosts name was pulled to.
+func (s *Store) ImagePullHosts(ctx context.Context, name string) ([]string, error) {
+	return stringColumn(ctx, s.db, `SELECT host_id FROM image_pulls WHERE name = $1 ORDER BY host_id`, name)
+}
+
+// ImagePullsForHost lists the images pulled to host, by name.
+func (s *Store) ImagePullsForHost(ctx context.Context, hostID string) ([]string, error) {
+	return stringColumn(ctx, s.db, `SELECT name FROM image_pulls WHERE host_id = $1 ORDER BY name`, hostID)
 }
 
 // AdvanceImage points name at v when v's digest differs from the current
