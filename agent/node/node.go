@@ -280,6 +280,7 @@ func (n *Node) Fill(rep *eitriv1.ActualStateReport) {
 		rep.Vms, rep.Quarantined, rep.Destroyed = e.Vms, e.Quarantined, e.Destroyed
 		rep.AppliedGeneration, rep.AppliedEpoch, rep.ControlPlaneId = e.AppliedGeneration, e.AppliedEpoch, e.ControlPlaneId
 		rep.SnapshotRefused = e.SnapshotRefused
+		rep.Images = e.Images
 	} else {
 		n.eng.Fill(rep)
 	}

@@ -204,6 +204,8 @@ type Engine struct {
 	workers map[string]*worker
 	// named is the last applied snapshot's VMs.
 	named map[string]*eitriv1.VMDesired
+	// pulls are the images the last snapshot wants held, by sha256.
+	pulls map[string]*pull
 	// destroyed holds every VM this host destroyed for good, and when (kept
 	// durably). A snapshot that names one never gets it a worker again, so
 	// a destroyed VM is never built anew under its id: named deleted, it is
@@ -370,6 +372,7 @@ func (e *Engine) Apply(snap *eitriv1.DesiredStateSnapshot) bool {
 	}
 
 	e.named = named
+	e.applyPullsLocked(snap.GetImages())
 	for id, d := range named {
 		if _, gone := e.destroyed[id]; gone {
 			continue
@@ -492,6 +495,7 @@ func (e *Engine) Fill(rep *eitriv1.ActualStateReport) {
 	rep.AppliedEpoch = e.lineage.Epoch
 	rep.ControlPlaneId = e.lineage.ControlPlaneID
 	rep.SnapshotRefused = e.refusal
+	rep.Images = e.pullRowsLocked()
 }
 
 // destroyedWords is the error a destroyed VM named live reports.
