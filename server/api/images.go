@@ -34,3 +34,8 @@ func (s imageService) RefreshImage(ctx context.Context, r *connect.Request[eitri
 	img, changed, err := s.f.RefreshImage(ctx, r.Msg)
 	return reply(s.handlers, &eitriv1.RefreshImageResponse{Image: img, Changed: changed}, err)
 }
+
+func (s imageService) PullImage(ctx context.Context, r *connect.Request[eitriv1.PullImageRequest]) (*connect.Response[eitriv1.PullImageResponse], error) {
+	img, err := s.f.PullImage(ctx, r.Msg)
+	return reply(s.handlers, &eitriv1.PullImageResponse{Image: img}, err)
+}

@@ -342,3 +342,55 @@ func TestCreateByNameTakesTheCurrentVersionItsMinimumsAndItsReadiness(t *testing
 	assert.Equal(t, "appliance", got.Msg.Vm.ImageName)
 	assert.Equal(t, sha, got.Msg.Vm.ImageSha256)
 }
+
+func TestPullSendsTheImageToItsHostsAndTheCatalogueSaysWhoHoldsIt(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	h, cred := e.enroll("h1")
+	a := e.connect(h, cred, big())
+	alice := e.user("alice")
+	_, err := e.images(e.admin).AddImage(ctx, connect.NewRequest(&eitriv1.AddImageRequest{Name: "debian-12", Url: "https://images.test/d.qcow2", Sha256: sha}))
+	require.NoError(t, err)
+
+	_, err = e.images(alice).PullImage(ctx, connect.NewRequest(&eitriv1.PullImageRequest{Name: "debian-12", All: true}))
+	assert.Equal(t, connect.CodePermissionDenied, code(err))
+	_, err = e.images(e.admin).PullImage(ctx, connect.NewRequest(&eitriv1.PullImageRequest{Name: "debian-12", HostIds: []string{"h-nope"}}))
+	assert.Equal(t, connect.CodeInvalidArgument, code(err))
+	assert.ErrorContains(t, err, "host_ids")
+	_, err = e.images(e.admin).PullImage(ctx, connect.NewRequest(&eitriv1.PullImageRequest{Name: "debian-12"}))
+	assert.ErrorContains(t, err, "host_ids: name the hosts, or set all")
+	_, err = e.images(e.admin).PullImage(ctx, connect.NewRequest(&eitriv1.PullImageRequest{Name: "nope", All: true}))
+	assert.Equal(t, connect.CodeNotFound, code(err))
+
+	r, err := e.images(e.admin).PullImage(ctx, connect.NewRequest(&eitriv1.PullImageRequest{Name: "debian-12", HostIds: []string{h}}))
+	require.NoError(t, err)
+	require.Len(t, r.Msg.Image.Hosts, 1)
+	assert.Equal(t, "h1", r.Msg.Image.Hosts[0].HostName)
+	assert.Equal(t, "unknown", r.Msg.Image.Hosts[0].State, "nothing reported yet")
+
+	var wanted []*eitriv1.ImageWanted
+	require.Eventually(t, func() bool { wanted = a.next(t).GetImages(); return len(wanted) == 1 }, 5*time.Second, time.Millisecond)
+	assert.Equal(t, "https://images.test/d.qcow2", wanted[0].GetUrl())
+	assert.Equal(t, sha, wanted[0].GetSha256())
+
+	hostState := func() *eitriv1.ImageOnHost {
+		g, err := e.images(alice).GetImage(ctx, connect.NewRequest(&eitriv1.GetImageRequest{Name: "debian-12"}))
+		require.NoError(t, err)
+		require.Len(t, g.Msg.Image.Hosts, 1)
+		return g.Msg.Image.Hosts[0]
+	}
+	total := uint64(4 << 20)
+	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Images: []*eitriv1.ImageHeld{{Sha256: sha, StatusDetail: "downloading image 1.0/4.0 MiB",
+		Progress: &eitriv1.Progress{Step: "download", DoneBytes: 1 << 20, TotalBytes: &total}}}})
+	require.Eventually(t, func() bool { return hostState().State == "pulling" }, 5*time.Second, time.Millisecond)
+	assert.Equal(t, "downloading image 1.0/4.0 MiB", hostState().StatusDetail)
+	assert.Equal(t, uint64(1<<20), hostState().Progress.GetDoneBytes())
+
+	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Images: []*eitriv1.ImageHeld{{Sha256: sha, Held: true}}})
+	require.Eventually(t, func() bool { return hostState().State == "held" }, 5*time.Second, time.Millisecond)
+
+	// Removed from the catalogue: the host is told to let it go.
+	_, err = e.images(e.admin).DeleteImage(ctx, connect.NewRequest(&eitriv1.DeleteImageRequest{Name: "debian-12"}))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return len(a.next(t).GetImages()) == 0 }, 5*time.Second, time.Millisecond)
+}

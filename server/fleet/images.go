@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"strings"
 
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
@@ -211,16 +212,135 @@ func (f *Fleet) RefreshImage(ctx context.Context, r *eitriv1.RefreshImageRequest
 	if err != nil {
 		return nil, false, storeErr(err, "image "+img.Name)
 	}
-	return imageView(got), changed, nil
+	for _, h := range pulledTo(ctx, f, img.Name) {
+		f.kick(h) // the hosts holding it fetch the new version
+	}
+	view, err := f.imageView(ctx, got)
+	return view, changed, err
+}
+
+// pulledTo lists the hosts name was pulled to; none when that cannot be
+// read (the hosts learn at their next snapshot).
+func pulledTo(ctx context.Context, f *Fleet, name string) []string {
+	hosts, err := f.st.ImagePullHosts(ctx, name)
+	if err != nil {
+		f.log.Warn("listing an image's hosts", "image", name, "err", err)
+	}
+	return hosts
 }
 
 // DeleteImage removes a name from the catalogue (admins only). VMs made
-// from it keep their digest.
+// from it keep their digest; hosts it was pulled to unpin it.
 func (f *Fleet) DeleteImage(ctx context.Context, name string) error {
 	if _, err := requireAdmin(ctx); err != nil {
 		return err
 	}
-	return storeErr(f.st.DeleteImage(ctx, name), "image "+name)
+	hosts := pulledTo(ctx, f, name)
+	if err := f.st.DeleteImage(ctx, name); err != nil {
+		return storeErr(err, "image "+name)
+	}
+	for _, h := range hosts {
+		f.kick(h)
+	}
+	return nil
+}
+
+// PullImage has hosts (by id, or all) fetch and pin the image's current
+// version (admins only).
+func (f *Fleet) PullImage(ctx context.Context, r *eitriv1.PullImageRequest) (*eitriv1.Image, error) {
+	if _, err := requireAdmin(ctx); err != nil {
+		return nil, err
+	}
+	if r.GetAll() == (len(r.GetHostIds()) > 0) {
+		return nil, invalid("host_ids", "name the hosts, or set all")
+	}
+	hosts := r.GetHostIds()
+	if r.GetAll() {
+		list, err := f.st.ListHosts(ctx)
+		if err != nil {
+			return nil, err
+		}
+		hosts = nil
+		for _, h := range list {
+			hosts = append(hosts, h.ID)
+		}
+	}
+	for _, id := range hosts {
+		if err := checkLen("host_ids", id, bounds.MaxIDLen); err != nil {
+			return nil, err
+		}
+		if _, err := f.st.HostByID(ctx, id); errors.Is(err, store.ErrNotFound) {
+			return nil, invalid("host_ids", "no host %q", id)
+		} else if err != nil {
+			return nil, err
+		}
+	}
+	if err := f.st.AddImagePulls(ctx, r.GetName(), hosts); err != nil {
+		return nil, storeErr(err, "image "+r.GetName())
+	}
+	for _, h := range hosts {
+		f.kick(h)
+	}
+	return f.GetImage(ctx, r.GetName())
+}
+
+// wantedImages are the images pulled to a host, at their current
+// versions, for its snapshot.
+func (f *Fleet) wantedImages(ctx context.Context, hostID string) ([]*eitriv1.ImageWanted, error) {
+	names, err := f.st.ImagePullsForHost(ctx, hostID)
+	if err != nil {
+		return nil, err
+	}
+	var out []*eitriv1.ImageWanted
+	for _, n := range names {
+		img, err := f.st.Image(ctx, n)
+		if errors.Is(err, store.ErrNotFound) {
+			continue // removed meanwhile
+		} else if err != nil {
+			return nil, err
+		}
+		if v, ok := img.CurrentVersion(); ok {
+			out = append(out, &eitriv1.ImageWanted{Url: v.URL, Sha256: v.SHA256})
+		}
+	}
+	return out, nil
+}
+
+// imageHosts says how each host the image was pulled to stands with its
+// current version, from the hosts' live reports.
+func (f *Fleet) imageHosts(ctx context.Context, img store.Image) ([]*eitriv1.ImageOnHost, error) {
+	ids, err := f.st.ImagePullHosts(ctx, img.Name)
+	if err != nil {
+		return nil, err
+	}
+	cur, _ := img.CurrentVersion()
+	var out []*eitriv1.ImageOnHost
+	for _, id := range ids {
+		on := &eitriv1.ImageOnHost{HostId: id, State: "unknown"}
+		if h, err := f.st.HostByID(ctx, id); err == nil {
+			on.HostName = h.Name
+		}
+		if live, ok := f.reg.Host(id); ok {
+			for _, held := range live.Report.GetImages() {
+				if held.GetSha256() != cur.SHA256 {
+					continue
+				}
+				switch {
+				case held.GetHeld():
+					on.State = "held"
+				case held.GetError() != "":
+					on.State, on.Error = "failed", held.GetError()
+				default:
+					on.State, on.StatusDetail = "pulling", held.GetStatusDetail()
+					if p := held.GetProgress(); p != nil {
+						on.Progress = proto.CloneOf(p)
+					}
+				}
+			}
+		}
+		out = append(out, on)
+	}
+	return out, nil
 }
 
 // GetImage reads one entry; every user may.
@@ -232,7 +352,7 @@ func (f *Fleet) GetImage(ctx context.Context, name string) (*eitriv1.Image, erro
 	if err != nil {
 		return nil, storeErr(err, "image "+name)
 	}
-	return imageView(img), nil
+	return f.imageView(ctx, img)
 }
 
 // ListImages is the whole catalogue; every user may read it.
@@ -246,7 +366,9 @@ func (f *Fleet) ListImages(ctx context.Context) ([]*eitriv1.Image, error) {
 	}
 	out := make([]*eitriv1.Image, len(list))
 	for i, img := range list {
-		out[i] = imageView(img)
+		if out[i], err = f.imageView(ctx, img); err != nil {
+			return nil, err
+		}
 	}
 	return out, nil
 }
@@ -269,7 +391,14 @@ func (f *Fleet) PutImage(ctx context.Context, name, url, sha256 string, props *e
 	return err
 }
 
-func imageView(img store.Image) *eitriv1.Image {
+func (f *Fleet) imageView(ctx context.Context, img store.Image) (*eitriv1.Image, error) {
+	out := imageFields(img)
+	var err error
+	out.Hosts, err = f.imageHosts(ctx, img)
+	return out, err
+}
+
+func imageFields(img store.Image) *eitriv1.Image {
 	out := &eitriv1.Image{
 		Name: img.Name,
 		Properties: &eitriv1.ImageProperties{

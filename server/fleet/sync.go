@@ -198,6 +198,9 @@ func (s *Session) Snapshot(ctx context.Context) (*eitriv1.DesiredStateSnapshot, 
 		return nil, err
 	}
 	snap.AgentUpgrade = offer
+	if snap.Images, err = f.wantedImages(ctx, s.hostID); err != nil {
+		return nil, err
+	}
 	l, err := f.st.NextGeneration(ctx)
 	if err != nil {
 		return nil, err
