@@ -17,8 +17,9 @@ import (
 )
 
 // The README's quickstart against a real dev instance and a real guest:
-// eitri dev lists its test guest in the catalogue, and a create by that
-// name alone reaches ready.
+// eitri dev lists its test guest in the catalogue, a pull puts it in the
+// host's cache, and a create by that name alone reaches ready with no
+// download.
 func TestTheQuickstartCreatesTheTestGuestByName(t *testing.T) {
 	if !inNetns(t) {
 		return
@@ -39,14 +40,23 @@ func TestTheQuickstartCreatesTheTestGuestByName(t *testing.T) {
 	require.NoError(t, err)
 	assert.Regexp(t, `test-guest\s+1\s+busybox`, out)
 
+	// Pulled ahead: the host says so, and holds it.
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	var buf bytes.Buffer
+	err = execute(ctx, []string{"image", "pull", "test-guest", "--all"}, cli.IO{In: strings.NewReader(""), Out: &buf, Err: &buf})
+	t.Logf("\n%s", buf.String())
+	require.NoError(t, err)
+	assert.Regexp(t, `: holds it \(pinned\)\n$`, buf.String())
+
+	// So the create by name downloads nothing.
+	buf.Reset()
 	err = execute(ctx, []string{"vm", "create", "web-1", "--image", "test-guest", "--wait"}, cli.IO{In: strings.NewReader(""), Out: &buf, Err: &buf})
 	text := buf.String()
 	t.Logf("\n%s", text)
 	require.NoError(t, err)
-	outputtest.LinesInOrder(t, text, []string{"creating: downloading image", "creating: booting", "ready at 10.79.0."})
+	outputtest.LinesInOrder(t, text, []string{"creating: preparing root disk", "creating: booting", "ready at 10.79.0."})
+	assert.NotContains(t, text, "downloading image", "the pulled image is in the host's cache")
 
 	out, err = eitriIn("", "vm", "get", "web-1")
 	require.NoError(t, err)

@@ -39,7 +39,7 @@ func TestTheCLIKeepsTheCatalogueAndCreatesByName(t *testing.T) {
 
 	out, err = e.eitri("image", "ls")
 	require.NoError(t, err)
-	assert.Regexp(t, `appliance\s+1\s+busybox\s+amd64\s+768M/6G\s+address\s+ababababab`, out)
+	assert.Regexp(t, `appliance\s+1\s+busybox\s+amd64\s+768M/6G\s+address\s+—\s+ababababab`, out)
 	assert.Contains(t, out, "a tiny appliance")
 
 	// The defaults (512 MiB, 4 GiB) are raised to the image's minimums.
@@ -66,6 +66,19 @@ func TestTheCLIKeepsTheCatalogueAndCreatesByName(t *testing.T) {
 	_, err = e.eitri("vm", "create", "web-2", "--image", "nope")
 	assert.ErrorAs(t, err, &ue)
 	assert.Contains(t, err.Error(), `no image named "nope"`)
+
+	// Pre-pull, followed until the host holds it; the catalogue then says so.
+	_, err = e.eitri("image", "pull", "appliance")
+	assert.ErrorAs(t, err, &ue, "hosts or --all")
+	out, err = e.eitri("image", "pull", "appliance", "--host", "h1")
+	require.NoError(t, err, out)
+	assert.Regexp(t, `h1: holds it \(pinned\)\n$`, out)
+	out, err = e.eitri("image", "ls")
+	require.NoError(t, err)
+	assert.Regexp(t, `address\s+1/1\s+ababababab`, out)
+	out, err = e.eitri("image", "get", "appliance")
+	require.NoError(t, err)
+	assert.Regexp(t, `host h1\s+holds it \(pinned\)`, out)
 
 	out, err = e.eitri("image", "rm", "appliance")
 	require.NoError(t, err)

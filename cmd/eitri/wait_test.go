@@ -26,7 +26,9 @@ const mib = 1 << 20
 type scriptedHost struct {
 	mu  sync.Mutex
 	vms []*eitriv1.VMDesired
-	row func(d *eitriv1.VMDesired) *eitriv1.ActualVM
+	// images are the images the last snapshot wanted; each is reported held.
+	images []*eitriv1.ImageWanted
+	row    func(d *eitriv1.VMDesired) *eitriv1.ActualVM
 	// id is the host's enrollment (its credential opens AgentService).
 	id state.Identity
 }
@@ -35,6 +37,7 @@ func (h *scriptedHost) Apply(s *eitriv1.DesiredStateSnapshot) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.vms = s.GetVms()
+	h.images = s.GetImages()
 	return true
 }
 
@@ -42,6 +45,9 @@ func (h *scriptedHost) Fill(rep *eitriv1.ActualStateReport) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	rep.Capacity = &eitriv1.Capacity{Vcpus: 16, MemMb: 65536, DiskGb: 1000}
+	for _, w := range h.images { // pulled at once
+		rep.Images = append(rep.Images, &eitriv1.ImageHeld{Sha256: w.GetSha256(), Held: true})
+	}
 	for _, d := range h.vms {
 		if h.row != nil {
 			rep.Vms = append(rep.Vms, h.row(d))

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
@@ -20,6 +21,7 @@ func newImageCmd(a *app) *cobra.Command {
 		newImageGetCmd(a),
 		newImageRmCmd(a),
 		newImageRefreshCmd(a),
+		newImagePullCmd(a),
 	)
 	a.addOutputFlag(cmd)
 	return cmd
@@ -176,12 +178,12 @@ func newImageRefreshCmd(a *app) *cobra.Command {
 }
 
 func imageTable(w io.Writer, imgs ...*eitriv1.Image) {
-	fmt.Fprintln(w, "NAME\tVERSION\tOS\tARCH\tMIN\tREADY BY\tSHA256\tDESCRIPTION")
+	fmt.Fprintln(w, "NAME\tVERSION\tOS\tARCH\tMIN\tREADY BY\tHELD BY\tSHA256\tDESCRIPTION")
 	for _, i := range imgs {
 		p := i.GetProperties()
 		os := strings.TrimSpace(p.GetOs() + " " + p.GetOsVersion())
-		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", i.Name, i.GetCurrent().GetVersion(), dash(os), dash(p.GetArchitecture()),
-			minimums(p), readinessWord(p.GetReadiness()), short(i.GetCurrent().GetSha256()), p.GetDescription())
+		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", i.Name, i.GetCurrent().GetVersion(), dash(os), dash(p.GetArchitecture()),
+			minimums(p), readinessWord(p.GetReadiness()), heldCount(i), short(i.GetCurrent().GetSha256()), p.GetDescription())
 	}
 }
 
@@ -210,6 +212,9 @@ func imageDetail(w io.Writer, i *eitriv1.Image) {
 	for _, r := range rows {
 		fmt.Fprintf(w, "%s\t%s\n", r[0], r[1])
 	}
+	for _, h := range i.Hosts {
+		fmt.Fprintf(w, "host %s\t%s\n", cmpOr(h.HostName, h.HostId), pullLine(h))
+	}
 	for _, v := range i.Versions {
 		mark := ""
 		if v.GetVersion() == i.GetCurrent().GetVersion() {
@@ -231,4 +236,160 @@ func imageDetail(w io.Writer, i *eitriv1.Image) {
 			fmt.Fprintf(w, "  verified\t%s\n", when(pv.GetVerifiedAt().AsTime()))
 		}
 	}
+}
+
+// pullPoll is how often `image pull` asks how its hosts stand: the catalogue
+// has no watch stream of its own, and a person reads a line a second.
+const pullPoll = 500 * time.Millisecond
+
+func newImagePullCmd(a *app) *cobra.Command {
+	var hosts []string
+	var all, noWait bool
+	var timeout time.Duration
+	cmd := &cobra.Command{
+		Use:   "pull NAME (--host H ... | --all)",
+		Short: "Fetch an image into hosts' caches ahead of creates, pinned until it leaves the catalogue (admins)",
+		Long: `Fetch an image into hosts' caches ahead of creates (admins). Each host keeps
+the image's current version pinned against eviction until the image is
+removed from the catalogue, so a create there starts without a download.
+Follows each host's download until all hold it (exit 0) or one fails
+(exit 1); --no-wait returns at once.`,
+		Args: needArgs("an image NAME"),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if all == (len(hosts) > 0) {
+				return Usagef("name the hosts with --host, or give --all")
+			}
+			c, err := a.dial()
+			if err != nil {
+				return err
+			}
+			ctx := cmd.Context()
+			req := &eitriv1.PullImageRequest{Name: args[0], All: all}
+			for _, h := range hosts {
+				id, err := c.hostID(ctx, h)
+				if err != nil {
+					return err
+				}
+				req.HostIds = append(req.HostIds, id)
+			}
+			r, err := c.image.PullImage(ctx, connect.NewRequest(req))
+			if err != nil {
+				return apiError(err)
+			}
+			if noWait {
+				return c.show(r.Msg, func(w io.Writer) { imageHostsTable(w, r.Msg.Image.Hosts...) })
+			}
+			if timeout > 0 {
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, timeout)
+				defer cancel()
+			}
+			return c.followPull(ctx, args[0], req.HostIds)
+		},
+	}
+	fs := cmd.Flags()
+	fs.StringSliceVar(&hosts, "host", nil, "host name or id (repeat, or comma-separate)")
+	fs.BoolVar(&all, "all", false, "every host")
+	fs.BoolVar(&noWait, "no-wait", false, "return once the hosts are told, without following them")
+	fs.DurationVar(&timeout, "timeout", 0, "give up following after this long (default: no limit)")
+	return cmd
+}
+
+// followPull says each host's step as it changes, until every host asked
+// (every host the image was pulled to, for --all) holds the image or one
+// has failed.
+func (c *client) followPull(ctx context.Context, name string, only []string) error {
+	want := map[string]bool{}
+	for _, id := range only {
+		want[id] = true
+	}
+	said := map[string]string{}
+	for {
+		r, err := c.image.GetImage(ctx, connect.NewRequest(&eitriv1.GetImageRequest{Name: name}))
+		if err != nil {
+			return apiError(err)
+		}
+		done, failed := 0, 0
+		var on []*eitriv1.ImageOnHost
+		for _, h := range r.Msg.Image.Hosts {
+			if len(want) == 0 || want[h.HostId] {
+				on = append(on, h)
+			}
+		}
+		for _, h := range on {
+			line := pullLine(h)
+			if said[h.HostId] != line {
+				said[h.HostId] = line
+				if c.format == formatTable {
+					fmt.Fprintf(c.out, "%s %s: %s\n", time.Now().Format("15:04:05"), cmpOr(h.HostName, h.HostId), line)
+				}
+			}
+			switch h.State {
+			case "held":
+				done++
+			case "failed":
+				failed++
+			}
+		}
+		if len(on) > 0 && done+failed == len(on) {
+			if c.format != formatTable {
+				if err := c.show(r.Msg, nil); err != nil {
+					return err
+				}
+			}
+			if failed > 0 {
+				return fmt.Errorf("%d of %d hosts could not pull %s", failed, len(on), name)
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("stopped following the pull of %s: %w (the hosts go on)", name, ctx.Err())
+		case <-time.After(pullPoll):
+		}
+	}
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// pullLine is one host's state in words.
+func pullLine(h *eitriv1.ImageOnHost) string {
+	switch h.State {
+	case "held":
+		return "holds it (pinned)"
+	case "failed":
+		return "failed: " + h.Error + " (the host tries again)"
+	case "pulling":
+		if p := h.Progress; p != nil && p.TotalBytes != nil && *p.TotalBytes > 0 {
+			return fmt.Sprintf("%s (%d%%)", cmpOr(h.StatusDetail, "pulling"), p.DoneBytes*100 / *p.TotalBytes)
+		}
+		return cmpOr(h.StatusDetail, "pulling")
+	}
+	return "not reporting on it yet"
+}
+
+func imageHostsTable(w io.Writer, hosts ...*eitriv1.ImageOnHost) {
+	fmt.Fprintln(w, "HOST\tSTATE")
+	for _, h := range hosts {
+		fmt.Fprintf(w, "%s\t%s\n", cmpOr(h.HostName, h.HostId), pullLine(h))
+	}
+}
+
+// heldCount is "2/3" hosts holding the image of those it was pulled to.
+func heldCount(i *eitriv1.Image) string {
+	if len(i.Hosts) == 0 {
+		return dash("")
+	}
+	n := 0
+	for _, h := range i.Hosts {
+		if h.State == "held" {
+			n++
+		}
+	}
+	return fmt.Sprintf("%d/%d", n, len(i.Hosts))
 }
