@@ -235,6 +235,17 @@ describe('imageFacts', () => {
 		});
 		expect(imageFacts(img)).toBe('debian 12 · amd64 · needs 512 MiB, 3 GiB disk · 400 MiB download · version 2 · ready at its address');
 	});
+	test('says how many of the hosts it was pulled to hold it', () => {
+		const img = create(ImageSchema, {
+			name: 'x',
+			current: { version: 1n },
+			hosts: [
+				{ hostId: 'h1', state: 'held' },
+				{ hostId: 'h2', state: 'pulling' }
+			]
+		});
+		expect(imageFacts(img)).toBe('version 1 · held by 1 of 2 hosts');
+	});
 	test('says nothing it was not told', () => {
 		expect(imageFacts(create(ImageSchema, { name: 'x', current: { version: 1n } }))).toBe('version 1');
 	});

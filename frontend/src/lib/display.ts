@@ -230,5 +230,9 @@ export function imageFacts(img: Image): string {
 	if (img.current) parts.push(`version ${img.current.version}`);
 	const ready = p ? readinessWords[p.readiness] : '';
 	if (ready) parts.push(ready);
+	if (img.hosts.length) {
+		const held = img.hosts.filter((h) => h.state === 'held').length;
+		parts.push(`held by ${held} of ${img.hosts.length} ${img.hosts.length === 1 ? 'host' : 'hosts'}`);
+	}
 	return parts.join(' · ');
 }
