@@ -7,6 +7,7 @@ import { HostService } from '@eitri/sdk/host_pb';
 import { TokenService } from '@eitri/sdk/token_pb';
 import { ReleaseService } from '@eitri/sdk/release_pb';
 import { ImageService } from '@eitri/sdk/images_pb';
+import { UsageService } from '@eitri/sdk/usage_pb';
 import { LinkBoard, Session } from './live.svelte';
 
 export type Eitri = {
@@ -17,6 +18,7 @@ export type Eitri = {
 	tokens: Client<typeof TokenService>;
 	releases: Client<typeof ReleaseService>;
 	images: Client<typeof ImageService>;
+	usage: Client<typeof UsageService>;
 	board: LinkBoard;
 	session: Session;
 };
@@ -41,6 +43,7 @@ export function provideEitri(transport: Transport): Eitri {
 		tokens: createClient(TokenService, transport),
 		releases: createClient(ReleaseService, transport),
 		images: createClient(ImageService, transport),
+		usage: createClient(UsageService, transport),
 		board: new LinkBoard(),
 		session: new Session()
 	};
