@@ -25,6 +25,10 @@ const (
 	ChangeVM       = "vm"
 	ChangeHost     = "host"
 	ChangeExposure = "exposure"
+	// ChangeImagePull: an image (ID, its name) pulled to a host, or no
+	// longer. ChangeImage: an image (ID) moved to a new current version.
+	ChangeImagePull = "image_pull"
+	ChangeImage     = "image"
 )
 
 // ChangesChannel is the NOTIFY channel the triggers wake followers on.

@@ -126,3 +126,36 @@ func TestAFollowerNeverMissesAChangeCommittedAfterALaterNumberedOne(t *testing.T
 	follow()
 	assert.Equal(t, 2, seen, "the follower saw the rename and the create")
 }
+
+// A pull, its end and a new version are in the feed, so the replica that
+// holds each host can send it a new snapshot.
+func TestTheChangeFeedRecordsImagePullsAndNewVersions(t *testing.T) {
+	a, b := replicas(t)
+	ctx := context.Background()
+	_, start, err := b.ChangeBounds(ctx)
+	require.NoError(t, err)
+
+	require.NoError(t, a.CreateImage(ctx, Image{Name: "debian-12", URL: "https://example.org/a"}, ImageVersion{URL: "https://example.org/a", SHA256: "aa"}))
+	require.NoError(t, a.AddImagePulls(ctx, "debian-12", []string{"h1"}))
+	_, _, err = a.AdvanceImage(ctx, "debian-12", ImageVersion{URL: "https://example.org/a", SHA256: "aa"}, 5)
+	require.NoError(t, err, "the same digest: no new version")
+	_, _, err = a.AdvanceImage(ctx, "debian-12", ImageVersion{URL: "https://example.org/b", SHA256: "bb"}, 5)
+	require.NoError(t, err)
+	require.NoError(t, a.DeleteImage(ctx, "debian-12"))
+
+	got, err := b.Changes(ctx, start, 100)
+	require.NoError(t, err)
+	type seen struct {
+		kind, id, host string
+		removed        bool
+	}
+	var rows []seen
+	for _, c := range got {
+		rows = append(rows, seen{c.Kind, c.ID, c.HostID, c.Removed})
+	}
+	assert.Equal(t, []seen{
+		{ChangeImagePull, "debian-12", "h1", false},
+		{ChangeImage, "debian-12", "", false},
+		{ChangeImagePull, "debian-12", "h1", true},
+	}, rows)
+}
