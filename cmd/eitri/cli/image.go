@@ -316,6 +316,9 @@ func (c *client) followPull(ctx context.Context, name string, only []string) err
 				on = append(on, h)
 			}
 		}
+		if len(on) == 0 {
+			return fmt.Errorf("no host to pull %s to", name)
+		}
 		for _, h := range on {
 			line := pullLine(h)
 			if said[h.HostId] != line {
