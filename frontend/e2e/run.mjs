@@ -426,6 +426,41 @@ async function inside(bin, guest) {
 				await shot('vm-console');
 			}).then(async (ok) => ok || (await failShot('vm-console'), false));
 
+		// 2c. The VM page charts what the host measured, live: the captions
+		// say the numbers the usage stream sent and the canvases draw them.
+		if (!vmReady) fail('the VM page charts its usage', 'no ready VM');
+		else
+			await check('the VM page charts the usage its host measured, without reloading: captions match the stream, canvases are drawn', async () => {
+				const usage = page.locator('section[aria-labelledby="use-h"]');
+				const cpu = usage.locator('[data-line="of one CPU"]');
+				// Samples come every 10 s; a CPU rate needs two of them.
+				await waitFor(
+					async () => /\d\.\d%/.test((await cpu.textContent({ timeout: 1000 }).catch(() => '')) ?? ''),
+					90_000,
+					'the CPU chart caption shows a percentage'
+				);
+				const caption = ((await usage.locator('[data-line="resident"]').textContent()) ?? '').trim();
+				const win = await usageWindow(vmId, token);
+				const rss = win.map((s) => formatBytes(Number(s.memory_rss_bytes ?? s.memoryRssBytes)));
+				// The newest sample, or the one before it if another arrived meanwhile.
+				if (!rss.slice(-2).some((r) => caption.endsWith(r)))
+					throw new Error(`memory caption ${JSON.stringify(caption)}, the stream's last samples ${JSON.stringify(rss.slice(-2))}`);
+				const points = Number(await usage.locator('.plot').first().getAttribute('data-points'));
+				if (points < win.length - 1 || points > win.length + 1) throw new Error(`the chart holds ${points} points, the stream sent ${win.length}`);
+				const painted = await usage
+					.locator('canvas')
+					.first()
+					.evaluate((c) => {
+						const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+						let n = 0;
+						for (let i = 3; i < d.length; i += 4) if (d[i]) n++;
+						return n;
+					});
+				if (painted === 0) throw new Error('the CPU chart canvas is blank');
+				if (!(await page.evaluate(() => window.__e2eNoReload === true))) throw new Error('the page reloaded');
+				await shot('vm-usage');
+			}).then(async (ok) => ok || (await failShot('vm-usage'), false));
+
 		// 3. Publish a port and watch its session counters move.
 		if (!vmReady) fail('publish a port and see the session summary change', 'no ready VM');
 		else
@@ -750,6 +785,47 @@ async function chromiumIn(tmp, browserNs) {
 // The value cell (<dd>) after a <dt> in the VM detail's facts list.
 function factsValue(page, term) {
 	return page.locator('dl.facts dt').filter({ hasText: new RegExp(`^${term}$`) }).locator('xpath=following-sibling::dd[1]');
+}
+
+// usageWindow reads the first message of a VM's usage stream (its window)
+// straight from the API, as Connect's JSON streaming protocol frames it.
+async function usageWindow(vmId, token) {
+	const body = Buffer.from(JSON.stringify({ vmId }));
+	const frame = Buffer.alloc(5 + body.length);
+	frame.writeUInt32BE(body.length, 1);
+	body.copy(frame, 5);
+	const ac = new AbortController();
+	try {
+		const res = await fetch(BASE + '/eitri.v1.UsageService/WatchUsage', {
+			method: 'POST',
+			headers: { 'Content-Type': 'application/connect+json', Authorization: `Bearer ${token}` },
+			body: frame,
+			signal: ac.signal
+		});
+		const reader = res.body.getReader();
+		let buf = Buffer.alloc(0);
+		while (buf.length < 5 || buf.length < 5 + buf.readUInt32BE(1)) {
+			const { value, done } = await reader.read();
+			if (done) throw new Error(`the usage stream ended: ${buf.toString()}`);
+			buf = Buffer.concat([buf, Buffer.from(value)]);
+		}
+		const msg = JSON.parse(buf.subarray(5, 5 + buf.readUInt32BE(1)).toString());
+		if (!msg.window) throw new Error(`the usage stream began with ${JSON.stringify(msg)}`);
+		return msg.window.vms ?? [];
+	} finally {
+		ac.abort();
+	}
+}
+
+// formatBytes is the console's (frontend/src/lib/usage.ts).
+function formatBytes(v) {
+	const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+	let i = 0;
+	while (v >= 1024 && i < units.length - 1) {
+		v /= 1024;
+		i++;
+	}
+	return i === 0 ? `${Math.round(v)} B` : `${v.toFixed(1)} ${units[i]}`;
 }
 
 async function waitFor(fn, ms, what) {
