@@ -193,7 +193,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	// AI agents: MCP over streamable HTTP, bearer-token auth.
 	r.Handle("/mcp", mcp.Handler(s.Fleet, cfg.Log))
 	// Prometheus: the whole fleet in one scrape, as the token may see it.
-	r.Handle(MetricsPath, metrics.Handler(s.Fleet, s.Fleet.Usage, cfg.Log))
+	r.Handle(MetricsPath, metrics.Handler(s.Fleet, s.Fleet.Usage, func() map[string]int {
+		return map[string]int{"vms": s.Fleet.VMs.Watchers(), "hosts": s.Fleet.Hosts.Watchers(),
+			"exposures": s.Fleet.Exposures.Watchers(), "rollouts": s.Fleet.Rollouts.Watchers(), "usage": s.Fleet.Usage.Watchers()}
+	}, cfg.Log))
 	if cfg.Routes != nil {
 		cfg.Routes(r)
 	}

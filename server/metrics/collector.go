@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/auth"
 )
 
 var (
@@ -62,16 +63,18 @@ var (
 	hostAllMem    = hostDesc("allocated_memory_bytes", "Memory of the VMs placed on the host.")
 	hostAllDisk   = hostDesc("allocated_disk_bytes", "Disk of the VMs placed on the host.")
 
+	watcherCount = prometheus.NewDesc("eitri_watchers", "Watch streams open on this control plane, by what they watch.", []string{"stream"}, nil)
 	scrapeErrors = prometheus.NewDesc("eitri_scrape_errors", "1 when part of this scrape could not be read (see the control plane's log).", []string{"part"}, nil)
 )
 
 // collector reads everything once per scrape.
 type collector struct {
-	ctx   context.Context
-	fleet Fleet
-	usage Usage
-	now   time.Time
-	log   *slog.Logger
+	ctx      context.Context
+	fleet    Fleet
+	usage    Usage
+	watchers func() map[string]int
+	now      time.Time
+	log      *slog.Logger
 }
 
 // Describe sends nothing: the collector is unchecked, since which series
@@ -90,6 +93,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 		ch <- prometheus.MustNewConstMetric(scrapeErrors, prometheus.GaugeValue, v, part)
+	}
+	if p, ok := auth.FromContext(c.ctx); ok && p.Admin && c.watchers != nil {
+		for stream, n := range c.watchers() {
+			gauge(ch, watcherCount, float64(n), []string{stream})
+		}
 	}
 	hostNames := make(map[string]string, len(hosts))
 	for _, h := range hosts {

@@ -38,11 +38,14 @@ const Fresh = time.Minute
 // Handler serves the exposition. The caller is authenticated before it (the
 // principal rides on the request's context); what it may not see through
 // the API it does not see here either.
-func Handler(f Fleet, u Usage, log *slog.Logger) http.Handler {
+//
+// watchers counts the control plane's open watch streams by what they
+// watch ("vms", "hosts", ...); only an admin's scrape holds them.
+func Handler(f Fleet, u Usage, watchers func() map[string]int, log *slog.Logger) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		reg := prometheus.NewRegistry()
 		// A registry per scrape: what it holds depends on who asks.
-		reg.MustRegister(&collector{ctx: r.Context(), fleet: f, usage: u, now: time.Now(), log: log})
+		reg.MustRegister(&collector{ctx: r.Context(), fleet: f, usage: u, watchers: watchers, now: time.Now(), log: log})
 		promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.HTTPErrorOnError}).ServeHTTP(w, r)
 	})
 }

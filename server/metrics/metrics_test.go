@@ -201,6 +201,20 @@ func TestAScrapeServesTheFleetAsTheTokenMaySeeIt(t *testing.T) {
 	_, ok = value(fams, "eitri_vm_memory_balloon_bytes", f.alicesVM.Id)
 	assert.False(t, ok, "no balloon measured: no series, not 0")
 
+	// The control plane's own: its watch streams, for an admin.
+	usageSt, err := eitriv1connect.NewUsageServiceClient(f.http, f.url, bearer(f.admin)).WatchUsage(context.Background(), connect.NewRequest(&eitriv1.WatchUsageRequest{}))
+	require.NoError(t, err)
+	require.True(t, usageSt.Receive())
+	defer usageSt.Close()
+	_, body = f.scrape(f.admin)
+	usageWatchers := 0.0
+	for _, m := range parse(t, body)["eitri_watchers"].GetMetric() {
+		if m.GetLabel()[0].GetValue() == "usage" {
+			usageWatchers = m.GetGauge().GetValue()
+		}
+	}
+	assert.Equal(t, 1.0, usageWatchers, "the open usage stream is counted")
+
 	// Alice's token sees her VM and not bob's.
 	status, body = f.scrape(f.alice)
 	require.Equal(t, http.StatusOK, status)
@@ -209,6 +223,7 @@ func TestAScrapeServesTheFleetAsTheTokenMaySeeIt(t *testing.T) {
 	assert.True(t, ok)
 	assert.NotContains(t, body, f.bobsVM.Id)
 	assert.NotContains(t, body, "bobs")
+	assert.NotContains(t, body, "eitri_watchers", "the control plane's own figures are an admin's")
 
 	// No token, or a bad one: nothing at all.
 	for _, tok := range []string{"", "eitri_pat_nonsense"} {
