@@ -418,7 +418,23 @@ async function inside(bin, guest) {
 		else
 			await check('the serial console shows the guest\'s ready line and echoes what is typed', async () => {
 				const term = page.locator('div[aria-label="Serial console"]');
-				await term.getByText(/EITRI-GUEST-READY/).first().waitFor({ timeout: 60_000 });
+				await term
+					.getByText(/EITRI-GUEST-READY/)
+					.first()
+					.waitFor({ timeout: 60_000 })
+					.catch(async (err) => {
+						// What the panel said and held, and the console streams the
+						// page opened: enough to tell a stream that never came from
+						// one that came empty from a terminal that did not draw.
+						const bar = await page.locator('section[aria-labelledby="con-h"] .bar').textContent().catch(() => '?');
+						const rows = await term.locator('.xterm-rows').textContent().catch(() => '?');
+						const streams = requests
+							.filter((q) => q.path.endsWith('/StreamConsole'))
+							.map((q) => `${new Date(q.t).toISOString().slice(11, 23)}${q.done ? ' ended' : ' open'}`);
+						throw new Error(
+							`${err.message}\npanel: ${JSON.stringify(bar?.replace(/\s+/g, ' ').trim())}\nterminal rows: ${JSON.stringify(rows)}\nStreamConsole requests: ${streams.join(', ')}`
+						);
+					});
 				await term.locator('.xterm-screen').click();
 				await page.keyboard.type('typed-in-e2e');
 				await page.keyboard.press('Enter');
