@@ -418,6 +418,9 @@ async function inside(bin, guest) {
 		else
 			await check('the serial console shows the guest\'s ready line and echoes what is typed', async () => {
 				const term = page.locator('div[aria-label="Serial console"]');
+				// xterm draws only while the terminal is on screen, and the
+				// usage charts put it below the fold: scroll to it, as a person would.
+				await term.scrollIntoViewIfNeeded();
 				await term
 					.getByText(/EITRI-GUEST-READY/)
 					.first()
