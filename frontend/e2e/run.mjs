@@ -211,7 +211,7 @@ async function inside(bin, guest) {
 			return true;
 		} catch (e) {
 			results.push({ name, ok: false });
-			log(`FAIL ${name}: ${e?.message?.split('\n').slice(0, 6).join('\n    ') ?? e}`);
+			log(`FAIL ${name}: ${e?.message?.split('\n').slice(0, 10).join('\n    ') ?? e}`);
 			return false;
 		} finally {
 			tally();
