@@ -383,6 +383,9 @@ func (u *Upgrader) install(ctx context.Context, o *eitriv1.AgentUpgrade) error {
 	return &Restart{Exe: u.cfg.Exe, Version: v}
 }
 
+// probeWaitDelay bounds the wait for a killed probe's output to close.
+const probeWaitDelay = 2 * time.Second
+
 // probe runs the new build once and requires it to say the version it was
 // offered as, before anything is swapped.
 func (u *Upgrader) probe(ctx context.Context, path, version string) error {
@@ -391,6 +394,9 @@ func (u *Upgrader) probe(ctx context.Context, path, version string) error {
 	var out bytes.Buffer
 	cmd := exec.CommandContext(ctx, path, "version")
 	cmd.Stdout, cmd.Stderr = &out, &out
+	// A build that hangs may have started children that hold its output
+	// open after it is killed: stop waiting for them soon after.
+	cmd.WaitDelay = probeWaitDelay
 	err := cmd.Run()
 	said := strings.TrimSpace(out.String())
 	if len(said) > 200 {

@@ -212,6 +212,23 @@ func TestABuildThatDoesNotSayItsVersionIsRefused(t *testing.T) {
 	refused(t, h, `says "eitri version v1.5.0"`)
 }
 
+func TestABuildWhoseVersionHangsIsRefusedAtTheProbeBoundEvenWithChildrenHoldingItsOutput(t *testing.T) {
+	pub, priv, err := release.GenerateKey()
+	require.NoError(t, err)
+	// The child sleep keeps the build's stdout open after the shell is
+	// killed at the bound.
+	build := []byte("#!/bin/sh\nsleep 600\n")
+	url := serve(t, build, false).URL
+	h := newHost(t, pub, url)
+	h.u, err = upgrade.New(upgrade.Config{Dir: filepath.Join(h.dir, "upgrade"), Exe: h.exe, Version: "v1.3.0", Key: pub,
+		Client: http.DefaultClient, BaseURL: func() string { return url }, Credential: "host-cred",
+		RetryWait: time.Millisecond, ProbeTimeout: 200 * time.Millisecond})
+	require.NoError(t, err)
+
+	require.NoError(t, h.take(t, offer(t, priv, "v1.4.0", build)), "the offer settles (failed) well before take gives up")
+	refused(t, h, "does not run here")
+}
+
 func TestAFailedOfferIsNotTakenAgainButALaterAttemptIs(t *testing.T) {
 	pub, priv, err := release.GenerateKey()
 	require.NoError(t, err)

@@ -35,8 +35,11 @@ import (
 type cpFlags struct {
 	listen, dataDir string
 	grace           time.Duration
-	ports           portRange
-	level           string
+	// stuckAfter: how long a connected host may sit on its old version
+	// after an upgrade offer before it shows stuck.
+	stuckAfter time.Duration
+	ports      portRange
+	level      string
 }
 
 // cpDefaults is where eitri server and eitri dev differ.
@@ -50,8 +53,17 @@ func (c *cpFlags) register(fs *pflag.FlagSet, d cpDefaults) {
 	fs.StringVar(&c.listen, "listen", d.listen, d.listenUsage)
 	fs.StringVar(&c.dataDir, "data-dir", d.dataDir, d.dataDirUsage)
 	fs.DurationVar(&c.grace, "delete-grace", d.grace, "how long a deleted VM stays restorable")
+	fs.DurationVar(&c.stuckAfter, "upgrade-stuck-after", fleet.DefaultStuckAfter, "how long a connected host may stay on its old agent version after an upgrade offer before it shows stuck")
 	fs.Var(&c.ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
 	fs.StringVar(&c.level, "log-level", "info", "debug, info, warn or error")
+}
+
+// check refuses flag values the control plane cannot run with.
+func (c *cpFlags) check() error {
+	if c.stuckAfter <= 0 {
+		return fmt.Errorf("--upgrade-stuck-after: want a positive duration, got %s", c.stuckAfter)
+	}
+	return nil
 }
 
 // serverFlags are eitri server's flags.
@@ -96,6 +108,9 @@ func newServerCmd() *cobra.Command {
 }
 
 func runServer(ctx context.Context, f serverFlags) error {
+	if err := f.check(); err != nil {
+		return err
+	}
 	log := newLogger(f.level)
 	db := f.db
 	if db == "" {
@@ -126,7 +141,7 @@ func runServer(ctx context.Context, f serverFlags) error {
 	srv, err := server.New(ctx, server.Config{
 		DataDir: f.dataDir, DB: db, PublicURL: pub, AdvertiseURL: advertise, TLSCert: f.tlsCert, TLSKey: f.tlsKey, TLSHosts: hosts,
 		DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max, Console: consoleHandler(), Log: log,
-		ReleaseKey: f.releaseKey.key, Version: version,
+		ReleaseKey: f.releaseKey.key, Version: version, StuckAfter: f.stuckAfter,
 		ImagePolicy: addrpolicy.Policy{Allow: f.imageAllow, Hint: "an operator can allow it with eitri server --image-allow"},
 	})
 	if err != nil {
@@ -182,6 +197,9 @@ func newDevCmd() *cobra.Command {
 }
 
 func runDev(ctx context.Context, f devFlags) error {
+	if err := f.check(); err != nil {
+		return err
+	}
 	ac := f.agent
 	log := newLogger(f.level)
 	addr, err := loopbackAddr(ctx, f.listen, lookupHost)
@@ -204,7 +222,7 @@ func runDev(ctx context.Context, f devFlags) error {
 		ac.releaseKey.key = releaseKey
 	}
 	srv, err := server.New(ctx, server.Config{
-		ReleaseKey: releaseKey, Version: version,
+		ReleaseKey: releaseKey, Version: version, StuckAfter: f.stuckAfter,
 		DataDir: cpDir, PublicURL: url, Plaintext: true, DeleteGrace: f.grace, PortMin: f.ports.min, PortMax: f.ports.max,
 		Console: consoleHandler(), Log: log.With("part", "control"),
 		Routes: func(r chi.Router) { serveGuestImage(r, f.guestImage, url) },
