@@ -241,6 +241,8 @@ async function inside(bin, guest) {
 			'--subnet', '10.81.0.1/24',
 			'--guest-image', guest,
 			'--delete-grace', '5s',
+			// Short, so the stuck host check (8) need not wait minutes.
+			'--upgrade-stuck-after', '3s',
 			// The slow image server is on this loopback, which image downloads
 			// may not reach unless allowed.
 			'--image-allow', '127.0.0.1/32'
@@ -630,6 +632,17 @@ async function inside(bin, guest) {
 				if (errors.length) throw new Error(`console errors: ${JSON.stringify(errors)}`);
 			}).then(async (ok) => ok || (await failShot('trust-stale'), false));
 
+		// The CLI as the admin, for what the checks below set up.
+		const cli = (...args) => {
+			const r = spawnSync(bin, args, {
+				encoding: 'utf8',
+				timeout: 30_000,
+				env: { ...process.env, EITRI_URL: BASE, EITRI_TOKEN: token, HOME: tmp }
+			});
+			if (r.status !== 0) throw new Error(`eitri ${args.join(' ')}: ${r.status} ${r.stderr}`);
+			return r.stdout;
+		};
+
 		// 7. An agent rollout, watched live on the hosts page. The build is a
 		// script signed with dev's own release key that says another version:
 		// the agent fetches and verifies it, then refuses it when it runs it
@@ -642,15 +655,6 @@ async function inside(bin, guest) {
 			const version = 'v9.9.9-e2e';
 			const build = join(tmp, 'fake-agent');
 			await writeFile(build, '#!/bin/sh\necho "eitri version v0.0.0-not-it"\n', { mode: 0o755 });
-			const cli = (...args) => {
-				const r = spawnSync(bin, args, {
-					encoding: 'utf8',
-					timeout: 30_000,
-					env: { ...process.env, EITRI_URL: BASE, EITRI_TOKEN: token, HOME: tmp }
-				});
-				if (r.status !== 0) throw new Error(`eitri ${args.join(' ')}: ${r.status} ${r.stderr}`);
-				return r.stdout;
-			};
 			cli('release', 'sign', build, '--key', join(dataDir, 'control', 'release.key'), '--version', version, '--os', 'linux', '--arch', 'amd64');
 			cli('release', 'upload', build);
 			await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Hosts' }).click();
@@ -676,6 +680,46 @@ async function inside(bin, guest) {
 			const errors = consoleErrors.slice(errorsBefore);
 			if (errors.length) throw new Error(`console errors: ${JSON.stringify(errors)}`);
 		}).then(async (ok) => ok || (await failShot('rollout'), false));
+
+		// 8. A host offered a build and still on its old version past the
+		// bound shows stuck, live, on the hosts page and in the fleet's host
+		// rows. This build's version check hangs (a child holds its output),
+		// so the agent sits on the offer until its probe gives up (30 s);
+		// dev runs with --upgrade-stuck-after 3s.
+		await check('a host that stays on its old version past the bound after an offer shows stuck, on the hosts and fleet pages, live', async () => {
+			const errorsBefore = consoleErrors.length;
+			const version = 'v9.9.10-e2e';
+			const build = join(tmp, 'hanging-agent');
+			await writeFile(build, '#!/bin/sh\nsleep 600\n', { mode: 0o755 });
+			cli('release', 'sign', build, '--key', join(dataDir, 'control', 'release.key'), '--version', version, '--os', 'linux', '--arch', 'amd64');
+			cli('release', 'upload', build);
+			cli('host', 'upgrade', 'abort'); // the halted rollout above
+			if (!/\/hosts$/.test(new URL(page.url()).pathname)) {
+				await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Hosts' }).click();
+				await page.getByRole('heading', { name: 'Hosts', level: 1 }).waitFor();
+			}
+			await page.evaluate(() => (window.__e2eNoReload = true));
+			cli('host', 'upgrade', '--to', version, '--all', '--allow-downgrade');
+			const stuckRe = new RegExp(`^stuck: offered ${version.replace(/\./g, '\\.')} \\d+ (s|min|h|days) ago, still on \\S+`);
+			const stuck = page.locator('main tbody tr').first().locator('[data-condition="upgrade_stuck"]');
+			await stuck.waitFor({ timeout: 25_000 });
+			const said = ((await stuck.textContent()) ?? '').trim();
+			if (!stuckRe.test(said)) throw new Error(`the hosts page says ${JSON.stringify(said)}, want ${stuckRe}`);
+			log(`hosts page: ${JSON.stringify(said)}`);
+			await shot('hosts-stuck');
+			await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Fleet' }).click();
+			const row = page.locator('section[aria-labelledby="hosts-h"] tbody tr').first().locator('[data-condition="upgrade_stuck"]');
+			await row.waitFor({ timeout: 10_000 });
+			const inFleet = ((await row.textContent()) ?? '').trim();
+			if (!stuckRe.test(inFleet)) throw new Error(`the fleet's host row says ${JSON.stringify(inFleet)}, want ${stuckRe}`);
+			// Ending the rollout ends the offer: the row stops saying stuck,
+			// with no reload.
+			cli('host', 'upgrade', 'abort');
+			await row.waitFor({ state: 'detached', timeout: 15_000 });
+			if (!(await page.evaluate(() => window.__e2eNoReload === true))) throw new Error('the page reloaded');
+			const errors = consoleErrors.slice(errorsBefore);
+			if (errors.length) throw new Error(`console errors: ${JSON.stringify(errors)}`);
+		}).then(async (ok) => ok || (await failShot('stuck'), false));
 	} catch (e) {
 		failed = true;
 		log(`aborted: ${e?.message ?? e}`);
