@@ -3,10 +3,10 @@
 //
 // The caller hands Converge the complete list of exposures this host should
 // serve; the proxy binds what is missing, keeps what is already bound and
-// closes what is gone. Each exposure reports three numbers: active (open
-// connections or live sessions), refused (turned away at the exposure's own
-// cap) and dropped (could not be carried to the guest). The last two are
-// running totals for the life of the exposure on this proxy.
+// closes what is gone. Each exposure reports active (open connections or
+// live sessions), refused (turned away at the exposure's own cap), dropped
+// (could not be carried to the guest) and the bytes carried each way. All but
+// active are running totals for the life of the exposure on this proxy.
 package exposeproxy
 
 import (
@@ -68,6 +68,12 @@ type Status struct {
 	// Refused and Dropped are totals since this proxy first saw the exposure.
 	Refused int64
 	Dropped int64
+	// BytesIn (caller to guest) and BytesOut (guest to caller) are payload
+	// totals since this proxy first saw the exposure: the TCP stream, or the
+	// UDP datagrams' payloads. Counted as the bytes are handed on, so a
+	// datagram that is dropped adds nothing.
+	BytesIn  int64
+	BytesOut int64
 }
 
 // Resolver returns a VM's current guest address, or false while it has none
@@ -180,9 +186,11 @@ type exposure struct {
 	id  string
 	tgt atomic.Pointer[target]
 
-	active  atomic.Int64
-	refused atomic.Int64
-	dropped atomic.Int64
+	active   atomic.Int64
+	refused  atomic.Int64
+	dropped  atomic.Int64
+	bytesIn  atomic.Int64
+	bytesOut atomic.Int64
 
 	// Guarded by Proxy.mu.
 	spec   Spec
@@ -309,12 +317,14 @@ func (p *Proxy) Close() {
 // status is the exposure's report; the caller holds Proxy.mu.
 func (ex *exposure) status() Status {
 	st := Status{
-		ID:      ex.id,
-		State:   StateFailed,
-		Reason:  ex.reason,
-		Active:  ex.active.Load(),
-		Refused: ex.refused.Load(),
-		Dropped: ex.dropped.Load(),
+		ID:       ex.id,
+		State:    StateFailed,
+		Reason:   ex.reason,
+		Active:   ex.active.Load(),
+		Refused:  ex.refused.Load(),
+		Dropped:  ex.dropped.Load(),
+		BytesIn:  ex.bytesIn.Load(),
+		BytesOut: ex.bytesOut.Load(),
 	}
 	if ex.b != nil {
 		st.State = StateActive

@@ -165,6 +165,16 @@ func (s *sender) add(p []byte, name *unix.RawSockaddrInet6, namelen uint32) {
 
 func (s *sender) full() bool { return s.n == batchSize }
 
+// size is the payload of queued datagrams from up to to, read from the
+// lengths already in hand rather than asked of the kernel again.
+func (s *sender) size(from, to int) int64 {
+	var n int64
+	for i := from; i < to; i++ {
+		n += int64(s.iov[i].Len)
+	}
+	return n
+}
+
 func (s *sender) send(fd uintptr) bool {
 	for s.off < s.n {
 		n, _, e := unix.Syscall6(unix.SYS_SENDMMSG, fd, uintptr(unsafe.Pointer(&s.hs[s.off])),

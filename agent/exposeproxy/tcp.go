@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -131,9 +132,9 @@ func (p *Proxy) pipe(ex *exposure, client *net.TCPConn, t *target) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		halfCopy(guest, client)
+		halfCopy(guest, client, &ex.bytesIn)
 	}()
-	halfCopy(client, guest)
+	halfCopy(client, guest, &ex.bytesOut)
 	<-done
 	p.log.Debug("exposure connection closed", "exposure", ex.id, "client", client.RemoteAddr())
 }
@@ -142,12 +143,13 @@ func (p *Proxy) pipe(ex *exposure, client *net.TCPConn, t *target) {
 // a half-close so request/response protocols that shut down their write side
 // still get their answer. *net.TCPConn.ReadFrom splices on Linux, so the bytes
 // never enter userspace. Any error tears down both halves, which also
-// unblocks the opposite direction.
+// unblocks the opposite direction. What each splice moved is added to
+// carried, from the count splice returns anyway.
 //
 // It splices only what src already holds and waits for more itself: a splice
 // keeps a pipe (two descriptors and its kernel buffers) for as long as it
 // waits, so an idle held connection would cost six descriptors, not two.
-func halfCopy(dst, src *net.TCPConn) {
+func halfCopy(dst, src *net.TCPConn, carried *atomic.Int64) {
 	teardown := func() {
 		dst.Close()
 		src.Close()
@@ -167,7 +169,11 @@ func halfCopy(dst, src *net.TCPConn) {
 		if n == 0 {
 			break // EOF
 		}
-		if _, err := dst.ReadFrom(&io.LimitedReader{R: src, N: n}); err != nil {
+		moved, err := dst.ReadFrom(&io.LimitedReader{R: src, N: n})
+		// Counted before the error check: a splice cut short still moved
+		// these bytes.
+		carried.Add(moved)
+		if err != nil {
 			teardown()
 			return
 		}

@@ -20,15 +20,16 @@ import (
 
 // TestTCPCarriesBothWays pins the pipe: bulk data in both directions, a guest
 // that speaks first, and a request ended by half-close that still gets its
-// answer.
+// answer. Each counts exactly the bytes that crossed it each way.
 func TestTCPCarriesBothWays(t *testing.T) {
 	payload := make([]byte, 4<<20)
 	_, _ = rand.Read(payload)
 
 	cases := []struct {
-		name   string
-		guest  func(c *net.TCPConn)
-		client func(t *testing.T, c *net.TCPConn)
+		name    string
+		guest   func(c *net.TCPConn)
+		client  func(t *testing.T, c *net.TCPConn)
+		in, out int
 	}{
 		{
 			name: "bulk echo",
@@ -45,6 +46,7 @@ func TestTCPCarriesBothWays(t *testing.T) {
 				require.NoError(t, err)
 				require.True(t, bytes.Equal(payload, got), "echo differs: sent %d bytes, got %d", len(payload), len(got))
 			},
+			in: len(payload), out: len(payload),
 		},
 		{
 			name: "guest speaks first",
@@ -58,6 +60,7 @@ func TestTCPCarriesBothWays(t *testing.T) {
 				require.NoError(t, err)
 				assert.Equal(t, "SSH-2.0-guest\r\n", string(buf))
 			},
+			in: 0, out: 15,
 		},
 		{
 			name: "half-close request gets its answer",
@@ -73,6 +76,7 @@ func TestTCPCarriesBothWays(t *testing.T) {
 				require.NoError(t, err)
 				assert.Equal(t, strconv.Itoa(len(payload)), string(got))
 			},
+			in: len(payload), out: len(strconv.Itoa(len(payload))),
 		},
 	}
 	for _, tc := range cases {
@@ -87,6 +91,10 @@ func TestTCPCarriesBothWays(t *testing.T) {
 			got := p.status(t, "e1")
 			assert.Zero(t, got.Refused)
 			assert.Zero(t, got.Dropped)
+			// The pipe counts before it lets go of the connection, so once
+			// it is no longer active the totals are final.
+			assert.Equal(t, int64(tc.in), got.BytesIn, "caller to guest")
+			assert.Equal(t, int64(tc.out), got.BytesOut, "guest to caller")
 			assert.Equal(t, 1, p.logs.count(slog.LevelDebug, "connection opened"))
 			assert.Equal(t, 1, p.logs.count(slog.LevelDebug, "connection closed"))
 		})

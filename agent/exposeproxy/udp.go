@@ -100,6 +100,7 @@ func (p *Proxy) forward(ex *exposure, b *binding, bt *batch, g *group, full *boo
 			out.add(bt.data(int(k)), nil, 0)
 		}
 		sent, err := out.flush(s.rc)
+		ex.bytesIn.Add(out.size(0, sent))
 		i += sent
 		if err == nil {
 			return
@@ -271,6 +272,7 @@ func (p *Proxy) relay(ex *exposure, b *binding, s *session) {
 		}
 		for i := 0; i < out.n; {
 			sent, err := out.flushFrom(b.prc, i)
+			ex.bytesOut.Add(out.size(i, sent))
 			if err == nil {
 				break
 			}

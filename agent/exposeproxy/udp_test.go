@@ -30,6 +30,14 @@ func TestUDPEchoThroughProxy(t *testing.T) {
 	}
 	assert.True(t, "echo:"+string(big) == say(t, a, string(big)), "a near-maximal datagram is carried whole")
 
+	// Payloads only, each way; the reply leg is counted once it is sent, so
+	// the client may read it a moment before.
+	in := int64(len("one") + len("two") + len("three") + len(big))
+	out := in + 4*int64(len("echo:"))
+	require.Eventually(t, func() bool {
+		st := p.status(t, "e1")
+		return st.BytesIn == in && st.BytesOut == out
+	}, 5*time.Second, 5*time.Millisecond, "bytes in/out: want %d/%d, have %+v", in, out, p.status(t, "e1"))
 	st := p.status(t, "e1")
 	assert.Equal(t, int64(2), st.Active, "one session per client")
 	assert.Zero(t, st.Refused)
@@ -69,6 +77,7 @@ func TestUDPDropsWithoutGuestAddress(t *testing.T) {
 	st := p.status(t, "e1")
 	assert.Zero(t, st.Refused, "a guest still leasing is not a port at its cap")
 	assert.Zero(t, st.Active, "a dropped datagram starts no session")
+	assert.Zero(t, st.BytesIn, "a dropped datagram was not carried")
 }
 
 // TestUDPSendToClosedGuestPortDrops: the ICMP port-unreachable that comes

@@ -287,7 +287,8 @@ func (n *Node) Fill(rep *eitriv1.ActualStateReport) {
 	for _, s := range n.ports.Status() {
 		rep.Exposures = append(rep.Exposures, &eitriv1.ExposureActual{
 			Id: s.ID, State: string(s.State), Reason: s.Reason,
-			Sessions: &eitriv1.ExposureSessions{Active: s.Active, Refused: s.Refused, Dropped: s.Dropped},
+			Sessions: &eitriv1.ExposureSessions{Active: s.Active, Refused: s.Refused, Dropped: s.Dropped,
+				Carried: &eitriv1.ExposureBytes{In: s.BytesIn, Out: s.BytesOut}},
 		})
 	}
 	if n.capacity != nil {

@@ -80,6 +80,12 @@ func TestAPublishedPortCarriesTrafficAndItsCountersReachTheReport(t *testing.T) 
 	// The dropped caller's session may end just after it was counted as
 	// dropped, so wait for the gauge to settle on this one open session.
 	require.Eventually(t, func() bool { return report(n).Exposures[0].GetSessions().GetActive() == 1 }, 5*time.Second, 10*time.Millisecond)
+	// The echo's bytes each way; the way back is counted once its splice
+	// returns, which may be just after the caller read it.
+	require.Eventually(t, func() bool {
+		c := report(n).Exposures[0].GetSessions().GetCarried()
+		return c != nil && c.GetIn() == 6 && c.GetOut() == 6
+	}, 5*time.Second, 10*time.Millisecond, "bytes in/out: %v", report(n).Exposures[0].GetSessions())
 	rep := report(n)
 	require.Len(t, rep.Exposures, 1)
 	assert.Equal(t, "active", rep.Exposures[0].State)

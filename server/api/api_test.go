@@ -474,7 +474,17 @@ func TestJSONShowsEveryFieldAndNullForWhatNobodyReported(t *testing.T) {
 		return out["exposures"].([]any)[0].(map[string]any)["sessions"] != nil
 	}, 5*time.Second, 20*time.Millisecond)
 	s := out["exposures"].([]any)[0].(map[string]any)["sessions"].(map[string]any)
-	assert.Equal(t, map[string]any{"active": "7", "refused": "12", "dropped": "3"}, s)
+	assert.Equal(t, map[string]any{"active": "7", "refused": "12", "dropped": "3", "carried": nil}, s,
+		"an agent that counts sessions but not bytes: the bytes are null, not 0")
+
+	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Exposures: []*eitriv1.ExposureActual{{Id: x["id"].(string), State: "active",
+		Sessions: &eitriv1.ExposureSessions{Active: 7, Refused: 12, Dropped: 3, Carried: &eitriv1.ExposureBytes{In: 0, Out: 1 << 40}}}}})
+	require.Eventually(t, func() bool {
+		_, out = e.postJSON("/eitri.v1.ExposureService/ListExposures", map[string]any{})
+		return out["exposures"].([]any)[0].(map[string]any)["sessions"].(map[string]any)["carried"] != nil
+	}, 5*time.Second, 20*time.Millisecond)
+	c := out["exposures"].([]any)[0].(map[string]any)["sessions"].(map[string]any)["carried"]
+	assert.Equal(t, map[string]any{"in": "0", "out": "1099511627776"}, c, "a counted zero is a zero")
 }
 
 func TestTheConsoleLogsInWithACookieAndLogoutRevokesIt(t *testing.T) {

@@ -188,7 +188,10 @@ func (f *Fleet) exposureView(ctx context.Context, e store.Exposure) *eitriv1.Exp
 	if row := f.reg.Exposure(e.HostID, e.ID); row != nil {
 		out.State, out.Reason = row.GetState(), row.GetReason()
 		if s := row.GetSessions(); s != nil {
-			out.Sessions = &eitriv1.ExposureSessions{Active: s.GetActive(), Refused: s.GetRefused(), Dropped: s.GetDropped()}
+			// The bytes keep their own null: an agent that counts sessions
+			// but not bytes leaves them unset.
+			out.Sessions = &eitriv1.ExposureSessions{Active: s.GetActive(), Refused: s.GetRefused(), Dropped: s.GetDropped(),
+				Carried: s.GetCarried()}
 		}
 	}
 	return out

@@ -267,7 +267,11 @@ type ExposureSessions struct {
 	Refused int64 `protobuf:"varint,2,opt,name=refused,proto3" json:"refused,omitempty"`
 	// dropped: conversations the host could not carry to the guest (no guest
 	// address, refused dial, failed send), counted since the agent started.
-	Dropped       int64 `protobuf:"varint,3,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	Dropped int64 `protobuf:"varint,3,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	// carried: the bytes moved each way, counted since the agent started.
+	// Unset (JSON null) from an agent that counts the numbers above but not
+	// bytes.
+	Carried       *ExposureBytes `protobuf:"bytes,4,opt,name=carried,proto3" json:"carried,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -323,6 +327,70 @@ func (x *ExposureSessions) GetDropped() int64 {
 	return 0
 }
 
+func (x *ExposureSessions) GetCarried() *ExposureBytes {
+	if x != nil {
+		return x.Carried
+	}
+	return nil
+}
+
+// ExposureBytes is payload carried through a published port: the TCP stream,
+// or the UDP datagrams' payloads (no IP or UDP headers). What the host could
+// not hand on (a dropped datagram) is not counted.
+type ExposureBytes struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// in: from callers to the guest.
+	In int64 `protobuf:"varint,1,opt,name=in,proto3" json:"in,omitempty"`
+	// out: from the guest back to callers.
+	Out           int64 `protobuf:"varint,2,opt,name=out,proto3" json:"out,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExposureBytes) Reset() {
+	*x = ExposureBytes{}
+	mi := &file_eitri_v1_resources_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExposureBytes) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExposureBytes) ProtoMessage() {}
+
+func (x *ExposureBytes) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_resources_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExposureBytes.ProtoReflect.Descriptor instead.
+func (*ExposureBytes) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_resources_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ExposureBytes) GetIn() int64 {
+	if x != nil {
+		return x.In
+	}
+	return 0
+}
+
+func (x *ExposureBytes) GetOut() int64 {
+	if x != nil {
+		return x.Out
+	}
+	return 0
+}
+
 // Progress is the structured form of a step that moves toward an end, beside
 // the sentence a host says about it: clients draw bars from these numbers and
 // never parse the sentence. Unset (JSON null) when the current step has no
@@ -348,7 +416,7 @@ type Progress struct {
 
 func (x *Progress) Reset() {
 	*x = Progress{}
-	mi := &file_eitri_v1_resources_proto_msgTypes[4]
+	mi := &file_eitri_v1_resources_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -360,7 +428,7 @@ func (x *Progress) String() string {
 func (*Progress) ProtoMessage() {}
 
 func (x *Progress) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_resources_proto_msgTypes[4]
+	mi := &file_eitri_v1_resources_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -373,7 +441,7 @@ func (x *Progress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Progress.ProtoReflect.Descriptor instead.
 func (*Progress) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_resources_proto_rawDescGZIP(), []int{4}
+	return file_eitri_v1_resources_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Progress) GetStep() string {
@@ -421,11 +489,15 @@ const file_eitri_v1_resources_proto_rawDesc = "" +
 	"\fdisk_used_gb\x18\a \x01(\x03R\n" +
 	"diskUsedGb\x12 \n" +
 	"\fdisk_free_gb\x18\b \x01(\x03R\n" +
-	"diskFreeGb\"^\n" +
+	"diskFreeGb\"\x91\x01\n" +
 	"\x10ExposureSessions\x12\x16\n" +
 	"\x06active\x18\x01 \x01(\x03R\x06active\x12\x18\n" +
 	"\arefused\x18\x02 \x01(\x03R\arefused\x12\x18\n" +
-	"\adropped\x18\x03 \x01(\x03R\adropped\"s\n" +
+	"\adropped\x18\x03 \x01(\x03R\adropped\x121\n" +
+	"\acarried\x18\x04 \x01(\v2\x17.eitri.v1.ExposureBytesR\acarried\"1\n" +
+	"\rExposureBytes\x12\x0e\n" +
+	"\x02in\x18\x01 \x01(\x03R\x02in\x12\x10\n" +
+	"\x03out\x18\x02 \x01(\x03R\x03out\"s\n" +
 	"\bProgress\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\tR\x04step\x12\x1d\n" +
 	"\n" +
@@ -446,20 +518,22 @@ func file_eitri_v1_resources_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_resources_proto_rawDescData
 }
 
-var file_eitri_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_eitri_v1_resources_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_eitri_v1_resources_proto_goTypes = []any{
 	(*Capacity)(nil),         // 0: eitri.v1.Capacity
 	(*Allocated)(nil),        // 1: eitri.v1.Allocated
 	(*Metrics)(nil),          // 2: eitri.v1.Metrics
 	(*ExposureSessions)(nil), // 3: eitri.v1.ExposureSessions
-	(*Progress)(nil),         // 4: eitri.v1.Progress
+	(*ExposureBytes)(nil),    // 4: eitri.v1.ExposureBytes
+	(*Progress)(nil),         // 5: eitri.v1.Progress
 }
 var file_eitri_v1_resources_proto_depIdxs = []int32{
-	0, // [0:0] is the sub-list for method output_type
-	0, // [0:0] is the sub-list for method input_type
-	0, // [0:0] is the sub-list for extension type_name
-	0, // [0:0] is the sub-list for extension extendee
-	0, // [0:0] is the sub-list for field type_name
+	4, // 0: eitri.v1.ExposureSessions.carried:type_name -> eitri.v1.ExposureBytes
+	1, // [1:1] is the sub-list for method output_type
+	1, // [1:1] is the sub-list for method input_type
+	1, // [1:1] is the sub-list for extension type_name
+	1, // [1:1] is the sub-list for extension extendee
+	0, // [0:1] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_resources_proto_init() }
@@ -467,14 +541,14 @@ func file_eitri_v1_resources_proto_init() {
 	if File_eitri_v1_resources_proto != nil {
 		return
 	}
-	file_eitri_v1_resources_proto_msgTypes[4].OneofWrappers = []any{}
+	file_eitri_v1_resources_proto_msgTypes[5].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_resources_proto_rawDesc), len(file_eitri_v1_resources_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   5,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

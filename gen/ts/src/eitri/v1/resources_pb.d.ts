@@ -160,6 +160,15 @@ export declare type ExposureSessions = Message<"eitri.v1.ExposureSessions"> & {
    * @generated from field: int64 dropped = 3;
    */
   dropped: bigint;
+
+  /**
+   * carried: the bytes moved each way, counted since the agent started.
+   * Unset (JSON null) from an agent that counts the numbers above but not
+   * bytes.
+   *
+   * @generated from field: eitri.v1.ExposureBytes carried = 4;
+   */
+  carried?: ExposureBytes | undefined;
 };
 
 /**
@@ -167,6 +176,35 @@ export declare type ExposureSessions = Message<"eitri.v1.ExposureSessions"> & {
  * Use `create(ExposureSessionsSchema)` to create a new message.
  */
 export declare const ExposureSessionsSchema: GenMessage<ExposureSessions>;
+
+/**
+ * ExposureBytes is payload carried through a published port: the TCP stream,
+ * or the UDP datagrams' payloads (no IP or UDP headers). What the host could
+ * not hand on (a dropped datagram) is not counted.
+ *
+ * @generated from message eitri.v1.ExposureBytes
+ */
+export declare type ExposureBytes = Message<"eitri.v1.ExposureBytes"> & {
+  /**
+   * in: from callers to the guest.
+   *
+   * @generated from field: int64 in = 1;
+   */
+  in: bigint;
+
+  /**
+   * out: from the guest back to callers.
+   *
+   * @generated from field: int64 out = 2;
+   */
+  out: bigint;
+};
+
+/**
+ * Describes the message eitri.v1.ExposureBytes.
+ * Use `create(ExposureBytesSchema)` to create a new message.
+ */
+export declare const ExposureBytesSchema: GenMessage<ExposureBytes>;
 
 /**
  * Progress is the structured form of a step that moves toward an end, beside

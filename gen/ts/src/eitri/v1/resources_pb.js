@@ -8,7 +8,7 @@ import { fileDesc, messageDesc } from "@bufbuild/protobuf/codegenv2";
  * Describes the file eitri/v1/resources.proto.
  */
 export const file_eitri_v1_resources = /*@__PURE__*/
-  fileDesc("ChhlaXRyaS92MS9yZXNvdXJjZXMucHJvdG8SCGVpdHJpLnYxIjoKCENhcGFjaXR5Eg0KBXZjcHVzGAEgASgFEg4KBm1lbV9tYhgCIAEoAxIPCgdkaXNrX2diGAMgASgDIjsKCUFsbG9jYXRlZBINCgV2Y3B1cxgBIAEoBRIOCgZtZW1fbWIYAiABKAMSDwoHZGlza19nYhgDIAEoAyKqAQoHTWV0cmljcxINCgVsb2FkMRgBIAEoARINCgVsb2FkNRgCIAEoARIOCgZsb2FkMTUYAyABKAESFAoMbWVtX3RvdGFsX21iGAQgASgDEhgKEG1lbV9hdmFpbGFibGVfbWIYBSABKAMSFQoNZGlza190b3RhbF9nYhgGIAEoAxIUCgxkaXNrX3VzZWRfZ2IYByABKAMSFAoMZGlza19mcmVlX2diGAggASgDIkQKEEV4cG9zdXJlU2Vzc2lvbnMSDgoGYWN0aXZlGAEgASgDEg8KB3JlZnVzZWQYAiABKAMSDwoHZHJvcHBlZBgDIAEoAyJWCghQcm9ncmVzcxIMCgRzdGVwGAEgASgJEhIKCmRvbmVfYnl0ZXMYAiABKAQSGAoLdG90YWxfYnl0ZXMYAyABKARIAIgBAUIOCgxfdG90YWxfYnl0ZXNCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM");
+  fileDesc("ChhlaXRyaS92MS9yZXNvdXJjZXMucHJvdG8SCGVpdHJpLnYxIjoKCENhcGFjaXR5Eg0KBXZjcHVzGAEgASgFEg4KBm1lbV9tYhgCIAEoAxIPCgdkaXNrX2diGAMgASgDIjsKCUFsbG9jYXRlZBINCgV2Y3B1cxgBIAEoBRIOCgZtZW1fbWIYAiABKAMSDwoHZGlza19nYhgDIAEoAyKqAQoHTWV0cmljcxINCgVsb2FkMRgBIAEoARINCgVsb2FkNRgCIAEoARIOCgZsb2FkMTUYAyABKAESFAoMbWVtX3RvdGFsX21iGAQgASgDEhgKEG1lbV9hdmFpbGFibGVfbWIYBSABKAMSFQoNZGlza190b3RhbF9nYhgGIAEoAxIUCgxkaXNrX3VzZWRfZ2IYByABKAMSFAoMZGlza19mcmVlX2diGAggASgDIm4KEEV4cG9zdXJlU2Vzc2lvbnMSDgoGYWN0aXZlGAEgASgDEg8KB3JlZnVzZWQYAiABKAMSDwoHZHJvcHBlZBgDIAEoAxIoCgdjYXJyaWVkGAQgASgLMhcuZWl0cmkudjEuRXhwb3N1cmVCeXRlcyIoCg1FeHBvc3VyZUJ5dGVzEgoKAmluGAEgASgDEgsKA291dBgCIAEoAyJWCghQcm9ncmVzcxIMCgRzdGVwGAEgASgJEhIKCmRvbmVfYnl0ZXMYAiABKAQSGAoLdG90YWxfYnl0ZXMYAyABKARIAIgBAUIOCgxfdG90YWxfYnl0ZXNCL1otZ2l0aHViLmNvbS9hNzN4L2VpdHJpL2dlbi9nby9laXRyaS92MTtlaXRyaXYxYgZwcm90bzM");
 
 /**
  * Describes the message eitri.v1.Capacity.
@@ -39,9 +39,16 @@ export const ExposureSessionsSchema = /*@__PURE__*/
   messageDesc(file_eitri_v1_resources, 3);
 
 /**
+ * Describes the message eitri.v1.ExposureBytes.
+ * Use `create(ExposureBytesSchema)` to create a new message.
+ */
+export const ExposureBytesSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_resources, 4);
+
+/**
  * Describes the message eitri.v1.Progress.
  * Use `create(ProgressSchema)` to create a new message.
  */
 export const ProgressSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_resources, 4);
+  messageDesc(file_eitri_v1_resources, 5);
 
