@@ -25,6 +25,12 @@ func hostDesc(name, help string) *prometheus.Desc {
 	return prometheus.NewDesc("eitri_host_"+name, help, hostLabels, nil)
 }
 
+var portLabels = []string{"exposure", "vm", "host", "protocol"}
+
+func portDesc(name, help string, extra []string) *prometheus.Desc {
+	return prometheus.NewDesc("eitri_published_port_"+name, help, append(append([]string{}, portLabels...), extra...), nil)
+}
+
 var (
 	vmCPU         = vmDesc("cpu_seconds_total", "CPU time the VM's QEMU process used (user and system), since it started.")
 	vmRSS         = vmDesc("memory_resident_bytes", "Resident memory of the VM's QEMU process.")
@@ -63,6 +69,13 @@ var (
 	hostAllMem    = hostDesc("allocated_memory_bytes", "Memory of the VMs placed on the host.")
 	hostAllDisk   = hostDesc("allocated_disk_bytes", "Disk of the VMs placed on the host.")
 
+	// Published ports: labelled by the exposure's id and what it belongs to;
+	// never by caller addresses, which are unbounded.
+	portSessions = portDesc("sessions", "Conversations a published port holds right now (open TCP connections, live UDP sessions).", nil)
+	portRefused  = portDesc("refused_total", "Callers a published port turned away at its cap, since its host's agent started.", nil)
+	portDropped  = portDesc("dropped_total", "Conversations a published port could not carry to its guest, since its host's agent started.", nil)
+	portBytes    = portDesc("bytes_total", "Payload bytes a published port carried, since its host's agent started: in is callers to the guest, out the guest to callers.", []string{"direction"})
+
 	watcherCount = prometheus.NewDesc("eitri_watchers", "Watch streams open on this control plane, by what they watch.", []string{"stream"}, nil)
 	scrapeErrors = prometheus.NewDesc("eitri_scrape_errors", "1 when part of this scrape could not be read (see the control plane's log).", []string{"part"}, nil)
 )
@@ -84,7 +97,8 @@ func (c *collector) Describe(chan<- *prometheus.Desc) {}
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	vms, vmErr := c.fleet.ListVMs(c.ctx)
 	hosts, hostErr := c.fleet.ListHosts(c.ctx)
-	for part, err := range map[string]error{"vms": vmErr, "hosts": hostErr} {
+	ports, portErr := c.fleet.ListExposures(c.ctx, "")
+	for part, err := range map[string]error{"vms": vmErr, "hosts": hostErr, "exposures": portErr} {
 		v := 0.0
 		if err != nil {
 			v = 1
@@ -113,6 +127,13 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		l := []string{v.GetId(), v.GetName(), v.GetHostId(), v.GetOwnerId()}
 		gauge(ch, vmVCPUs, float64(v.GetVcpus()), l)
 		gauge(ch, vmMemory, float64(v.GetMemMb())*(1<<20), l)
+	}
+	for _, e := range ports {
+		// ListExposures already holds to the caller's VMs; a port of a VM
+		// this scrape does not serve (deleted) is left out with it.
+		if _, ok := visible[e.GetVmId()]; ok {
+			c.port(ch, e)
+		}
 	}
 	vmUse, hostUse := c.usage.Latest()
 	for _, s := range vmUse {
@@ -217,5 +238,24 @@ func (c *collector) hostUsage(ch chan<- prometheus.Metric, u *eitriv1.HostUsage,
 		gauge(ch, hostLoad1, ld.GetLoad1(), l)
 		gauge(ch, hostLoad5, ld.GetLoad5(), l)
 		gauge(ch, hostLoad15, ld.GetLoad15(), l)
+	}
+}
+
+// port serves what the port's host counted. A port its host has not counted
+// (pending, or an agent that does not count) has no series, and its bytes
+// none until the agent counts bytes: never 0 for silence.
+func (c *collector) port(ch chan<- prometheus.Metric, e *eitriv1.Exposure) {
+	s := e.GetSessions()
+	if s == nil {
+		return
+	}
+	l := []string{e.GetId(), e.GetVmId(), e.GetHostId(), e.GetProtocol()}
+	gauge(ch, portSessions, float64(s.GetActive()), l)
+	counter(ch, portRefused, float64(s.GetRefused()), l)
+	counter(ch, portDropped, float64(s.GetDropped()), l)
+	if b := s.GetCarried(); b != nil {
+		fixed := l[:len(l):len(l)] // each append copies, so neither sees the other's direction
+		counter(ch, portBytes, float64(b.GetIn()), append(fixed, "in"))
+		counter(ch, portBytes, float64(b.GetOut()), append(fixed, "out"))
 	}
 }

@@ -18,11 +18,13 @@ import (
 	"github.com/a73x/eitri/server/usage"
 )
 
-// Fleet is what a scrape reads: the VMs and hosts the caller (on ctx) may
-// see, as ListVMs and ListHosts serve them.
+// Fleet is what a scrape reads: the VMs, hosts and published ports the
+// caller (on ctx) may see, as ListVMs, ListHosts and ListExposures serve
+// them (an empty vmID lists every port the caller can see).
 type Fleet interface {
 	ListVMs(ctx context.Context) ([]*eitriv1.VM, error)
 	ListHosts(ctx context.Context) ([]*eitriv1.Host, error)
+	ListExposures(ctx context.Context, vmID string) ([]*eitriv1.Exposure, error)
 }
 
 // Usage is the newest sample of each VM and host.

@@ -43,7 +43,10 @@ type fleet struct {
 	admin, alice, bob string
 	hostID            string
 	alicesVM, bobsVM  *eitriv1.VM
-	sync              *connect.BidiStreamForClient[eitriv1.SyncRequest, eitriv1.SyncResponse]
+	// alicesPort and bobsPort are counted by the host (see ports);
+	// alicesQuiet never is.
+	alicesPort, bobsPort, alicesQuiet *eitriv1.Exposure
+	sync                              *connect.BidiStreamForClient[eitriv1.SyncRequest, eitriv1.SyncResponse]
 }
 
 func bearer(tok string) connect.ClientOption { return connect.WithInterceptors(connclient.Bearer(tok)) }
@@ -110,7 +113,35 @@ func newFleet(t *testing.T) *fleet {
 		v, err := vms.GetVM(ctx, connect.NewRequest(&eitriv1.GetVMRequest{Id: f.bobsVM.Id}))
 		return err == nil && v.Msg.Vm.GetActualPower() == "running"
 	}, 10*time.Second, 5*time.Millisecond)
+
+	publish := func(tok, vmID, protocol string) *eitriv1.Exposure {
+		x, err := eitriv1connect.NewExposureServiceClient(f.http, f.url, bearer(tok)).CreateExposure(ctx, connect.NewRequest(&eitriv1.CreateExposureRequest{
+			VmId: vmID, GuestPort: 80, Protocol: protocol}))
+		require.NoError(t, err)
+		return x.Msg.Exposure
+	}
+	f.alicesPort, f.bobsPort = publish(f.alice, f.alicesVM.Id, "tcp"), publish(f.bob, f.bobsVM.Id, "udp")
+	f.alicesQuiet = publish(f.alice, f.alicesVM.Id, "udp")
 	return f
+}
+
+// ports reports the host's exposures: alice's port has carried in and out
+// bytes, bob's a fixed amount, and alice's quiet port is reported without
+// counters (an agent that does not count).
+func (f *fleet) ports(in, out int64) {
+	counted := func(id string, in, out int64) *eitriv1.ExposureActual {
+		return &eitriv1.ExposureActual{Id: id, State: "active", Sessions: &eitriv1.ExposureSessions{
+			Active: 2, Refused: 3, Dropped: 4, Carried: &eitriv1.ExposureBytes{In: in, Out: out}}}
+	}
+	running := func(id string) *eitriv1.ActualVM {
+		return &eitriv1.ActualVM{VmId: id, Power: "running", Phase: "ready"}
+	}
+	f.report(&eitriv1.ActualStateReport{
+		Capacity: &eitriv1.Capacity{Vcpus: 8, MemMb: 16384, DiskGb: 200},
+		Vms:      []*eitriv1.ActualVM{running(f.alicesVM.Id), running(f.bobsVM.Id)},
+		Exposures: []*eitriv1.ExposureActual{counted(f.alicesPort.Id, in, out), counted(f.bobsPort.Id, 77, 88),
+			{Id: f.alicesQuiet.Id, State: "active"}},
+	})
 }
 
 func (f *fleet) report(rep *eitriv1.ActualStateReport) {
@@ -169,13 +200,35 @@ func value(fams map[string]*dto.MetricFamily, name, id string) (float64, bool) {
 	return 0, false
 }
 
+// portValue is the sample of family name for exposure id (and direction,
+// when not empty), and the sample's labels.
+func portValue(fams map[string]*dto.MetricFamily, name, id, direction string) (float64, map[string]string, bool) {
+	for _, m := range fams[name].GetMetric() {
+		labels := map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		if labels["exposure"] != id || labels["direction"] != direction {
+			continue
+		}
+		if c := m.GetCounter(); c != nil {
+			return c.GetValue(), labels, true
+		}
+		return m.GetGauge().GetValue(), labels, true
+	}
+	return 0, nil, false
+}
+
 func TestAScrapeServesTheFleetAsTheTokenMaySeeIt(t *testing.T) {
 	f := newFleet(t)
+	f.ports(1500, 1<<33)
 	f.sample(12.5, 4096)
 	require.Eventually(t, func() bool {
 		_, body := f.scrape(f.admin)
-		_, ok := value(parse(t, body), "eitri_vm_cpu_seconds_total", f.bobsVM.Id)
-		return ok
+		fams := parse(t, body)
+		_, vmOK := value(fams, "eitri_vm_cpu_seconds_total", f.bobsVM.Id)
+		_, _, portOK := portValue(fams, "eitri_published_port_bytes_total", f.bobsPort.Id, "in")
+		return vmOK && portOK
 	}, 10*time.Second, 10*time.Millisecond)
 
 	status, body := f.scrape(f.admin)
@@ -201,6 +254,26 @@ func TestAScrapeServesTheFleetAsTheTokenMaySeeIt(t *testing.T) {
 	_, ok = value(fams, "eitri_vm_memory_balloon_bytes", f.alicesVM.Id)
 	assert.False(t, ok, "no balloon measured: no series, not 0")
 
+	// Published ports: sessions and bytes as the host counted them, with
+	// bounded labels only.
+	in, portLabels, ok := portValue(fams, "eitri_published_port_bytes_total", f.alicesPort.Id, "in")
+	require.True(t, ok)
+	assert.Equal(t, 1500.0, in)
+	assert.Equal(t, map[string]string{"exposure": f.alicesPort.Id, "vm": f.alicesVM.Id, "host": f.hostID, "protocol": "tcp", "direction": "in"}, portLabels)
+	out, _, _ := portValue(fams, "eitri_published_port_bytes_total", f.alicesPort.Id, "out")
+	assert.Equal(t, float64(1<<33), out)
+	assert.Equal(t, dto.MetricType_COUNTER, fams["eitri_published_port_bytes_total"].GetType())
+	for name, want := range map[string]float64{"eitri_published_port_sessions": 2, "eitri_published_port_refused_total": 3, "eitri_published_port_dropped_total": 4} {
+		v, _, ok := portValue(fams, name, f.alicesPort.Id, "")
+		assert.True(t, ok, name)
+		assert.Equal(t, want, v, name)
+	}
+	assert.Equal(t, dto.MetricType_GAUGE, fams["eitri_published_port_sessions"].GetType())
+	_, _, ok = portValue(fams, "eitri_published_port_sessions", f.alicesQuiet.Id, "")
+	assert.False(t, ok, "a port its host does not count: no series, not 0")
+	_, _, ok = portValue(fams, "eitri_published_port_bytes_total", f.bobsPort.Id, "out")
+	assert.True(t, ok, "the admin sees bob's port too")
+
 	// The control plane's own: its watch streams, for an admin.
 	usageSt, err := eitriv1connect.NewUsageServiceClient(f.http, f.url, bearer(f.admin)).WatchUsage(context.Background(), connect.NewRequest(&eitriv1.WatchUsageRequest{}))
 	require.NoError(t, err)
@@ -221,7 +294,10 @@ func TestAScrapeServesTheFleetAsTheTokenMaySeeIt(t *testing.T) {
 	fams = parse(t, body)
 	_, ok = value(fams, "eitri_vm_cpu_seconds_total", f.alicesVM.Id)
 	assert.True(t, ok)
+	_, _, ok = portValue(fams, "eitri_published_port_bytes_total", f.alicesPort.Id, "in")
+	assert.True(t, ok, "alice sees her own port")
 	assert.NotContains(t, body, f.bobsVM.Id)
+	assert.NotContains(t, body, f.bobsPort.Id)
 	assert.NotContains(t, body, "bobs")
 	assert.NotContains(t, body, "eitri_watchers", "the control plane's own figures are an admin's")
 
@@ -324,8 +400,14 @@ scrape_configs:
 		"prometheus never saw the VM's CPU seconds; its log:\n%s", &logs)
 
 	f.sample(17.5, 5000)
+	f.ports(1234, 5678)
 	require.Eventually(t, func() bool { v, ok := query(cpu); return ok && v == 17.5 }, 30*time.Second, 200*time.Millisecond,
 		"the CPU seconds never grew; prometheus' log:\n%s", &logs)
+	portIn := fmt.Sprintf(`eitri_published_port_bytes_total{exposure=%q,direction="in"}`, f.alicesPort.Id)
+	require.Eventually(t, func() bool { v, ok := query(portIn); return ok && v == 1234 }, 30*time.Second, 200*time.Millisecond,
+		"prometheus never saw the port's bytes; its log:\n%s", &logs)
+	_, ok := query(fmt.Sprintf(`eitri_published_port_sessions{exposure=%q}`, f.bobsPort.Id))
+	assert.False(t, ok, "alice's token scrapes no port of bob's")
 	v, ok := query(fmt.Sprintf(`eitri_vm_network_transmit_bytes_total{vm=%q}`, f.alicesVM.Id))
 	require.True(t, ok)
 	assert.Equal(t, float64(5000), v)
