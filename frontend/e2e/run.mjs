@@ -495,7 +495,7 @@ async function inside(bin, guest) {
 				const remove = row.getByRole('button', { name: /^Remove published port \d+$/ });
 				const port = Number((await remove.getAttribute('aria-label')).match(/\d+$/)[0]);
 				await row.getByText('active', { exact: true }).waitFor({ timeout: 30_000 });
-				const summaryRe = /(\d+) open · (\d+) refused, (\d+) dropped since agent start/;
+				const summaryRe = /(\d+) open · (\d+) refused, (\d+) dropped(?: · (\S+ \S+) in, (\S+ \S+) out)? since agent start/;
 				const traffic = row.locator('td[data-label="Traffic"]');
 				const before = ((await traffic.textContent()) ?? '').trim();
 				log(`exposure on 127.0.0.1:${port}, summary before: ${JSON.stringify(before)}`);
@@ -515,7 +515,13 @@ async function inside(bin, guest) {
 						20_000,
 						'the summary shows the held connection as open'
 					);
-					log(`summary with one open: ${((await traffic.textContent()) ?? '').trim()}`);
+					const open = ((await traffic.textContent()) ?? '').trim();
+					log(`summary with one open: ${open}`);
+					// The three answered requests were counted before the held
+					// connection opened, so this report carries their bytes.
+					const [, , , , inBytes, outBytes] = open.match(summaryRe);
+					if (!inBytes || inBytes === '0 B' || !outBytes || outBytes === '0 B')
+						throw new Error(`the summary shows no bytes carried after three requests: ${JSON.stringify(open)}`);
 					await shot('vm-detail-exposure');
 				} finally {
 					held.destroy();

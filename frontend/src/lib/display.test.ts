@@ -2,7 +2,7 @@ import { describe, expect, test } from 'vitest';
 import { create, type MessageInitShape } from '@bufbuild/protobuf';
 import { VMSchema } from '@eitri/sdk/vm_pb';
 import { ImageReadiness, ImageSchema } from '@eitri/sdk/images_pb';
-import { ExposureSessionsSchema } from '@eitri/sdk/resources_pb';
+import { ExposureBytesSchema, ExposureSessionsSchema } from '@eitri/sdk/resources_pb';
 import { timestampFromDate } from '@bufbuild/protobuf/wkt';
 import {
 	canRestore,
@@ -145,6 +145,15 @@ describe('sessionSummary', () => {
 	});
 	test('reported zeros are a fact and are shown', () => {
 		expect(sessionSummary(create(ExposureSessionsSchema))).toBe('0 open · 0 refused, 0 dropped since agent start');
+		const none = create(ExposureSessionsSchema, { carried: create(ExposureBytesSchema) });
+		expect(sessionSummary(none)).toBe('0 open · 0 refused, 0 dropped · 0 B in, 0 B out since agent start');
+	});
+	test('carried bytes read in binary units, each way', () => {
+		const s = create(ExposureSessionsSchema, {
+			active: 1n,
+			carried: create(ExposureBytesSchema, { in: 1536n, out: 5n * 1024n ** 3n })
+		});
+		expect(sessionSummary(s)).toBe('1 open · 0 refused, 0 dropped · 1.5 KiB in, 5 GiB out since agent start');
 	});
 	test('uncounted sessions say nothing, not zero', () => {
 		expect(sessionSummary(undefined)).toBeNull();

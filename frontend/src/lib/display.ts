@@ -100,10 +100,12 @@ export function vmError(vm: VMStatusFields): string {
 
 /** What an exposure's port has carried, or null when nobody counted. Zeros are
  *  a reported fact and are shown; absence is silence and must not become
- *  zeros. The totals reset with the agent, hence the closing clause. */
+ *  zeros, so an agent that counts sessions but not bytes gets no bytes
+ *  clause. The totals reset with the agent, hence the closing clause. */
 export function sessionSummary(s: ExposureSessions | null | undefined): string | null {
 	if (!s) return null;
-	return `${s.active} open · ${s.refused} refused, ${s.dropped} dropped since agent start`;
+	const bytes = s.carried ? ` · ${formatBytes(s.carried.in)} in, ${formatBytes(s.carried.out)} out` : '';
+	return `${s.active} open · ${s.refused} refused, ${s.dropped} dropped${bytes} since agent start`;
 }
 
 const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
