@@ -142,7 +142,7 @@ func OpenSource(ctx context.Context, path string) (*Store, error) {
 	// One connection, kept: it is the one holding the lock.
 	db.SetMaxOpenConns(1)
 	db.SetMaxIdleConns(1)
-	s := &Store{db: db, wlock: make(chan struct{}, 1), now: func() time.Time { return time.Now().UTC() }}
+	s := &Store{db: observe(db), wlock: make(chan struct{}, 1), now: func() time.Time { return time.Now().UTC() }}
 	if err := s.checkSource(ctx, path); err != nil {
 		db.Close()
 		return nil, err

@@ -102,7 +102,7 @@ func openPostgres(ctx context.Context, dsn string) (*Store, error) {
 	db.SetMaxOpenConns(16)
 	db.SetMaxIdleConns(8)
 	db.SetConnMaxIdleTime(5 * time.Minute)
-	s := &Store{db: db, pg: true, now: func() time.Time { return time.Now().UTC() }, pgcfg: cfg, replica: replica}
+	s := &Store{db: observe(db), pg: true, now: func() time.Time { return time.Now().UTC() }, pgcfg: cfg, replica: replica}
 	if err := s.start(ctx, shown); err != nil {
 		db.Close()
 		return nil, err
@@ -205,6 +205,7 @@ func (s *Store) retryPostgres(ctx context.Context, level sql.IsolationLevel, fn 
 // txOnce runs fn in one transaction: fn's error rolls it back and is
 // returned as is, else it commits.
 func (s *Store) txOnce(ctx context.Context, opts *sql.TxOptions, fn func(tx *sql.Tx) error) error {
+	defer s.db.since(OpTransaction, time.Now())
 	tx, err := s.db.BeginTx(ctx, opts)
 	if err != nil {
 		return err

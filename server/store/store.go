@@ -60,7 +60,7 @@ const busyTimeout = 10 * time.Second
 
 // Store is the durable store. It is safe for concurrent use.
 type Store struct {
-	db *sql.DB
+	db *observedDB
 	// wlock serializes writers inside this process: SQLite allows one writer
 	// at a time, and queueing here (cancellable by ctx) is cheaper and more
 	// predictable than contending on the file lock. Readers use the pool
@@ -118,7 +118,7 @@ func openSQLite(ctx context.Context, path string) (*Store, error) {
 	db.SetMaxOpenConns(8)
 	db.SetMaxIdleConns(8)
 
-	s := &Store{db: db, wlock: make(chan struct{}, 1), now: func() time.Time { return time.Now().UTC() }}
+	s := &Store{db: observe(db), wlock: make(chan struct{}, 1), now: func() time.Time { return time.Now().UTC() }}
 	if err := s.start(ctx, path); err != nil {
 		db.Close()
 		return nil, err
@@ -316,11 +316,13 @@ func (s *Store) write(ctx context.Context, fn func(tx *sql.Tx) error) error {
 	if s.pg {
 		return s.writePostgres(ctx, fn)
 	}
+	waited := time.Now()
 	select {
 	case s.wlock <- struct{}{}:
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+	s.db.since(OpWriteWait, waited)
 	defer func() { <-s.wlock }()
 	return s.txOnce(ctx, nil, fn)
 }
