@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/auth"
 	"github.com/a73x/eitri/server/usage"
 )
 
@@ -42,12 +43,16 @@ const Fresh = time.Minute
 // the API it does not see here either.
 //
 // watchers counts the control plane's open watch streams by what they
-// watch ("vms", "hosts", ...); only an admin's scrape holds them.
-func Handler(f Fleet, u Usage, watchers func() map[string]int, log *slog.Logger) http.Handler {
+// watch ("vms", "hosts", ...); they and self (the control plane's own
+// figures, nil for none) are only in an admin's scrape.
+func Handler(f Fleet, u Usage, watchers func() map[string]int, self *Self, log *slog.Logger) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		reg := prometheus.NewRegistry()
 		// A registry per scrape: what it holds depends on who asks.
 		reg.MustRegister(&collector{ctx: r.Context(), fleet: f, usage: u, watchers: watchers, now: time.Now(), log: log})
+		if p, ok := auth.FromContext(r.Context()); ok && p.Admin && self != nil {
+			reg.MustRegister(self)
+		}
 		promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.HTTPErrorOnError}).ServeHTTP(w, r)
 	})
 }
