@@ -120,6 +120,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		cfg.Log.Info("store on PostgreSQL", "db", store.Redact(db))
 	}
 	s.Store = st
+	self := metrics.NewSelf()
+	st.Observe(self)
 	// One replica at a time: the first to start on an empty database makes
 	// the secrets and the first admin, and the others take them.
 	err = st.Exclusive(ctx, func() error {
@@ -185,7 +187,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 
 	r := chi.NewRouter()
 	r.Get("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
-	api.Mount(r, s.Fleet, cfg.Log)
+	api.Mount(r, s.Fleet, self, cfg.Log)
 	api.MountSession(r, s.Fleet)
 	api.MountReflection(r)
 	// Agents fetch their upgrades here (ranges resume a download).
@@ -196,7 +198,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	r.Handle(MetricsPath, metrics.Handler(s.Fleet, s.Fleet.Usage, func() map[string]int {
 		return map[string]int{"vms": s.Fleet.VMs.Watchers(), "hosts": s.Fleet.Hosts.Watchers(),
 			"exposures": s.Fleet.Exposures.Watchers(), "rollouts": s.Fleet.Rollouts.Watchers(), "usage": s.Fleet.Usage.Watchers()}
-	}, cfg.Log))
+	}, self, cfg.Log))
 	if cfg.Routes != nil {
 		cfg.Routes(r)
 	}
@@ -205,7 +207,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		console = http.HandlerFunc(noConsole)
 	}
 	r.Handle("/*", httpguard.Console(console))
-	guard := &httpguard.Guard{Route: s.route, BodyTimeout: cmp.Or(cfg.BodyTimeout, DefaultBodyTimeout), Log: cfg.Log}
+	guard := &httpguard.Guard{Route: s.route, BodyTimeout: cmp.Or(cfg.BodyTimeout, DefaultBodyTimeout), Log: cfg.Log,
+		Refused: func(r *http.Request, code connect.Code) { self.Refused(api.ProcedureLabel(r.URL.Path), code) }}
 	s.handler = guard.Wrap(r)
 	return s, nil
 }

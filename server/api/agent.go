@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"errors"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -11,6 +12,12 @@ import (
 )
 
 type agentService struct{ handlers }
+
+// received is a report and when it was read off the stream.
+type received struct {
+	report *eitriv1.ActualStateReport
+	at     time.Time
+}
 
 func (s agentService) Enroll(ctx context.Context, r *connect.Request[eitriv1.EnrollRequest]) (*connect.Response[eitriv1.EnrollResponse], error) {
 	resp, err := s.f.Enroll(ctx, r.Msg)
@@ -43,10 +50,12 @@ func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.S
 		return s.toConnect(err)
 	}
 	defer sess.Close()
+	s.obs.SyncOpened()
+	defer s.obs.SyncClosed()
 
 	// Receive in its own goroutine: a blocked Receive cannot watch for the
 	// session being replaced. Returning from the handler unblocks it.
-	reports := make(chan *eitriv1.ActualStateReport)
+	reports := make(chan received)
 	recvErr := make(chan error, 1)
 	go func() {
 		for {
@@ -63,7 +72,7 @@ func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.S
 			}
 			if rep := msg.GetReport(); rep != nil {
 				select {
-				case reports <- rep:
+				case reports <- received{rep, time.Now()}:
 				case <-sess.Context().Done():
 					return
 				}
@@ -84,7 +93,8 @@ func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.S
 			// resends a full report, so there is nothing to keep.
 			return shutdownErr(ctx)
 		case rep := <-reports:
-			sess.Apply(ctx, rep)
+			sess.Apply(ctx, rep.report)
+			s.obs.ReportApplied(time.Since(rep.at))
 		case <-sess.Kicks():
 			snap, err := sess.Snapshot(ctx)
 			if err != nil {

@@ -23,14 +23,19 @@ import (
 )
 
 // Mount registers every service on r, each under its /package.Service/
-// prefix.
-func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
+// prefix. obs (nil for none) is told of every call.
+func Mount(r chi.Router, f *fleet.Fleet, obs Observer, log *slog.Logger) {
+	if obs == nil {
+		obs = unobserved{}
+	}
 	opts := []connect.HandlerOption{
 		connect.WithCodec(protoCodec{}),
 		connect.WithCodec(jsonCodec{name: "json"}),
 		connect.WithCodec(jsonCodec{name: "json; charset=utf-8"}),
 		// Every message is bounded, compressed and inflated (limits.go).
 		connect.WithConditionalHandlerOptions(messageLimits),
+		// First, so it sees what every later interceptor refuses.
+		connect.WithInterceptors(observing{obs}),
 		connect.WithInterceptors(auth.Interceptor{
 			Resolve: f.Resolve, ResolveSession: f.ResolveSession, Hold: f.Hold,
 			Skip: func(procedure string) bool {
@@ -38,7 +43,7 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 			},
 		}),
 	}
-	h := handlers{f: f, log: log}
+	h := handlers{f: f, log: log, obs: obs}
 	// After auth, so the principal whose streams are counted is known.
 	opts = append(opts, connect.WithInterceptors(streamQuota{h}))
 	for _, mount := range []func() (string, http.Handler){
@@ -59,13 +64,14 @@ func Mount(r chi.Router, f *fleet.Fleet, log *slog.Logger) {
 	} {
 		path, handler := mount()
 		// auth.Console: the console's cookie is good here (from its own pages).
-		r.Handle(path+"*", withFlushGate(auth.Console(handler)))
+		r.Handle(path+"*", observeUnrouted(obs, withFlushGate(auth.Console(handler))))
 	}
 }
 
 type handlers struct {
 	f   *fleet.Fleet
 	log *slog.Logger
+	obs Observer
 }
 
 // toConnect maps a fleet error to its Connect code. Internal errors are

@@ -50,6 +50,9 @@ type Guard struct {
 	// trickles in slower is cut off and the request fails.
 	BodyTimeout time.Duration
 	Log         *slog.Logger
+	// Refused, when set, is told of each RPC call refused here, with the
+	// code it was refused with (no handler, so no interceptor, sees it).
+	Refused func(r *http.Request, code connect.Code)
 }
 
 // Wrap returns next behind the guard.
@@ -59,6 +62,12 @@ func (g *Guard) Wrap(next http.Handler) http.Handler {
 		log = slog.New(slog.DiscardHandler)
 	}
 	errw := connect.NewErrorWriter()
+	deny := func(w http.ResponseWriter, r *http.Request, rule Rule, err *connect.Error) {
+		if rule.RPC && g.Refused != nil {
+			g.Refused(r, err.Code())
+		}
+		refuse(w, r, rule, errw, err)
+	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		setBaseHeaders(w.Header())
 		rule := g.Route(r)
@@ -70,13 +79,13 @@ func (g *Guard) Wrap(next http.Handler) http.Handler {
 					log.Error("checking credentials", "path", r.URL.Path, "err", err)
 					ce = connect.NewError(connect.CodeInternal, errors.New("could not check the credentials (see the control plane's log)"))
 				}
-				refuse(w, r, rule, errw, ce)
+				deny(w, r, rule, ce)
 				return
 			}
 			r = r.WithContext(ctx)
 		}
 		if rule.MaxBody > 0 && r.ContentLength > rule.MaxBody {
-			refuse(w, r, rule, errw, connect.NewError(connect.CodeResourceExhausted,
+			deny(w, r, rule, connect.NewError(connect.CodeResourceExhausted,
 				fmt.Errorf("request body of %d bytes is over the limit of %d bytes for %s", r.ContentLength, rule.MaxBody, r.URL.Path)))
 			return
 		}
