@@ -89,8 +89,8 @@ func NewSelf() *Self {
 			Help: "Agents' Sync streams open on this control plane that said hello and hold their host's session.",
 		}),
 		reportLag: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "eitri_sync_report_lag_seconds",
-			Help: "From this control plane reading an agent's state report off its Sync stream to having applied it (stored and published to watchers), queueing behind earlier reports included. Time on the wire is not: reports carry no send time.",
+			Name:    "eitri_sync_report_lag_seconds",
+			Help:    "From this control plane reading an agent's state report off its Sync stream to having applied it (stored and published to watchers), queueing behind earlier reports included. Time on the wire is not: reports carry no send time.",
 			Buckets: latencyBuckets,
 		}),
 		store: prometheus.NewHistogramVec(prometheus.HistogramOpts{
