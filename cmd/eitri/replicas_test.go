@@ -7,12 +7,14 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/a73x/eitri/agent/consolerelay"
 	"github.com/a73x/eitri/agent/qemu"
@@ -399,4 +401,103 @@ func TestAReplicaThatLostAHostSendsItNothingMore(t *testing.T) {
 	old.Close()
 	_, err = moved.Snapshot(ctx)
 	require.NoError(t, err, "a's late close did not release b's claim")
+}
+
+// TestUsageMeasuredThroughOneReplicaIsChartedOnAnother: an agent on
+// replica b sends usage samples; a usage watcher on replica a gets each of
+// them once, in order, for the host and its VM, and a's window holds them.
+func TestUsageMeasuredThroughOneReplicaIsChartedOnAnother(t *testing.T) {
+	db := pgtest.DSN(t)
+	a := startReplica(t, db)
+	b := startReplica(t, db)
+	token := a.srv.AdminToken
+	onA, onB := a.as(t, token), b.as(t, token)
+
+	id := b.enroll(onB)
+	id.ServerURLs = []string{b.url}
+	src := &source{}
+	// Each sample's CPU seconds is its number: 1, 2, 3, ... The VM's
+	// series starts once the VM exists.
+	var n atomic.Int64
+	var vmID atomic.Pointer[string]
+	cfg := quickAgent(id, src, "agent-1")
+	cfg.UsageEvery = 200 * time.Millisecond // several report writes (every 50 ms) between samples
+	cfg.Usage = func(context.Context) *eitriv1.UsageSample {
+		i := float64(n.Add(1))
+		now := timestamppb.Now()
+		u := &eitriv1.UsageSample{Host: &eitriv1.HostUsage{At: now, CpuBusySeconds: &i}}
+		if v := vmID.Load(); v != nil {
+			u.Vms = []*eitriv1.VMUsage{{VmId: *v, At: now, CpuSeconds: &i}}
+		}
+		return u
+	}
+	agentCtx, stopAgent := context.WithCancel(context.Background())
+	defer stopAgent()
+	startAgentStream(agentCtx, cfg)
+	require.Eventually(t, func() bool {
+		h, err := a.srv.Fleet.GetHost(onA, id.HostID)
+		return err == nil && h.Connected && h.Capacity.GetVcpus() == 4
+	}, 10*time.Second, 10*time.Millisecond, "a shows b's host")
+
+	vm, err := a.srv.Fleet.CreateVM(onA, &eitriv1.CreateVMRequest{
+		Name: "web-1", ImageUrl: "http://x/y.raw", ImageSha256: "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+		Vcpus: 1, MemMb: 256, DiskGb: 1,
+	})
+	require.NoError(t, err)
+	src.mu.Lock()
+	src.vms = []*eitriv1.ActualVM{{VmId: vm.Id, Power: vmstate.PowerRunning, Phase: vmstate.PhaseReady}}
+	src.mu.Unlock()
+	vmID.Store(&vm.Id)
+	// The host's report changes between samples, so its row is rewritten
+	// with the same sample on it several times.
+	narrate, stopNarrating := context.WithCancel(context.Background())
+	defer stopNarrating()
+	go func() {
+		for i := 0; narrate.Err() == nil; i++ {
+			src.mu.Lock()
+			src.vms = []*eitriv1.ActualVM{{VmId: vm.Id, Power: vmstate.PowerRunning, Phase: vmstate.PhaseReady, StatusDetail: fmt.Sprintf("step %d", i)}}
+			src.mu.Unlock()
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+	w, _, err := a.srv.Fleet.WatchUsage(onA, "", "")
+	require.NoError(t, err)
+	defer w.Close()
+
+	// What a's watcher hears: strictly rising numbers per series (a sample
+	// taken twice from a row rewritten for its report would repeat one),
+	// until it has heard 5 of each.
+	last, heard := map[string]float64{}, map[string]int{}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for heard["vm"] < 5 || heard["host"] < 5 {
+		evs, err := w.Next(ctx)
+		require.NoError(t, err, "a's watcher heard: %v", last)
+		for _, ev := range evs {
+			kind, cpu := "", 0.0
+			switch e := ev.Obj.GetEvent().(type) {
+			case *eitriv1.WatchUsageResponse_Vm:
+				assert.Equal(t, vm.Id, e.Vm.GetVmId())
+				assert.Equal(t, id.HostID, e.Vm.GetHostId())
+				kind, cpu = "vm", e.Vm.GetCpuSeconds()
+			case *eitriv1.WatchUsageResponse_Host:
+				assert.Equal(t, id.HostID, e.Host.GetHostId())
+				kind, cpu = "host", e.Host.GetCpuBusySeconds()
+			default:
+				continue
+			}
+			assert.Greater(t, cpu, last[kind], "%s samples arrive once each, in order", kind)
+			last[kind] = cpu
+			heard[kind]++
+		}
+	}
+	_, win, err := a.srv.Fleet.WatchUsage(onA, vm.Id, "")
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, len(win.GetVms()), 5, "a's window holds the VM's samples")
+	for i, u := range win.GetVms() {
+		assert.Equal(t, vm.Id, u.GetVmId())
+		if i > 0 {
+			assert.Greater(t, u.GetCpuSeconds(), win.GetVms()[i-1].GetCpuSeconds(), "oldest first, none twice")
+		}
+	}
 }

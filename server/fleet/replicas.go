@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"sync"
@@ -50,7 +51,13 @@ type replicas struct {
 	mirrors map[string]mirror
 	// dirty: hosts held here whose report other replicas have not seen.
 	dirty map[string]*Session
-	flush chan struct{}
+	// usage: the newest usage sample of hosts held here, marshalled, not
+	// yet written for the other replicas.
+	usage map[string][]byte
+	// applied: the usage sample last taken from each mirrored host's row,
+	// so a row rewritten for its report adds no sample twice.
+	applied map[string][]byte
+	flush   chan struct{}
 }
 
 type mirror struct {
@@ -63,12 +70,36 @@ func (f *Fleet) shareReport(s *Session) {
 	if !f.st.Shared() {
 		return
 	}
-	r := &f.replicas
+	f.replicas.queue(s, nil)
+}
+
+// shareUsage queues the host's newest usage sample for the other replicas,
+// whose watchers chart it too.
+func (f *Fleet) shareUsage(s *Session, u *eitriv1.UsageSample) {
+	if !f.st.Shared() {
+		return
+	}
+	b, err := proto.Marshal(u)
+	if err != nil {
+		return
+	}
+	f.replicas.queue(s, b)
+}
+
+// queue marks the host's row for the next write, with usage when a new
+// sample came.
+func (r *replicas) queue(s *Session, usage []byte) {
 	r.mu.Lock()
 	if r.dirty == nil {
 		r.dirty = map[string]*Session{}
 	}
 	r.dirty[s.hostID] = s
+	if usage != nil {
+		if r.usage == nil {
+			r.usage = map[string][]byte{}
+		}
+		r.usage[s.hostID] = usage
+	}
 	r.mu.Unlock()
 	select {
 	case r.flush <- struct{}{}:
@@ -184,8 +215,8 @@ func (f *Fleet) shareLive(ctx context.Context) {
 		case <-pace.C:
 		}
 		r.mu.Lock()
-		dirty := r.dirty
-		r.dirty = nil
+		dirty, usage := r.dirty, r.usage
+		r.dirty, r.usage = nil, nil
 		r.mu.Unlock()
 		var reps []store.LiveReport
 		held := map[string]*Session{}
@@ -198,7 +229,7 @@ func (f *Fleet) shareLive(ctx context.Context) {
 			if err != nil {
 				continue
 			}
-			reps = append(reps, store.LiveReport{HostID: id, Conn: s.claim, Report: b})
+			reps = append(reps, store.LiveReport{HostID: id, Conn: s.claim, Report: b, Usage: usage[id]})
 			held[id] = s
 		}
 		if len(reps) == 0 {
@@ -216,6 +247,12 @@ func (f *Fleet) shareLive(ctx context.Context) {
 					}
 					if _, newer := r.dirty[id]; !newer {
 						r.dirty[id] = s
+					}
+					if _, newer := r.usage[id]; !newer && usage[id] != nil {
+						if r.usage == nil {
+							r.usage = map[string][]byte{}
+						}
+						r.usage[id] = usage[id]
 					}
 				}
 				r.mu.Unlock()
@@ -486,6 +523,32 @@ func (fl *follower) mirrorRow(ctx context.Context, row store.HostLive) {
 	if d, ok := f.reg.Apply(row.HostID, m.local, rep, now); ok {
 		f.publishDiff(ctx, row.HostID, d)
 	}
+	fl.takeUsage(ctx, row)
+}
+
+// takeUsage adds the usage sample on a mirrored host's row to this
+// replica's windows, once: the row is rewritten for every report.
+func (fl *follower) takeUsage(ctx context.Context, row store.HostLive) {
+	f := fl.f
+	r := &f.replicas
+	r.mu.Lock()
+	seen := bytes.Equal(r.applied[row.HostID], row.Usage)
+	if !seen && row.Usage != nil {
+		if r.applied == nil {
+			r.applied = map[string][]byte{}
+		}
+		r.applied[row.HostID] = row.Usage
+	}
+	r.mu.Unlock()
+	if seen || row.Usage == nil {
+		return
+	}
+	u := &eitriv1.UsageSample{}
+	if err := proto.Unmarshal(row.Usage, u); err != nil {
+		f.log.Warn("another replica's host usage does not decode", "host", row.HostID, "err", err)
+		return
+	}
+	f.addUsage(ctx, row.HostID, u)
 }
 
 func (fl *follower) dropMirror(ctx context.Context, hostID string) {
@@ -494,6 +557,7 @@ func (fl *follower) dropMirror(ctx context.Context, hostID string) {
 	r.mu.Lock()
 	m, ok := r.mirrors[hostID]
 	delete(r.mirrors, hostID)
+	delete(r.applied, hostID)
 	r.mu.Unlock()
 	if !ok {
 		return

@@ -12,22 +12,32 @@ import (
 // for itself and for the VMs it reports holding, each placed on it; a
 // sample of any other VM is dropped.
 func (s *Session) Usage(ctx context.Context, u *eitriv1.UsageSample) {
-	f := s.f
+	kept := s.f.addUsage(ctx, s.hostID, u)
+	s.f.shareUsage(s, kept)
+}
+
+// addUsage records a round of hostID's measurements, from its own stream
+// or another replica's, and returns what of it was kept.
+func (f *Fleet) addUsage(ctx context.Context, hostID string, u *eitriv1.UsageSample) *eitriv1.UsageSample {
+	kept := &eitriv1.UsageSample{}
 	if h := u.GetHost(); h != nil {
-		h.HostId = s.hostID // the credential, not the message, says who this is
+		h.HostId = hostID // the credential, not the message, says who this is
 		f.Usage.AddHost(h)
+		kept.Host = h
 	}
 	for _, v := range u.GetVms() {
-		if row, _ := f.reg.VM(s.hostID, v.GetVmId()); row == nil {
+		if row, _ := f.reg.VM(hostID, v.GetVmId()); row == nil {
 			continue
 		}
-		owner, ok := f.usageOwner(ctx, s.hostID, v.GetVmId())
+		owner, ok := f.usageOwner(ctx, hostID, v.GetVmId())
 		if !ok {
 			continue
 		}
-		v.HostId = s.hostID
+		v.HostId = hostID
 		f.Usage.AddVM(owner, v)
+		kept.Vms = append(kept.Vms, v)
 	}
+	return kept
 }
 
 // usageOwner is the owner of a VM placed on hostID: from the usage series

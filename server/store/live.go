@@ -38,9 +38,10 @@ type HostLive struct {
 	Connected bool
 	// Expired: the holder's claim lapsed (it stopped renewing).
 	Expired bool
-	// Hello and Report are the wire messages, marshalled.
-	Hello, Report []byte
-	Rev           int64
+	// Hello, Report and Usage (the newest UsageSample) are the wire
+	// messages, marshalled.
+	Hello, Report, Usage []byte
+	Rev                  int64
 }
 
 // ClaimHost makes this replica the holder of hostID's stream for the agent
@@ -53,7 +54,7 @@ func (s *Store) ClaimHost(ctx context.Context, hostID, instance string, hello []
 		err := tx.QueryRowContext(ctx, `INSERT INTO host_live (host_id, replica, instance, conn, connected, expires_at, hello, report, rev)
 			VALUES ($1, $2, $3, nextval('host_live_conn'), TRUE, `+dbNow+` + $4, $5, NULL, nextval('host_live_rev'))
 			ON CONFLICT (host_id) DO UPDATE SET replica = EXCLUDED.replica, instance = EXCLUDED.instance, conn = EXCLUDED.conn,
-				connected = TRUE, expires_at = EXCLUDED.expires_at, hello = EXCLUDED.hello, report = NULL, rev = EXCLUDED.rev
+				connected = TRUE, expires_at = EXCLUDED.expires_at, hello = EXCLUDED.hello, report = NULL, usage = NULL, rev = EXCLUDED.rev
 			WHERE host_live.replica = EXCLUDED.replica OR host_live.instance = EXCLUDED.instance
 				OR host_live.instance = '' OR EXCLUDED.instance = ''
 				OR NOT host_live.connected OR host_live.expires_at < `+dbNow+`
@@ -80,11 +81,13 @@ func (s *Store) HoldsHost(ctx context.Context, hostID string, conn int64) (bool,
 	return ok, err
 }
 
-// LiveReport is a report to publish for a host this replica holds.
+// LiveReport is a report to publish for a host this replica holds, and
+// its newest usage sample when one came since the last write (nil keeps
+// the one written before).
 type LiveReport struct {
-	HostID string
-	Conn   int64
-	Report []byte
+	HostID        string
+	Conn          int64
+	Report, Usage []byte
 }
 
 // WriteLive publishes reports of hosts this replica holds, in one
@@ -95,8 +98,9 @@ func (s *Store) WriteLive(ctx context.Context, reps []LiveReport, ttl time.Durat
 	err = s.liveWrite(ctx, func(tx *sql.Tx) error {
 		lost = lost[:0]
 		for _, r := range reps {
-			res, err := tx.ExecContext(ctx, `UPDATE host_live SET report = $1, rev = nextval('host_live_rev'), expires_at = `+dbNow+` + $2
-				WHERE host_id = $3 AND replica = $4 AND conn = $5 AND connected`, r.Report, ttl.Nanoseconds(), r.HostID, s.replica, r.Conn)
+			res, err := tx.ExecContext(ctx, `UPDATE host_live SET report = $1, usage = COALESCE($6, usage), rev = nextval('host_live_rev'),
+				expires_at = `+dbNow+` + $2
+				WHERE host_id = $3 AND replica = $4 AND conn = $5 AND connected`, r.Report, ttl.Nanoseconds(), r.HostID, s.replica, r.Conn, r.Usage)
 			if err != nil {
 				return err
 			}
@@ -113,7 +117,7 @@ func (s *Store) WriteLive(ctx context.Context, reps []LiveReport, ttl time.Durat
 // host's current one here.
 func (s *Store) ReleaseHost(ctx context.Context, hostID string, conn int64) error {
 	return s.liveWrite(ctx, func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, `UPDATE host_live SET connected = FALSE, report = NULL, rev = nextval('host_live_rev')
+		_, err := tx.ExecContext(ctx, `UPDATE host_live SET connected = FALSE, report = NULL, usage = NULL, rev = nextval('host_live_rev')
 			WHERE host_id = $1 AND replica = $2 AND conn = $3`, hostID, s.replica, conn)
 		return err
 	})
@@ -138,7 +142,7 @@ func (s *Store) LiveAll(ctx context.Context) ([]HostLive, error) {
 }
 
 func (s *Store) queryLive(ctx context.Context, where string, args ...any) ([]HostLive, error) {
-	rows, err := s.db.QueryContext(ctx, `SELECT host_id, replica, instance, conn, connected, expires_at < `+dbNow+`, hello, report, rev
+	rows, err := s.db.QueryContext(ctx, `SELECT host_id, replica, instance, conn, connected, expires_at < `+dbNow+`, hello, report, usage, rev
 		FROM host_live `+where, args...)
 	if err != nil {
 		return nil, err
@@ -147,7 +151,7 @@ func (s *Store) queryLive(ctx context.Context, where string, args ...any) ([]Hos
 	var out []HostLive
 	for rows.Next() {
 		var l HostLive
-		if err := rows.Scan(&l.HostID, &l.Replica, &l.Instance, &l.Conn, &l.Connected, &l.Expired, &l.Hello, &l.Report, &l.Rev); err != nil {
+		if err := rows.Scan(&l.HostID, &l.Replica, &l.Instance, &l.Conn, &l.Connected, &l.Expired, &l.Hello, &l.Report, &l.Usage, &l.Rev); err != nil {
 			return nil, err
 		}
 		out = append(out, l)
