@@ -2,18 +2,13 @@ package metrics_test
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -29,6 +24,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
+	"github.com/a73x/eitri/server/metrics/promtest"
 	"github.com/a73x/eitri/wire/connclient"
 )
 
@@ -326,86 +322,32 @@ func keys(m map[string]string) []string {
 	return out
 }
 
-// A real Prometheus (Debian's), run as nobody in a temporary directory,
-// scrapes the control plane on loopback with alice's token; PromQL through
-// its HTTP API sees her VM's CPU seconds grow and the bytes it sent.
+// A real Prometheus (Debian's, see promtest) scrapes the control plane on
+// loopback with alice's token; PromQL through its HTTP API sees her VM's CPU
+// seconds grow, the bytes it sent and her published port's bytes, and none
+// of bob's.
 func TestARealPrometheusScrapesTheFleet(t *testing.T) {
-	bin, err := exec.LookPath("prometheus")
-	if err != nil {
+	if _, err := exec.LookPath("prometheus"); err != nil {
 		t.Skip("prometheus is not installed (Debian package prometheus)")
 	}
 	f := newFleet(t)
 	f.sample(10, 1000)
-
-	// Not t.TempDir: its parent is private to root, and Prometheus runs
-	// as nobody.
-	dir, err := os.MkdirTemp("", "eitri-prometheus-")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	require.NoError(t, os.Chmod(dir, 0o777))
-	tokFile := filepath.Join(dir, "token")
-	require.NoError(t, os.WriteFile(tokFile, []byte(f.alice), 0o644))
 	target, err := url.Parse(f.url)
 	require.NoError(t, err)
-	cfg := fmt.Sprintf(`global:
-  scrape_interval: 1s
-scrape_configs:
-  - job_name: eitri
-    scheme: https
-    tls_config:
-      insecure_skip_verify: true
-    authorization:
-      credentials_file: %s
-    static_configs:
-      - targets: ['%s']
-`, tokFile, target.Host)
-	cfgFile := filepath.Join(dir, "prometheus.yml")
-	require.NoError(t, os.WriteFile(cfgFile, []byte(cfg), 0o644))
-	addr := freeLoopback(t)
-	cmd := exec.Command(bin, "--config.file="+cfgFile, "--storage.tsdb.path="+filepath.Join(dir, "data"),
-		"--web.listen-address="+addr, "--log.level=warn")
-	cmd.Dir = dir
-	if os.Geteuid() == 0 {
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
-	}
-	var logs strings.Builder
-	cmd.Stdout, cmd.Stderr = &logs, &logs
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	prom := promtest.Start(t, target, f.alice, time.Second)
+	query := prom.Query
 
-	query := func(q string) (float64, bool) {
-		resp, err := http.Get("http://" + addr + "/api/v1/query?query=" + url.QueryEscape(q))
-		if err != nil {
-			return 0, false
-		}
-		defer resp.Body.Close()
-		var r struct {
-			Data struct {
-				Result []struct {
-					Metric map[string]string `json:"metric"`
-					Value  [2]any            `json:"value"`
-				} `json:"result"`
-			} `json:"data"`
-		}
-		if json.NewDecoder(resp.Body).Decode(&r) != nil || len(r.Data.Result) != 1 {
-			return 0, false
-		}
-		var v float64
-		s, _ := r.Data.Result[0].Value[1].(string)
-		_, err = fmt.Sscan(s, &v)
-		return v, err == nil
-	}
 	cpu := fmt.Sprintf(`eitri_vm_cpu_seconds_total{vm=%q}`, f.alicesVM.Id)
 	require.Eventually(t, func() bool { v, ok := query(cpu); return ok && v == 10 }, 60*time.Second, 200*time.Millisecond,
-		"prometheus never saw the VM's CPU seconds; its log:\n%s", &logs)
+		"prometheus never saw the VM's CPU seconds; its log:\n%s", prom)
 
 	f.sample(17.5, 5000)
 	f.ports(1234, 5678)
 	require.Eventually(t, func() bool { v, ok := query(cpu); return ok && v == 17.5 }, 30*time.Second, 200*time.Millisecond,
-		"the CPU seconds never grew; prometheus' log:\n%s", &logs)
+		"the CPU seconds never grew; prometheus' log:\n%s", prom)
 	portIn := fmt.Sprintf(`eitri_published_port_bytes_total{exposure=%q,direction="in"}`, f.alicesPort.Id)
 	require.Eventually(t, func() bool { v, ok := query(portIn); return ok && v == 1234 }, 30*time.Second, 200*time.Millisecond,
-		"prometheus never saw the port's bytes; its log:\n%s", &logs)
+		"prometheus never saw the port's bytes; its log:\n%s", prom)
 	_, ok := query(fmt.Sprintf(`eitri_published_port_sessions{exposure=%q}`, f.bobsPort.Id))
 	assert.False(t, ok, "alice's token scrapes no port of bob's")
 	v, ok := query(fmt.Sprintf(`eitri_vm_network_transmit_bytes_total{vm=%q}`, f.alicesVM.Id))
@@ -413,13 +355,4 @@ scrape_configs:
 	assert.Equal(t, float64(5000), v)
 	_, ok = query(fmt.Sprintf(`eitri_vm_cpu_seconds_total{vm=%q}`, f.bobsVM.Id))
 	assert.False(t, ok, "alice's token scrapes no VM of bob's")
-}
-
-// freeLoopback returns a loopback address nothing listens on right now.
-func freeLoopback(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := ln.Addr().String()
-	require.NoError(t, ln.Close())
-	return addr
 }
