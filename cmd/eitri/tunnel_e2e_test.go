@@ -118,6 +118,10 @@ func TestTunnelsReachTheTestGuest(t *testing.T) {
 		assert.True(t, strings.HasPrefix(string(known), "eitri-"+id+" "), "the guest's host key is pinned: %s", known)
 	})
 
+	t.Run("a real Prometheus sees the guest's CPU and its published ports' bytes", func(t *testing.T) {
+		prometheusSeesTheGuest(t, dir, id)
+	})
+
 	r, err := vms.ListVMEvents(ctx, connect.NewRequest(&eitriv1.ListVMEventsRequest{VmId: id}))
 	require.NoError(t, err)
 	var tunnels []string
