@@ -197,7 +197,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	// Prometheus: the whole fleet in one scrape, as the token may see it.
 	r.Handle(MetricsPath, metrics.Handler(s.Fleet, s.Fleet.Usage, func() map[string]int {
 		return map[string]int{"vms": s.Fleet.VMs.Watchers(), "hosts": s.Fleet.Hosts.Watchers(),
-			"exposures": s.Fleet.Exposures.Watchers(), "rollouts": s.Fleet.Rollouts.Watchers(), "usage": s.Fleet.Usage.Watchers()}
+			"exposures": s.Fleet.Exposures.Watchers(), "rollouts": s.Fleet.Rollouts.Watchers(), "images": s.Fleet.Images.Watchers(), "usage": s.Fleet.Usage.Watchers()}
 	}, self, cfg.Log))
 	if cfg.Routes != nil {
 		cfg.Routes(r)

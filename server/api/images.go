@@ -6,6 +6,7 @@ import (
 	"connectrpc.com/connect"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/watch"
 )
 
 type imageService struct{ handlers }
@@ -38,4 +39,18 @@ func (s imageService) RefreshImage(ctx context.Context, r *connect.Request[eitri
 func (s imageService) PullImage(ctx context.Context, r *connect.Request[eitriv1.PullImageRequest]) (*connect.Response[eitriv1.PullImageResponse], error) {
 	img, err := s.f.PullImage(ctx, r.Msg)
 	return reply(s.handlers, &eitriv1.PullImageResponse{Image: img}, err)
+}
+
+func (s imageService) WatchImages(ctx context.Context, r *connect.Request[eitriv1.WatchImagesRequest], out *connect.ServerStream[eitriv1.WatchImagesResponse]) error {
+	w, list, err := s.f.WatchImages(ctx, r.Msg.GetName())
+	if err != nil {
+		return s.toConnect(err)
+	}
+	first := &eitriv1.WatchImagesResponse{Event: &eitriv1.WatchImagesResponse_Snapshot{Snapshot: &eitriv1.ImageList{Images: list}}}
+	return stream(ctx, s.handlers, w, first, out, func(ev watch.Event[*eitriv1.Image]) *eitriv1.WatchImagesResponse {
+		if ev.Removed {
+			return &eitriv1.WatchImagesResponse{Event: &eitriv1.WatchImagesResponse_RemovedName{RemovedName: ev.ID}}
+		}
+		return &eitriv1.WatchImagesResponse{Event: &eitriv1.WatchImagesResponse_Changed{Changed: ev.Obj}}
+	})
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -393,4 +394,84 @@ func TestPullSendsTheImageToItsHostsAndTheCatalogueSaysWhoHoldsIt(t *testing.T) 
 	_, err = e.images(e.admin).DeleteImage(ctx, connect.NewRequest(&eitriv1.DeleteImageRequest{Name: "debian-12"}))
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return len(a.next(t).GetImages()) == 0 }, 5*time.Second, time.Millisecond)
+}
+
+// TestACatalogueWatcherSeesAddsPullsAsTheHostNarratesThemAndRemovals: a
+// user's WatchImages stream gets the catalogue, then each change as it
+// happens, pushed; bad requests name their field.
+func TestACatalogueWatcherSeesAddsPullsAsTheHostNarratesThemAndRemovals(t *testing.T) {
+	e := newEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	h, cred := e.enroll("h1")
+	a := e.connect(h, cred, big())
+	alice := e.user("alice")
+
+	_, err := e.images(e.admin).AddImage(ctx, connect.NewRequest(&eitriv1.AddImageRequest{Name: "alpine", Url: "https://images.test/a.raw", Sha256: sha}))
+	require.NoError(t, err)
+	w, err := e.images(alice).WatchImages(ctx, connect.NewRequest(&eitriv1.WatchImagesRequest{}))
+	require.NoError(t, err)
+	defer w.Close()
+	require.True(t, w.Receive(), "the catalogue first: %v", w.Err())
+	require.Len(t, w.Msg().GetSnapshot().GetImages(), 1)
+	assert.Equal(t, "alpine", w.Msg().GetSnapshot().GetImages()[0].GetName())
+
+	// next reads the stream until an event about name satisfies ok.
+	next := func(what string, ok func(*eitriv1.WatchImagesResponse) bool) {
+		t.Helper()
+		for w.Receive() {
+			if ok(w.Msg()) {
+				return
+			}
+		}
+		t.Fatalf("the stream ended before %s: %v", what, w.Err())
+	}
+	state := func(state, detail string) func(*eitriv1.WatchImagesResponse) bool {
+		return func(m *eitriv1.WatchImagesResponse) bool {
+			hs := m.GetChanged().GetHosts()
+			return m.GetChanged().GetName() == "debian-12" && len(hs) == 1 && hs[0].GetState() == state && hs[0].GetStatusDetail() == detail
+		}
+	}
+
+	_, err = e.images(e.admin).AddImage(ctx, connect.NewRequest(&eitriv1.AddImageRequest{Name: "debian-12", Url: "https://images.test/d.raw", Sha256: sha}))
+	require.NoError(t, err)
+	next("the add", func(m *eitriv1.WatchImagesResponse) bool { return m.GetChanged().GetName() == "debian-12" })
+	_, err = e.images(e.admin).PullImage(ctx, connect.NewRequest(&eitriv1.PullImageRequest{Name: "debian-12", HostIds: []string{h}}))
+	require.NoError(t, err)
+	next("the pull", state("unknown", ""))
+	for _, step := range []string{"downloading image 1.0/4.0 MiB", "downloading image 3.0/4.0 MiB"} {
+		a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Images: []*eitriv1.ImageHeld{{Sha256: sha, StatusDetail: step}}})
+		next(step, state("pulling", step))
+	}
+	a.report(t, &eitriv1.ActualStateReport{Capacity: big(), Images: []*eitriv1.ImageHeld{{Sha256: sha, Held: true}}})
+	next("held", state("held", ""))
+	_, err = e.images(e.admin).DeleteImage(ctx, connect.NewRequest(&eitriv1.DeleteImageRequest{Name: "debian-12"}))
+	require.NoError(t, err)
+	next("the removal", func(m *eitriv1.WatchImagesResponse) bool { return m.GetRemovedName() == "debian-12" })
+
+	// One image by name: its snapshot alone; a name the catalogue lacks is
+	// NotFound, a malformed one names the field, no credential is refused.
+	one, err := e.images(alice).WatchImages(ctx, connect.NewRequest(&eitriv1.WatchImagesRequest{Name: "alpine"}))
+	require.NoError(t, err)
+	require.True(t, one.Receive())
+	assert.Len(t, one.Msg().GetSnapshot().GetImages(), 1)
+	one.Close()
+	for _, c := range []struct {
+		name, token string
+		code        connect.Code
+		says        string
+	}{
+		{"nope", alice, connect.CodeNotFound, "nope"},
+		{strings.Repeat("x", 200), alice, connect.CodeInvalidArgument, "name"},
+		{"alpine", "", connect.CodeUnauthenticated, ""},
+	} {
+		s, err := e.images(c.token).WatchImages(ctx, connect.NewRequest(&eitriv1.WatchImagesRequest{Name: c.name}))
+		if err == nil {
+			assert.False(t, s.Receive())
+			err = s.Err()
+			s.Close()
+		}
+		assert.Equal(t, c.code, connect.CodeOf(err), c.name)
+		assert.ErrorContains(t, err, c.says)
+	}
 }

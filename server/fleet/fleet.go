@@ -160,6 +160,8 @@ type Fleet struct {
 	VMs       *watch.Topic[*eitriv1.VM]
 	Hosts     *watch.Topic[*eitriv1.Host]
 	Exposures *watch.Topic[*eitriv1.Exposure]
+	// Images is the catalogue and how its pulls stand (imagewatch.go).
+	Images *watch.Topic[*eitriv1.Image]
 	// Usage is the recent usage hosts pushed (usage.go).
 	Usage *usage.Store
 
@@ -228,6 +230,7 @@ func New(cfg Config, st *store.Store) *Fleet {
 		VMs:       watch.NewTopic[*eitriv1.VM](),
 		Hosts:     watch.NewTopic[*eitriv1.Host](),
 		Exposures: watch.NewTopic[*eitriv1.Exposure](),
+		Images:    watch.NewTopic[*eitriv1.Image](),
 		Usage:     usage.New(0, 0),
 		sessions:  make(map[string]*Session),
 		touched:   make(map[string]time.Time),

@@ -12,6 +12,7 @@ import (
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/imagesource"
 	"github.com/a73x/eitri/server/store"
+	"github.com/a73x/eitri/server/watch"
 	"github.com/a73x/eitri/wire/bounds"
 )
 
@@ -171,6 +172,7 @@ func (f *Fleet) AddImage(ctx context.Context, r *eitriv1.AddImageRequest) (*eitr
 	if err := f.st.CreateImage(ctx, img, v); err != nil {
 		return nil, storeErr(err, "image "+img.Name)
 	}
+	f.publishImage(ctx, img.Name)
 	return f.GetImage(ctx, img.Name)
 }
 
@@ -216,6 +218,9 @@ func (f *Fleet) RefreshImage(ctx context.Context, r *eitriv1.RefreshImageRequest
 		f.kick(h) // the hosts holding it fetch the new version
 	}
 	view, err := f.imageView(ctx, got)
+	if err == nil && changed && f.Images.Watchers() > 0 {
+		f.Images.Publish(watch.Event[*eitriv1.Image]{ID: img.Name, Obj: view})
+	}
 	return view, changed, err
 }
 
@@ -239,6 +244,7 @@ func (f *Fleet) DeleteImage(ctx context.Context, name string) error {
 	if err := f.st.DeleteImage(ctx, name); err != nil {
 		return storeErr(err, "image "+name)
 	}
+	f.Images.Publish(watch.Event[*eitriv1.Image]{ID: name, Removed: true})
 	for _, h := range hosts {
 		f.kick(h)
 	}
@@ -281,6 +287,7 @@ func (f *Fleet) PullImage(ctx context.Context, r *eitriv1.PullImageRequest) (*ei
 	for _, h := range hosts {
 		f.kick(h)
 	}
+	f.publishImage(ctx, r.GetName())
 	return f.GetImage(ctx, r.GetName())
 }
 
@@ -387,6 +394,9 @@ func (f *Fleet) PutImage(ctx context.Context, name, url, sha256 string, props *e
 	err := f.st.CreateImage(ctx, img, v)
 	if errors.Is(err, store.ErrConflict) {
 		_, _, err = f.st.AdvanceImage(ctx, name, v, KeptImageVersions)
+	}
+	if err == nil {
+		f.publishImage(ctx, name)
 	}
 	return err
 }

@@ -388,10 +388,12 @@ func (fl *follower) apply(ctx context.Context, c store.Change) {
 		f.mu.Unlock()
 	case store.ChangeImagePull:
 		f.kick(c.HostID)
+		f.publishImage(ctx, c.ID)
 	case store.ChangeImage:
 		for _, h := range pulledTo(ctx, f, c.ID) {
 			f.kick(h) // the hosts holding it fetch the new version
 		}
+		f.publishImage(ctx, c.ID)
 	case store.ChangeHost:
 		fl.hosts[c.ID] = !c.Removed
 		if c.Removed {

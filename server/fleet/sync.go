@@ -406,4 +406,7 @@ func (f *Fleet) publishWritten(ctx context.Context, hostID string, d registry.Di
 	if d.Host {
 		f.publishHost(ctx, hostID)
 	}
+	if d.Images {
+		f.publishHostImages(ctx, hostID)
+	}
 }

@@ -46,6 +46,9 @@ type Diff struct {
 	// Refusal: the host started or stopped refusing snapshots, or its
 	// reason changed.
 	Refusal bool
+	// Images: what the host says of the images pulled to it changed (or
+	// is no longer said: it went away).
+	Images bool
 }
 
 // Registry is safe for concurrent use.
@@ -97,6 +100,7 @@ func everything(l *Live) Diff {
 	for id := range l.exps {
 		d.Exposures = append(d.Exposures, id)
 	}
+	d.Images = len(l.Report.GetImages()) > 0
 	return d
 }
 
@@ -134,6 +138,7 @@ func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateRep
 	}
 	d.Accelerator = rep.GetAccelerator() != "" && (rep.GetAccelerator() != prevAccel || rep.GetAcceleratorReason() != prevReason)
 	d.Refusal = !proto.Equal(old.GetSnapshotRefused(), rep.GetSnapshotRefused())
+	d.Images = !sameImages(old.GetImages(), rep.GetImages())
 	d.Host = old == nil || d.Accelerator || d.Refusal ||
 		!proto.Equal(old.GetCapacity(), rep.GetCapacity()) ||
 		!proto.Equal(old.GetMetrics(), rep.GetMetrics()) ||
@@ -168,6 +173,18 @@ func sameHeld(a, b []*eitriv1.QuarantinedVM) bool {
 	}
 	for i := range a {
 		if a[i].GetVmId() != b[i].GetVmId() || a[i].GetReason() != b[i].GetReason() {
+			return false
+		}
+	}
+	return true
+}
+
+func sameImages(a, b []*eitriv1.ImageHeld) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if !proto.Equal(a[i], b[i]) {
 			return false
 		}
 	}

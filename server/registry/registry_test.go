@@ -113,3 +113,28 @@ func TestOnlyDurableChangesAreMarkedForTheStore(t *testing.T) {
 		})
 	}
 }
+
+func TestImageRowsThatMoveAreNewsAndAHostLeavingTakesThemAway(t *testing.T) {
+	r := New()
+	conn, _ := r.Connect("h1", nil, time.Now())
+	pulling := &eitriv1.ImageHeld{Sha256: "ab", StatusDetail: "downloading image 1/3 GiB"}
+	steps := []struct {
+		name   string
+		images []*eitriv1.ImageHeld
+		news   bool
+	}{
+		{"none yet", nil, false},
+		{"a pull starts", []*eitriv1.ImageHeld{pulling}, true},
+		{"the same words again", []*eitriv1.ImageHeld{proto.CloneOf(pulling)}, false},
+		{"it moves", []*eitriv1.ImageHeld{{Sha256: "ab", StatusDetail: "downloading image 2/3 GiB"}}, true},
+		{"held", []*eitriv1.ImageHeld{{Sha256: "ab", Held: true}}, true},
+	}
+	for _, s := range steps {
+		d, ok := r.Apply("h1", conn, &eitriv1.ActualStateReport{Images: s.images}, time.Now())
+		require.True(t, ok)
+		assert.Equal(t, s.news, d.Images, s.name)
+	}
+	d, ok := r.Disconnect("h1", conn)
+	require.True(t, ok)
+	assert.True(t, d.Images, "the images it held are no longer said to be held")
+}

@@ -26,7 +26,8 @@ const (
 	ChangeHost     = "host"
 	ChangeExposure = "exposure"
 	// ChangeImagePull: an image (ID, its name) pulled to a host, or no
-	// longer. ChangeImage: an image (ID) moved to a new current version.
+	// longer. ChangeImage: an image (ID) added, removed (Removed) or moved
+	// to a new current version.
 	ChangeImagePull = "image_pull"
 	ChangeImage     = "image"
 )

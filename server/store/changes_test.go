@@ -128,7 +128,8 @@ func TestAFollowerNeverMissesAChangeCommittedAfterALaterNumberedOne(t *testing.T
 }
 
 // A pull, its end and a new version are in the feed, so the replica that
-// holds each host can send it a new snapshot.
+// holds each host can send it a new snapshot; an image added or removed
+// is too, for the catalogue's watchers on every replica.
 func TestTheChangeFeedRecordsImagePullsAndNewVersions(t *testing.T) {
 	a, b := replicas(t)
 	ctx := context.Background()
@@ -154,8 +155,10 @@ func TestTheChangeFeedRecordsImagePullsAndNewVersions(t *testing.T) {
 		rows = append(rows, seen{c.Kind, c.ID, c.HostID, c.Removed})
 	}
 	assert.Equal(t, []seen{
+		{ChangeImage, "debian-12", "", false}, // added
 		{ChangeImagePull, "debian-12", "h1", false},
-		{ChangeImage, "debian-12", "", false},
+		{ChangeImage, "debian-12", "", false}, // a new version
+		{ChangeImage, "debian-12", "", true},  // removed, and with it its pulls
 		{ChangeImagePull, "debian-12", "h1", true},
 	}, rows)
 }

@@ -238,10 +238,6 @@ func imageDetail(w io.Writer, i *eitriv1.Image) {
 	}
 }
 
-// pullPoll is how often `image pull` asks how its hosts stand: the catalogue
-// has no watch stream of its own, and a person reads a line a second.
-const pullPoll = 500 * time.Millisecond
-
 func newImagePullCmd(a *app) *cobra.Command {
 	var hosts []string
 	var all, noWait bool
@@ -297,7 +293,8 @@ Follows each host's download until all hold it (exit 0) or one fails
 
 // followPull says each host's step as it changes, until every host asked
 // (every host the image was pulled to, for --all) holds the image or one
-// has failed.
+// has failed. The image's watch stream pushes each step; a dropped stream
+// is opened again, and its snapshot says where things stand.
 func (c *client) followPull(ctx context.Context, name string, only []string) error {
 	want := map[string]bool{}
 	for _, id := range only {
@@ -305,52 +302,93 @@ func (c *client) followPull(ctx context.Context, name string, only []string) err
 	}
 	said := map[string]string{}
 	for {
-		r, err := c.image.GetImage(ctx, connect.NewRequest(&eitriv1.GetImageRequest{Name: name}))
-		if err != nil {
+		done, err := c.followPullStream(ctx, name, want, said)
+		if done || ctx.Err() != nil {
+			if err == nil && ctx.Err() != nil {
+				err = fmt.Errorf("stopped following the pull of %s: %w (the hosts go on)", name, ctx.Err())
+			}
+			return err
+		}
+		if connect.CodeOf(err) != connect.CodeUnavailable {
 			return apiError(err)
-		}
-		done, failed := 0, 0
-		var on []*eitriv1.ImageOnHost
-		for _, h := range r.Msg.Image.Hosts {
-			if len(want) == 0 || want[h.HostId] {
-				on = append(on, h)
-			}
-		}
-		if len(on) == 0 {
-			return fmt.Errorf("no host to pull %s to", name)
-		}
-		for _, h := range on {
-			line := pullLine(h)
-			if said[h.HostId] != line {
-				said[h.HostId] = line
-				if c.format == formatTable {
-					fmt.Fprintf(c.out, "%s %s: %s\n", time.Now().Format("15:04:05"), cmpOr(h.HostName, h.HostId), line)
-				}
-			}
-			switch h.State {
-			case "held":
-				done++
-			case "failed":
-				failed++
-			}
-		}
-		if len(on) > 0 && done+failed == len(on) {
-			if c.format != formatTable {
-				if err := c.show(r.Msg, nil); err != nil {
-					return err
-				}
-			}
-			if failed > 0 {
-				return fmt.Errorf("%d of %d hosts could not pull %s", failed, len(on), name)
-			}
-			return nil
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("stopped following the pull of %s: %w (the hosts go on)", name, ctx.Err())
-		case <-time.After(pullPoll):
+		case <-time.After(time.Second):
 		}
 	}
+}
+
+// followPullStream follows one watch stream; done says the pull ended
+// (err is then its outcome), else err is why the stream did.
+func (c *client) followPullStream(ctx context.Context, name string, want map[string]bool, said map[string]string) (bool, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	st, err := c.image.WatchImages(ctx, connect.NewRequest(&eitriv1.WatchImagesRequest{Name: name}))
+	if err != nil {
+		return false, err
+	}
+	defer st.Close()
+	for st.Receive() {
+		m := st.Msg()
+		var img *eitriv1.Image
+		switch {
+		case m.GetRemovedName() != "":
+			return true, fmt.Errorf("%s was removed from the catalogue while it was being pulled", name)
+		case m.GetChanged() != nil:
+			img = m.GetChanged()
+		case len(m.GetSnapshot().GetImages()) == 1:
+			img = m.GetSnapshot().GetImages()[0]
+		default:
+			continue
+		}
+		if done, err := c.pullStep(img, want, said); done {
+			return true, err
+		}
+	}
+	return false, st.Err()
+}
+
+// pullStep prints what moved on img's hosts and says whether the pull is
+// over (every host holds it or failed).
+func (c *client) pullStep(img *eitriv1.Image, want map[string]bool, said map[string]string) (bool, error) {
+	done, failed := 0, 0
+	var on []*eitriv1.ImageOnHost
+	for _, h := range img.Hosts {
+		if len(want) == 0 || want[h.HostId] {
+			on = append(on, h)
+		}
+	}
+	if len(on) == 0 {
+		return true, fmt.Errorf("no host to pull %s to", img.Name)
+	}
+	for _, h := range on {
+		line := pullLine(h)
+		if said[h.HostId] != line {
+			said[h.HostId] = line
+			if c.format == formatTable {
+				fmt.Fprintf(c.out, "%s %s: %s\n", time.Now().Format("15:04:05"), cmpOr(h.HostName, h.HostId), line)
+			}
+		}
+		switch h.State {
+		case "held":
+			done++
+		case "failed":
+			failed++
+		}
+	}
+	if done+failed < len(on) {
+		return false, nil
+	}
+	if c.format != formatTable {
+		if err := c.show(&eitriv1.GetImageResponse{Image: img}, nil); err != nil {
+			return true, err
+		}
+	}
+	if failed > 0 {
+		return true, fmt.Errorf("%d of %d hosts could not pull %s", failed, len(on), img.Name)
+	}
+	return true, nil
 }
 
 func cmpOr(a, b string) string {

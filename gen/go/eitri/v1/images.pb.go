@@ -900,6 +900,196 @@ func (x *ListImagesResponse) GetImages() []*Image {
 	return nil
 }
 
+type WatchImagesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// One image (NotFound when the catalogue has none by that name); empty:
+	// the whole catalogue.
+	Name          string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchImagesRequest) Reset() {
+	*x = WatchImagesRequest{}
+	mi := &file_eitri_v1_images_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchImagesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchImagesRequest) ProtoMessage() {}
+
+func (x *WatchImagesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_images_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchImagesRequest.ProtoReflect.Descriptor instead.
+func (*WatchImagesRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *WatchImagesRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type ImageList struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Images        []*Image               `protobuf:"bytes,1,rep,name=images,proto3" json:"images,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImageList) Reset() {
+	*x = ImageList{}
+	mi := &file_eitri_v1_images_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImageList) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImageList) ProtoMessage() {}
+
+func (x *ImageList) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_images_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImageList.ProtoReflect.Descriptor instead.
+func (*ImageList) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ImageList) GetImages() []*Image {
+	if x != nil {
+		return x.Images
+	}
+	return nil
+}
+
+type WatchImagesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*WatchImagesResponse_Snapshot
+	//	*WatchImagesResponse_Changed
+	//	*WatchImagesResponse_RemovedName
+	Event         isWatchImagesResponse_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchImagesResponse) Reset() {
+	*x = WatchImagesResponse{}
+	mi := &file_eitri_v1_images_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchImagesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchImagesResponse) ProtoMessage() {}
+
+func (x *WatchImagesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_images_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchImagesResponse.ProtoReflect.Descriptor instead.
+func (*WatchImagesResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *WatchImagesResponse) GetEvent() isWatchImagesResponse_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *WatchImagesResponse) GetSnapshot() *ImageList {
+	if x != nil {
+		if x, ok := x.Event.(*WatchImagesResponse_Snapshot); ok {
+			return x.Snapshot
+		}
+	}
+	return nil
+}
+
+func (x *WatchImagesResponse) GetChanged() *Image {
+	if x != nil {
+		if x, ok := x.Event.(*WatchImagesResponse_Changed); ok {
+			return x.Changed
+		}
+	}
+	return nil
+}
+
+func (x *WatchImagesResponse) GetRemovedName() string {
+	if x != nil {
+		if x, ok := x.Event.(*WatchImagesResponse_RemovedName); ok {
+			return x.RemovedName
+		}
+	}
+	return ""
+}
+
+type isWatchImagesResponse_Event interface {
+	isWatchImagesResponse_Event()
+}
+
+type WatchImagesResponse_Snapshot struct {
+	// Sent first, once.
+	Snapshot *ImageList `protobuf:"bytes,1,opt,name=snapshot,proto3,oneof"`
+}
+
+type WatchImagesResponse_Changed struct {
+	Changed *Image `protobuf:"bytes,2,opt,name=changed,proto3,oneof"`
+}
+
+type WatchImagesResponse_RemovedName struct {
+	// The name of an image removed from the catalogue.
+	RemovedName string `protobuf:"bytes,3,opt,name=removed_name,json=removedName,proto3,oneof"`
+}
+
+func (*WatchImagesResponse_Snapshot) isWatchImagesResponse_Event() {}
+
+func (*WatchImagesResponse_Changed) isWatchImagesResponse_Event() {}
+
+func (*WatchImagesResponse_RemovedName) isWatchImagesResponse_Event() {}
+
 type DeleteImageRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -909,7 +1099,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_eitri_v1_images_proto_msgTypes[11]
+	mi := &file_eitri_v1_images_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -921,7 +1111,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[11]
+	mi := &file_eitri_v1_images_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -934,7 +1124,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DeleteImageRequest) GetName() string {
@@ -952,7 +1142,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_eitri_v1_images_proto_msgTypes[12]
+	mi := &file_eitri_v1_images_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -964,7 +1154,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[12]
+	mi := &file_eitri_v1_images_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -977,7 +1167,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{15}
 }
 
 type RefreshImageRequest struct {
@@ -992,7 +1182,7 @@ type RefreshImageRequest struct {
 
 func (x *RefreshImageRequest) Reset() {
 	*x = RefreshImageRequest{}
-	mi := &file_eitri_v1_images_proto_msgTypes[13]
+	mi := &file_eitri_v1_images_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1004,7 +1194,7 @@ func (x *RefreshImageRequest) String() string {
 func (*RefreshImageRequest) ProtoMessage() {}
 
 func (x *RefreshImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[13]
+	mi := &file_eitri_v1_images_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1017,7 +1207,7 @@ func (x *RefreshImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RefreshImageRequest.ProtoReflect.Descriptor instead.
 func (*RefreshImageRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RefreshImageRequest) GetName() string {
@@ -1045,7 +1235,7 @@ type RefreshImageResponse struct {
 
 func (x *RefreshImageResponse) Reset() {
 	*x = RefreshImageResponse{}
-	mi := &file_eitri_v1_images_proto_msgTypes[14]
+	mi := &file_eitri_v1_images_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1057,7 +1247,7 @@ func (x *RefreshImageResponse) String() string {
 func (*RefreshImageResponse) ProtoMessage() {}
 
 func (x *RefreshImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[14]
+	mi := &file_eitri_v1_images_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1070,7 +1260,7 @@ func (x *RefreshImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RefreshImageResponse.ProtoReflect.Descriptor instead.
 func (*RefreshImageResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{14}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *RefreshImageResponse) GetImage() *Image {
@@ -1099,7 +1289,7 @@ type PullImageRequest struct {
 
 func (x *PullImageRequest) Reset() {
 	*x = PullImageRequest{}
-	mi := &file_eitri_v1_images_proto_msgTypes[15]
+	mi := &file_eitri_v1_images_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1111,7 +1301,7 @@ func (x *PullImageRequest) String() string {
 func (*PullImageRequest) ProtoMessage() {}
 
 func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[15]
+	mi := &file_eitri_v1_images_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1124,7 +1314,7 @@ func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
 func (*PullImageRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{15}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *PullImageRequest) GetName() string {
@@ -1157,7 +1347,7 @@ type PullImageResponse struct {
 
 func (x *PullImageResponse) Reset() {
 	*x = PullImageResponse{}
-	mi := &file_eitri_v1_images_proto_msgTypes[16]
+	mi := &file_eitri_v1_images_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1169,7 +1359,7 @@ func (x *PullImageResponse) String() string {
 func (*PullImageResponse) ProtoMessage() {}
 
 func (x *PullImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_images_proto_msgTypes[16]
+	mi := &file_eitri_v1_images_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1182,7 +1372,7 @@ func (x *PullImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullImageResponse.ProtoReflect.Descriptor instead.
 func (*PullImageResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_images_proto_rawDescGZIP(), []int{16}
+	return file_eitri_v1_images_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *PullImageResponse) GetImage() *Image {
@@ -1268,6 +1458,15 @@ const file_eitri_v1_images_proto_rawDesc = "" +
 	"\x11ListImagesRequest\"=\n" +
 	"\x12ListImagesResponse\x12'\n" +
 	"\x06images\x18\x01 \x03(\v2\x0f.eitri.v1.ImageR\x06images\"(\n" +
+	"\x12WatchImagesRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"4\n" +
+	"\tImageList\x12'\n" +
+	"\x06images\x18\x01 \x03(\v2\x0f.eitri.v1.ImageR\x06images\"\xa3\x01\n" +
+	"\x13WatchImagesResponse\x121\n" +
+	"\bsnapshot\x18\x01 \x01(\v2\x13.eitri.v1.ImageListH\x00R\bsnapshot\x12+\n" +
+	"\achanged\x18\x02 \x01(\v2\x0f.eitri.v1.ImageH\x00R\achanged\x12#\n" +
+	"\fremoved_name\x18\x03 \x01(\tH\x00R\vremovedNameB\a\n" +
+	"\x05event\"(\n" +
 	"\x12DeleteImageRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\x15\n" +
 	"\x13DeleteImageResponse\";\n" +
@@ -1287,7 +1486,7 @@ const file_eitri_v1_images_proto_rawDesc = "" +
 	"\x1bIMAGE_READINESS_UNSPECIFIED\x10\x00\x12\x1e\n" +
 	"\x1aIMAGE_READINESS_CLOUD_INIT\x10\x01\x12\x17\n" +
 	"\x13IMAGE_READINESS_SSH\x10\x02\x12\x1b\n" +
-	"\x17IMAGE_READINESS_ADDRESS\x10\x032\xbe\x03\n" +
+	"\x17IMAGE_READINESS_ADDRESS\x10\x032\x8c\x04\n" +
 	"\fImageService\x12A\n" +
 	"\bAddImage\x12\x19.eitri.v1.AddImageRequest\x1a\x1a.eitri.v1.AddImageResponse\x12A\n" +
 	"\bGetImage\x12\x19.eitri.v1.GetImageRequest\x1a\x1a.eitri.v1.GetImageResponse\x12G\n" +
@@ -1295,7 +1494,8 @@ const file_eitri_v1_images_proto_rawDesc = "" +
 	"ListImages\x12\x1b.eitri.v1.ListImagesRequest\x1a\x1c.eitri.v1.ListImagesResponse\x12J\n" +
 	"\vDeleteImage\x12\x1c.eitri.v1.DeleteImageRequest\x1a\x1d.eitri.v1.DeleteImageResponse\x12M\n" +
 	"\fRefreshImage\x12\x1d.eitri.v1.RefreshImageRequest\x1a\x1e.eitri.v1.RefreshImageResponse\x12D\n" +
-	"\tPullImage\x12\x1a.eitri.v1.PullImageRequest\x1a\x1b.eitri.v1.PullImageResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"\tPullImage\x12\x1a.eitri.v1.PullImageRequest\x1a\x1b.eitri.v1.PullImageResponse\x12L\n" +
+	"\vWatchImages\x12\x1c.eitri.v1.WatchImagesRequest\x1a\x1d.eitri.v1.WatchImagesResponse0\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_images_proto_rawDescOnce sync.Once
@@ -1310,7 +1510,7 @@ func file_eitri_v1_images_proto_rawDescGZIP() []byte {
 }
 
 var file_eitri_v1_images_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_eitri_v1_images_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_eitri_v1_images_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_eitri_v1_images_proto_goTypes = []any{
 	(ImageReadiness)(0),           // 0: eitri.v1.ImageReadiness
 	(*ImageProperties)(nil),       // 1: eitri.v1.ImageProperties
@@ -1324,50 +1524,58 @@ var file_eitri_v1_images_proto_goTypes = []any{
 	(*GetImageResponse)(nil),      // 9: eitri.v1.GetImageResponse
 	(*ListImagesRequest)(nil),     // 10: eitri.v1.ListImagesRequest
 	(*ListImagesResponse)(nil),    // 11: eitri.v1.ListImagesResponse
-	(*DeleteImageRequest)(nil),    // 12: eitri.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),   // 13: eitri.v1.DeleteImageResponse
-	(*RefreshImageRequest)(nil),   // 14: eitri.v1.RefreshImageRequest
-	(*RefreshImageResponse)(nil),  // 15: eitri.v1.RefreshImageResponse
-	(*PullImageRequest)(nil),      // 16: eitri.v1.PullImageRequest
-	(*PullImageResponse)(nil),     // 17: eitri.v1.PullImageResponse
-	(*timestamppb.Timestamp)(nil), // 18: google.protobuf.Timestamp
-	(*Progress)(nil),              // 19: eitri.v1.Progress
+	(*WatchImagesRequest)(nil),    // 12: eitri.v1.WatchImagesRequest
+	(*ImageList)(nil),             // 13: eitri.v1.ImageList
+	(*WatchImagesResponse)(nil),   // 14: eitri.v1.WatchImagesResponse
+	(*DeleteImageRequest)(nil),    // 15: eitri.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),   // 16: eitri.v1.DeleteImageResponse
+	(*RefreshImageRequest)(nil),   // 17: eitri.v1.RefreshImageRequest
+	(*RefreshImageResponse)(nil),  // 18: eitri.v1.RefreshImageResponse
+	(*PullImageRequest)(nil),      // 19: eitri.v1.PullImageRequest
+	(*PullImageResponse)(nil),     // 20: eitri.v1.PullImageResponse
+	(*timestamppb.Timestamp)(nil), // 21: google.protobuf.Timestamp
+	(*Progress)(nil),              // 22: eitri.v1.Progress
 }
 var file_eitri_v1_images_proto_depIdxs = []int32{
 	0,  // 0: eitri.v1.ImageProperties.readiness:type_name -> eitri.v1.ImageReadiness
-	18, // 1: eitri.v1.ImageProvenance.verified_at:type_name -> google.protobuf.Timestamp
+	21, // 1: eitri.v1.ImageProvenance.verified_at:type_name -> google.protobuf.Timestamp
 	2,  // 2: eitri.v1.ImageVersion.provenance:type_name -> eitri.v1.ImageProvenance
-	18, // 3: eitri.v1.ImageVersion.created_at:type_name -> google.protobuf.Timestamp
+	21, // 3: eitri.v1.ImageVersion.created_at:type_name -> google.protobuf.Timestamp
 	1,  // 4: eitri.v1.Image.properties:type_name -> eitri.v1.ImageProperties
 	3,  // 5: eitri.v1.Image.current:type_name -> eitri.v1.ImageVersion
 	3,  // 6: eitri.v1.Image.versions:type_name -> eitri.v1.ImageVersion
-	18, // 7: eitri.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	18, // 8: eitri.v1.Image.updated_at:type_name -> google.protobuf.Timestamp
+	21, // 7: eitri.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	21, // 8: eitri.v1.Image.updated_at:type_name -> google.protobuf.Timestamp
 	5,  // 9: eitri.v1.Image.hosts:type_name -> eitri.v1.ImageOnHost
-	19, // 10: eitri.v1.ImageOnHost.progress:type_name -> eitri.v1.Progress
+	22, // 10: eitri.v1.ImageOnHost.progress:type_name -> eitri.v1.Progress
 	1,  // 11: eitri.v1.AddImageRequest.properties:type_name -> eitri.v1.ImageProperties
 	4,  // 12: eitri.v1.AddImageResponse.image:type_name -> eitri.v1.Image
 	4,  // 13: eitri.v1.GetImageResponse.image:type_name -> eitri.v1.Image
 	4,  // 14: eitri.v1.ListImagesResponse.images:type_name -> eitri.v1.Image
-	4,  // 15: eitri.v1.RefreshImageResponse.image:type_name -> eitri.v1.Image
-	4,  // 16: eitri.v1.PullImageResponse.image:type_name -> eitri.v1.Image
-	6,  // 17: eitri.v1.ImageService.AddImage:input_type -> eitri.v1.AddImageRequest
-	8,  // 18: eitri.v1.ImageService.GetImage:input_type -> eitri.v1.GetImageRequest
-	10, // 19: eitri.v1.ImageService.ListImages:input_type -> eitri.v1.ListImagesRequest
-	12, // 20: eitri.v1.ImageService.DeleteImage:input_type -> eitri.v1.DeleteImageRequest
-	14, // 21: eitri.v1.ImageService.RefreshImage:input_type -> eitri.v1.RefreshImageRequest
-	16, // 22: eitri.v1.ImageService.PullImage:input_type -> eitri.v1.PullImageRequest
-	7,  // 23: eitri.v1.ImageService.AddImage:output_type -> eitri.v1.AddImageResponse
-	9,  // 24: eitri.v1.ImageService.GetImage:output_type -> eitri.v1.GetImageResponse
-	11, // 25: eitri.v1.ImageService.ListImages:output_type -> eitri.v1.ListImagesResponse
-	13, // 26: eitri.v1.ImageService.DeleteImage:output_type -> eitri.v1.DeleteImageResponse
-	15, // 27: eitri.v1.ImageService.RefreshImage:output_type -> eitri.v1.RefreshImageResponse
-	17, // 28: eitri.v1.ImageService.PullImage:output_type -> eitri.v1.PullImageResponse
-	23, // [23:29] is the sub-list for method output_type
-	17, // [17:23] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	4,  // 15: eitri.v1.ImageList.images:type_name -> eitri.v1.Image
+	13, // 16: eitri.v1.WatchImagesResponse.snapshot:type_name -> eitri.v1.ImageList
+	4,  // 17: eitri.v1.WatchImagesResponse.changed:type_name -> eitri.v1.Image
+	4,  // 18: eitri.v1.RefreshImageResponse.image:type_name -> eitri.v1.Image
+	4,  // 19: eitri.v1.PullImageResponse.image:type_name -> eitri.v1.Image
+	6,  // 20: eitri.v1.ImageService.AddImage:input_type -> eitri.v1.AddImageRequest
+	8,  // 21: eitri.v1.ImageService.GetImage:input_type -> eitri.v1.GetImageRequest
+	10, // 22: eitri.v1.ImageService.ListImages:input_type -> eitri.v1.ListImagesRequest
+	15, // 23: eitri.v1.ImageService.DeleteImage:input_type -> eitri.v1.DeleteImageRequest
+	17, // 24: eitri.v1.ImageService.RefreshImage:input_type -> eitri.v1.RefreshImageRequest
+	19, // 25: eitri.v1.ImageService.PullImage:input_type -> eitri.v1.PullImageRequest
+	12, // 26: eitri.v1.ImageService.WatchImages:input_type -> eitri.v1.WatchImagesRequest
+	7,  // 27: eitri.v1.ImageService.AddImage:output_type -> eitri.v1.AddImageResponse
+	9,  // 28: eitri.v1.ImageService.GetImage:output_type -> eitri.v1.GetImageResponse
+	11, // 29: eitri.v1.ImageService.ListImages:output_type -> eitri.v1.ListImagesResponse
+	16, // 30: eitri.v1.ImageService.DeleteImage:output_type -> eitri.v1.DeleteImageResponse
+	18, // 31: eitri.v1.ImageService.RefreshImage:output_type -> eitri.v1.RefreshImageResponse
+	20, // 32: eitri.v1.ImageService.PullImage:output_type -> eitri.v1.PullImageResponse
+	14, // 33: eitri.v1.ImageService.WatchImages:output_type -> eitri.v1.WatchImagesResponse
+	27, // [27:34] is the sub-list for method output_type
+	20, // [20:27] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_images_proto_init() }
@@ -1376,13 +1584,18 @@ func file_eitri_v1_images_proto_init() {
 		return
 	}
 	file_eitri_v1_resources_proto_init()
+	file_eitri_v1_images_proto_msgTypes[13].OneofWrappers = []any{
+		(*WatchImagesResponse_Snapshot)(nil),
+		(*WatchImagesResponse_Changed)(nil),
+		(*WatchImagesResponse_RemovedName)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_images_proto_rawDesc), len(file_eitri_v1_images_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   17,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -47,6 +47,9 @@ const (
 	ImageServiceRefreshImageProcedure = "/eitri.v1.ImageService/RefreshImage"
 	// ImageServicePullImageProcedure is the fully-qualified name of the ImageService's PullImage RPC.
 	ImageServicePullImageProcedure = "/eitri.v1.ImageService/PullImage"
+	// ImageServiceWatchImagesProcedure is the fully-qualified name of the ImageService's WatchImages
+	// RPC.
+	ImageServiceWatchImagesProcedure = "/eitri.v1.ImageService/WatchImages"
 )
 
 // ImageServiceClient is a client for the eitri.v1.ImageService service.
@@ -70,6 +73,11 @@ type ImageServiceClient interface {
 	// caches ahead of creates, and keep it pinned until the image is removed
 	// from the catalogue. Image.hosts then says how each stands. Admin only.
 	PullImage(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.Response[v1.PullImageResponse], error)
+	// WatchImages sends the catalogue (or one image, by name) and then each
+	// change as it happens: an entry added, moved to a new version or
+	// removed, and each host's pull as it narrates. Every user may watch, as
+	// every user may list. A slow reader is coalesced to each image's latest.
+	WatchImages(context.Context, *connect.Request[v1.WatchImagesRequest]) (*connect.ServerStreamForClient[v1.WatchImagesResponse], error)
 }
 
 // NewImageServiceClient constructs a client for the eitri.v1.ImageService service. By default, it
@@ -119,6 +127,12 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(imageServiceMethods.ByName("PullImage")),
 			connect.WithClientOptions(opts...),
 		),
+		watchImages: connect.NewClient[v1.WatchImagesRequest, v1.WatchImagesResponse](
+			httpClient,
+			baseURL+ImageServiceWatchImagesProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("WatchImages")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -130,6 +144,7 @@ type imageServiceClient struct {
 	deleteImage  *connect.Client[v1.DeleteImageRequest, v1.DeleteImageResponse]
 	refreshImage *connect.Client[v1.RefreshImageRequest, v1.RefreshImageResponse]
 	pullImage    *connect.Client[v1.PullImageRequest, v1.PullImageResponse]
+	watchImages  *connect.Client[v1.WatchImagesRequest, v1.WatchImagesResponse]
 }
 
 // AddImage calls eitri.v1.ImageService.AddImage.
@@ -162,6 +177,11 @@ func (c *imageServiceClient) PullImage(ctx context.Context, req *connect.Request
 	return c.pullImage.CallUnary(ctx, req)
 }
 
+// WatchImages calls eitri.v1.ImageService.WatchImages.
+func (c *imageServiceClient) WatchImages(ctx context.Context, req *connect.Request[v1.WatchImagesRequest]) (*connect.ServerStreamForClient[v1.WatchImagesResponse], error) {
+	return c.watchImages.CallServerStream(ctx, req)
+}
+
 // ImageServiceHandler is an implementation of the eitri.v1.ImageService service.
 type ImageServiceHandler interface {
 	// AddImage puts a name in the catalogue. The digest comes from sha256, or
@@ -183,6 +203,11 @@ type ImageServiceHandler interface {
 	// caches ahead of creates, and keep it pinned until the image is removed
 	// from the catalogue. Image.hosts then says how each stands. Admin only.
 	PullImage(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.Response[v1.PullImageResponse], error)
+	// WatchImages sends the catalogue (or one image, by name) and then each
+	// change as it happens: an entry added, moved to a new version or
+	// removed, and each host's pull as it narrates. Every user may watch, as
+	// every user may list. A slow reader is coalesced to each image's latest.
+	WatchImages(context.Context, *connect.Request[v1.WatchImagesRequest], *connect.ServerStream[v1.WatchImagesResponse]) error
 }
 
 // NewImageServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -228,6 +253,12 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(imageServiceMethods.ByName("PullImage")),
 		connect.WithHandlerOptions(opts...),
 	)
+	imageServiceWatchImagesHandler := connect.NewServerStreamHandler(
+		ImageServiceWatchImagesProcedure,
+		svc.WatchImages,
+		connect.WithSchema(imageServiceMethods.ByName("WatchImages")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.ImageService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ImageServiceAddImageProcedure:
@@ -242,6 +273,8 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 			imageServiceRefreshImageHandler.ServeHTTP(w, r)
 		case ImageServicePullImageProcedure:
 			imageServicePullImageHandler.ServeHTTP(w, r)
+		case ImageServiceWatchImagesProcedure:
+			imageServiceWatchImagesHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -273,4 +306,8 @@ func (UnimplementedImageServiceHandler) RefreshImage(context.Context, *connect.R
 
 func (UnimplementedImageServiceHandler) PullImage(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.Response[v1.PullImageResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.ImageService.PullImage is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) WatchImages(context.Context, *connect.Request[v1.WatchImagesRequest], *connect.ServerStream[v1.WatchImagesResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.ImageService.WatchImages is not implemented"))
 }

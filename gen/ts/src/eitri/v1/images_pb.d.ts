@@ -451,6 +451,79 @@ export declare type ListImagesResponse = Message<"eitri.v1.ListImagesResponse"> 
 export declare const ListImagesResponseSchema: GenMessage<ListImagesResponse>;
 
 /**
+ * @generated from message eitri.v1.WatchImagesRequest
+ */
+export declare type WatchImagesRequest = Message<"eitri.v1.WatchImagesRequest"> & {
+  /**
+   * One image (NotFound when the catalogue has none by that name); empty:
+   * the whole catalogue.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+};
+
+/**
+ * Describes the message eitri.v1.WatchImagesRequest.
+ * Use `create(WatchImagesRequestSchema)` to create a new message.
+ */
+export declare const WatchImagesRequestSchema: GenMessage<WatchImagesRequest>;
+
+/**
+ * @generated from message eitri.v1.ImageList
+ */
+export declare type ImageList = Message<"eitri.v1.ImageList"> & {
+  /**
+   * @generated from field: repeated eitri.v1.Image images = 1;
+   */
+  images: Image[];
+};
+
+/**
+ * Describes the message eitri.v1.ImageList.
+ * Use `create(ImageListSchema)` to create a new message.
+ */
+export declare const ImageListSchema: GenMessage<ImageList>;
+
+/**
+ * @generated from message eitri.v1.WatchImagesResponse
+ */
+export declare type WatchImagesResponse = Message<"eitri.v1.WatchImagesResponse"> & {
+  /**
+   * @generated from oneof eitri.v1.WatchImagesResponse.event
+   */
+  event: {
+    /**
+     * Sent first, once.
+     *
+     * @generated from field: eitri.v1.ImageList snapshot = 1;
+     */
+    value: ImageList;
+    case: "snapshot";
+  } | {
+    /**
+     * @generated from field: eitri.v1.Image changed = 2;
+     */
+    value: Image;
+    case: "changed";
+  } | {
+    /**
+     * The name of an image removed from the catalogue.
+     *
+     * @generated from field: string removed_name = 3;
+     */
+    value: string;
+    case: "removedName";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message eitri.v1.WatchImagesResponse.
+ * Use `create(WatchImagesResponseSchema)` to create a new message.
+ */
+export declare const WatchImagesResponseSchema: GenMessage<WatchImagesResponse>;
+
+/**
  * @generated from message eitri.v1.DeleteImageRequest
  */
 export declare type DeleteImageRequest = Message<"eitri.v1.DeleteImageRequest"> & {
@@ -684,6 +757,19 @@ export declare const ImageService: GenService<{
     methodKind: "unary";
     input: typeof PullImageRequestSchema;
     output: typeof PullImageResponseSchema;
+  },
+  /**
+   * WatchImages sends the catalogue (or one image, by name) and then each
+   * change as it happens: an entry added, moved to a new version or
+   * removed, and each host's pull as it narrates. Every user may watch, as
+   * every user may list. A slow reader is coalesced to each image's latest.
+   *
+   * @generated from rpc eitri.v1.ImageService.WatchImages
+   */
+  watchImages: {
+    methodKind: "server_streaming";
+    input: typeof WatchImagesRequestSchema;
+    output: typeof WatchImagesResponseSchema;
   },
 }>;
 
