@@ -215,7 +215,7 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 	send := func(force bool) error {
 		rep := &eitriv1.ActualStateReport{}
 		cfg.Source.Fill(rep)
-		if !force && last != nil && proto.Equal(rep, last) && time.Since(lastSent) < cfg.Heartbeat {
+		if !force && last != nil && sameButBytes(rep, last) && time.Since(lastSent) < cfg.Heartbeat {
 			return nil
 		}
 		if err := st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_Report{Report: rep}}); err != nil {
@@ -340,4 +340,31 @@ func (l *limiter) allow(now time.Time) bool {
 	}
 	l.tokens--
 	return true
+}
+
+// sameButBytes says whether a report says nothing new beside last but the
+// bytes its published ports carried. Those move with every packet: a port
+// carrying steady traffic would send a report every check. They ride
+// along with the next report sent anyway (a change, or the heartbeat).
+func sameButBytes(rep, last *eitriv1.ActualStateReport) bool {
+	if len(rep.GetExposures()) != len(last.GetExposures()) {
+		return false
+	}
+	// Set aside, compare, put back: both reports belong to this loop.
+	type aside struct {
+		s *eitriv1.ExposureSessions
+		b *eitriv1.ExposureBytes
+	}
+	var kept []aside
+	for _, e := range append(rep.GetExposures()[:len(rep.GetExposures()):len(rep.GetExposures())], last.GetExposures()...) {
+		if s := e.GetSessions(); s != nil {
+			kept = append(kept, aside{s, s.Carried})
+			s.Carried = nil
+		}
+	}
+	same := proto.Equal(rep, last)
+	for _, k := range kept {
+		k.s.Carried = k.b
+	}
+	return same
 }
