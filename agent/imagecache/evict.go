@@ -15,7 +15,9 @@ import (
 // allowed and is the intended order (Acquire, then Ensure).
 func (c *Cache) Acquire(sha256 string) {
 	c.mu.Lock()
-	c.pins[sha256]++
+	if c.pins[sha256]++; c.pins[sha256] == 1 {
+		c.noteChangeLocked()
+	}
 	c.mu.Unlock()
 }
 
@@ -25,6 +27,7 @@ func (c *Cache) Release(sha256 string) {
 	defer c.mu.Unlock()
 	if c.pins[sha256] <= 1 {
 		delete(c.pins, sha256)
+		c.noteChangeLocked()
 		return
 	}
 	c.pins[sha256]--
@@ -103,6 +106,7 @@ func (c *Cache) evict(keep string) {
 		os.Remove(c.verifiedPath(e.sha))
 		delete(c.verified, e.sha)
 		total -= e.size
+		c.noteChangeLocked()
 		c.log.Info("imagecache: evicted", "sha256", e.sha, "bytes", e.size)
 	}
 	if total > c.maxBytes {

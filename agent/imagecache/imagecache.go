@@ -73,6 +73,7 @@ type Cache struct {
 	flights  map[string]*flight // by sha256
 	pins     map[string]int     // by sha256
 	verified map[string]bool    // images checked against their record by this process
+	changed  chan struct{}      // see Changed
 }
 
 // New returns a cache over dir. The directory is created on first download.
@@ -88,6 +89,7 @@ func New(dir string, opts ...Option) *Cache {
 		flights:       map[string]*flight{},
 		pins:          map[string]int{},
 		verified:      map[string]bool{},
+		changed:       make(chan struct{}, 1),
 	}
 	for _, o := range opts {
 		o(c)
@@ -122,6 +124,7 @@ func (c *Cache) populate(ctx context.Context, url, sha string, progress func(don
 				c.log.Warn("imagecache: touch", "path", final, "err", err)
 			}
 			c.markVerified(sha)
+			c.noteChangeLocked() // its last use moved
 			return final, nil
 		}
 		c.log.Warn("imagecache: cached image cannot be trusted; fetching it again", "sha256", sha, "path", final, "why", why)
@@ -152,6 +155,7 @@ func (c *Cache) populate(ctx context.Context, url, sha string, progress func(don
 		"downloaded", n, "download", decStart.Sub(start).Round(time.Millisecond),
 		"convert", time.Since(decStart).Round(time.Millisecond))
 	c.evict(sha)
+	c.noteChangeLocked()
 	return final, nil
 }
 
