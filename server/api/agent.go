@@ -70,6 +70,10 @@ func (s agentService) Sync(ctx context.Context, st *connect.BidiStream[eitriv1.S
 				sess.Usage(ctx, u)
 				continue
 			}
+			if c := msg.GetImageCache(); c != nil {
+				sess.ImageCache(c)
+				continue
+			}
 			if rep := msg.GetReport(); rep != nil {
 				select {
 				case reports <- received{rep, time.Now()}:

@@ -37,6 +37,10 @@ type Session struct {
 	// none), and upgrade what the agent last said of its upgrade (f.mu).
 	offered string
 	upgrade store.HostUpgrade
+	// images is the host's last word on its image cache on this stream, and
+	// when it came (f.mu); nil until it says (see hostimages.go).
+	images   *eitriv1.ImageCacheReport
+	imagesAt time.Time
 }
 
 // OpenSession registers a host's new stream and queues the snapshot every

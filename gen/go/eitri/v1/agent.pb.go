@@ -144,6 +144,7 @@ type SyncRequest struct {
 	//	*SyncRequest_Hello
 	//	*SyncRequest_Report
 	//	*SyncRequest_Usage
+	//	*SyncRequest_ImageCache
 	Msg           isSyncRequest_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -213,6 +214,15 @@ func (x *SyncRequest) GetUsage() *UsageSample {
 	return nil
 }
 
+func (x *SyncRequest) GetImageCache() *ImageCacheReport {
+	if x != nil {
+		if x, ok := x.Msg.(*SyncRequest_ImageCache); ok {
+			return x.ImageCache
+		}
+	}
+	return nil
+}
+
 type isSyncRequest_Msg interface {
 	isSyncRequest_Msg()
 }
@@ -231,11 +241,234 @@ type SyncRequest_Usage struct {
 	Usage *UsageSample `protobuf:"bytes,3,opt,name=usage,proto3,oneof"`
 }
 
+type SyncRequest_ImageCache struct {
+	// What the host's image cache holds. Sent after every (re)connect and
+	// whenever the cache changes, not with every report: the control plane
+	// keeps the last one for as long as the stream lasts.
+	ImageCache *ImageCacheReport `protobuf:"bytes,4,opt,name=image_cache,json=imageCache,proto3,oneof"`
+}
+
 func (*SyncRequest_Hello) isSyncRequest_Msg() {}
 
 func (*SyncRequest_Report) isSyncRequest_Msg() {}
 
 func (*SyncRequest_Usage) isSyncRequest_Msg() {}
+
+func (*SyncRequest_ImageCache) isSyncRequest_Msg() {}
+
+// ImageCacheReport is everything in one host's image cache, complete but
+// bounded: at most a few hundred rows, most recently used first, and a
+// count of the rest.
+type ImageCacheReport struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Images []*CachedImage         `protobuf:"bytes,1,rep,name=images,proto3" json:"images,omitempty"`
+	// Images in the cache that are not listed (beyond the cap).
+	More uint32 `protobuf:"varint,2,opt,name=more,proto3" json:"more,omitempty"`
+	// The disk space every image in the cache takes, listed or not.
+	TotalBytes    uint64 `protobuf:"varint,3,opt,name=total_bytes,json=totalBytes,proto3" json:"total_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImageCacheReport) Reset() {
+	*x = ImageCacheReport{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImageCacheReport) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImageCacheReport) ProtoMessage() {}
+
+func (x *ImageCacheReport) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImageCacheReport.ProtoReflect.Descriptor instead.
+func (*ImageCacheReport) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *ImageCacheReport) GetImages() []*CachedImage {
+	if x != nil {
+		return x.Images
+	}
+	return nil
+}
+
+func (x *ImageCacheReport) GetMore() uint32 {
+	if x != nil {
+		return x.More
+	}
+	return 0
+}
+
+func (x *ImageCacheReport) GetTotalBytes() uint64 {
+	if x != nil {
+		return x.TotalBytes
+	}
+	return 0
+}
+
+// CachedImage is one finished image in a host's cache.
+type CachedImage struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// 64 lowercase hex characters: the digest of the bytes as served.
+	Sha256 string `protobuf:"bytes,1,opt,name=sha256,proto3" json:"sha256,omitempty"`
+	// The disk space it takes (allocated blocks; a raw image's holes are
+	// free).
+	SizeBytes uint64 `protobuf:"varint,2,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	// When a download or a create last used it, in unix seconds by the
+	// host's clock.
+	LastUsedUnix int64 `protobuf:"varint,3,opt,name=last_used_unix,json=lastUsedUnix,proto3" json:"last_used_unix,omitempty"`
+	// Held against eviction right now: pulled (DesiredStateSnapshot.images
+	// lists it) or in use by a create in progress.
+	Pinned bool `protobuf:"varint,4,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	// The VMs on this host made from it, by the host's own records. A prune
+	// keeps an image any VM here was made from.
+	VmIds []string `protobuf:"bytes,5,rep,name=vm_ids,json=vmIds,proto3" json:"vm_ids,omitempty"`
+	// VMs made from it beyond those listed.
+	MoreVms       uint32 `protobuf:"varint,6,opt,name=more_vms,json=moreVms,proto3" json:"more_vms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CachedImage) Reset() {
+	*x = CachedImage{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CachedImage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CachedImage) ProtoMessage() {}
+
+func (x *CachedImage) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CachedImage.ProtoReflect.Descriptor instead.
+func (*CachedImage) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *CachedImage) GetSha256() string {
+	if x != nil {
+		return x.Sha256
+	}
+	return ""
+}
+
+func (x *CachedImage) GetSizeBytes() uint64 {
+	if x != nil {
+		return x.SizeBytes
+	}
+	return 0
+}
+
+func (x *CachedImage) GetLastUsedUnix() int64 {
+	if x != nil {
+		return x.LastUsedUnix
+	}
+	return 0
+}
+
+func (x *CachedImage) GetPinned() bool {
+	if x != nil {
+		return x.Pinned
+	}
+	return false
+}
+
+func (x *CachedImage) GetVmIds() []string {
+	if x != nil {
+		return x.VmIds
+	}
+	return nil
+}
+
+func (x *CachedImage) GetMoreVms() uint32 {
+	if x != nil {
+		return x.MoreVms
+	}
+	return 0
+}
+
+// ImagesPruned is what a prune_images call removed from the host's cache.
+type ImagesPruned struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Removed []*CachedImage         `protobuf:"bytes,1,rep,name=removed,proto3" json:"removed,omitempty"`
+	// The disk space the removal gave back.
+	FreedBytes    uint64 `protobuf:"varint,2,opt,name=freed_bytes,json=freedBytes,proto3" json:"freed_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImagesPruned) Reset() {
+	*x = ImagesPruned{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImagesPruned) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImagesPruned) ProtoMessage() {}
+
+func (x *ImagesPruned) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImagesPruned.ProtoReflect.Descriptor instead.
+func (*ImagesPruned) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *ImagesPruned) GetRemoved() []*CachedImage {
+	if x != nil {
+		return x.Removed
+	}
+	return nil
+}
+
+func (x *ImagesPruned) GetFreedBytes() uint64 {
+	if x != nil {
+		return x.FreedBytes
+	}
+	return 0
+}
 
 // SyncResponse is one frame from the control plane.
 type SyncResponse struct {
@@ -250,7 +483,7 @@ type SyncResponse struct {
 
 func (x *SyncResponse) Reset() {
 	*x = SyncResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[3]
+	mi := &file_eitri_v1_agent_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -262,7 +495,7 @@ func (x *SyncResponse) String() string {
 func (*SyncResponse) ProtoMessage() {}
 
 func (x *SyncResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[3]
+	mi := &file_eitri_v1_agent_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -275,7 +508,7 @@ func (x *SyncResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SyncResponse.ProtoReflect.Descriptor instead.
 func (*SyncResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{3}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *SyncResponse) GetMsg() isSyncResponse_Msg {
@@ -346,7 +579,7 @@ type Hello struct {
 
 func (x *Hello) Reset() {
 	*x = Hello{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[4]
+	mi := &file_eitri_v1_agent_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -358,7 +591,7 @@ func (x *Hello) String() string {
 func (*Hello) ProtoMessage() {}
 
 func (x *Hello) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[4]
+	mi := &file_eitri_v1_agent_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -371,7 +604,7 @@ func (x *Hello) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Hello.ProtoReflect.Descriptor instead.
 func (*Hello) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{4}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Hello) GetHostId() string {
@@ -505,7 +738,7 @@ type ActualStateReport struct {
 
 func (x *ActualStateReport) Reset() {
 	*x = ActualStateReport{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[5]
+	mi := &file_eitri_v1_agent_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -517,7 +750,7 @@ func (x *ActualStateReport) String() string {
 func (*ActualStateReport) ProtoMessage() {}
 
 func (x *ActualStateReport) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[5]
+	mi := &file_eitri_v1_agent_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -530,7 +763,7 @@ func (x *ActualStateReport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActualStateReport.ProtoReflect.Descriptor instead.
 func (*ActualStateReport) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{5}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ActualStateReport) GetVms() []*ActualVM {
@@ -659,7 +892,7 @@ type AgentUpgradeStatus struct {
 
 func (x *AgentUpgradeStatus) Reset() {
 	*x = AgentUpgradeStatus{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	mi := &file_eitri_v1_agent_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -671,7 +904,7 @@ func (x *AgentUpgradeStatus) String() string {
 func (*AgentUpgradeStatus) ProtoMessage() {}
 
 func (x *AgentUpgradeStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[6]
+	mi := &file_eitri_v1_agent_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -684,7 +917,7 @@ func (x *AgentUpgradeStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentUpgradeStatus.ProtoReflect.Descriptor instead.
 func (*AgentUpgradeStatus) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{6}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *AgentUpgradeStatus) GetTargetVersion() string {
@@ -758,7 +991,7 @@ type SnapshotRefusal struct {
 
 func (x *SnapshotRefusal) Reset() {
 	*x = SnapshotRefusal{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[7]
+	mi := &file_eitri_v1_agent_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -770,7 +1003,7 @@ func (x *SnapshotRefusal) String() string {
 func (*SnapshotRefusal) ProtoMessage() {}
 
 func (x *SnapshotRefusal) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[7]
+	mi := &file_eitri_v1_agent_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -783,7 +1016,7 @@ func (x *SnapshotRefusal) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRefusal.ProtoReflect.Descriptor instead.
 func (*SnapshotRefusal) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{7}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *SnapshotRefusal) GetControlPlaneId() string {
@@ -864,7 +1097,7 @@ type ActualVM struct {
 
 func (x *ActualVM) Reset() {
 	*x = ActualVM{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	mi := &file_eitri_v1_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -876,7 +1109,7 @@ func (x *ActualVM) String() string {
 func (*ActualVM) ProtoMessage() {}
 
 func (x *ActualVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[8]
+	mi := &file_eitri_v1_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -889,7 +1122,7 @@ func (x *ActualVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActualVM.ProtoReflect.Descriptor instead.
 func (*ActualVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{8}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ActualVM) GetVmId() string {
@@ -1000,7 +1233,7 @@ type GuestExit struct {
 
 func (x *GuestExit) Reset() {
 	*x = GuestExit{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[9]
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1012,7 +1245,7 @@ func (x *GuestExit) String() string {
 func (*GuestExit) ProtoMessage() {}
 
 func (x *GuestExit) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[9]
+	mi := &file_eitri_v1_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1025,7 +1258,7 @@ func (x *GuestExit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestExit.ProtoReflect.Descriptor instead.
 func (*GuestExit) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{9}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GuestExit) GetReason() string {
@@ -1079,7 +1312,7 @@ type QuarantinedVM struct {
 
 func (x *QuarantinedVM) Reset() {
 	*x = QuarantinedVM{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[10]
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1091,7 +1324,7 @@ func (x *QuarantinedVM) String() string {
 func (*QuarantinedVM) ProtoMessage() {}
 
 func (x *QuarantinedVM) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[10]
+	mi := &file_eitri_v1_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1104,7 +1337,7 @@ func (x *QuarantinedVM) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use QuarantinedVM.ProtoReflect.Descriptor instead.
 func (*QuarantinedVM) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{10}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *QuarantinedVM) GetVmId() string {
@@ -1201,7 +1434,7 @@ type DesiredStateSnapshot struct {
 
 func (x *DesiredStateSnapshot) Reset() {
 	*x = DesiredStateSnapshot{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[11]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1213,7 +1446,7 @@ func (x *DesiredStateSnapshot) String() string {
 func (*DesiredStateSnapshot) ProtoMessage() {}
 
 func (x *DesiredStateSnapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[11]
+	mi := &file_eitri_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1226,7 +1459,7 @@ func (x *DesiredStateSnapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DesiredStateSnapshot.ProtoReflect.Descriptor instead.
 func (*DesiredStateSnapshot) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DesiredStateSnapshot) GetGeneration() uint64 {
@@ -1290,7 +1523,7 @@ type ImageWanted struct {
 
 func (x *ImageWanted) Reset() {
 	*x = ImageWanted{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1302,7 +1535,7 @@ func (x *ImageWanted) String() string {
 func (*ImageWanted) ProtoMessage() {}
 
 func (x *ImageWanted) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[12]
+	mi := &file_eitri_v1_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1315,7 +1548,7 @@ func (x *ImageWanted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageWanted.ProtoReflect.Descriptor instead.
 func (*ImageWanted) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ImageWanted) GetUrl() string {
@@ -1351,7 +1584,7 @@ type ImageHeld struct {
 
 func (x *ImageHeld) Reset() {
 	*x = ImageHeld{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1363,7 +1596,7 @@ func (x *ImageHeld) String() string {
 func (*ImageHeld) ProtoMessage() {}
 
 func (x *ImageHeld) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[13]
+	mi := &file_eitri_v1_agent_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1376,7 +1609,7 @@ func (x *ImageHeld) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageHeld.ProtoReflect.Descriptor instead.
 func (*ImageHeld) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ImageHeld) GetSha256() string {
@@ -1466,7 +1699,7 @@ type VMDesired struct {
 
 func (x *VMDesired) Reset() {
 	*x = VMDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[14]
+	mi := &file_eitri_v1_agent_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1478,7 +1711,7 @@ func (x *VMDesired) String() string {
 func (*VMDesired) ProtoMessage() {}
 
 func (x *VMDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[14]
+	mi := &file_eitri_v1_agent_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1491,7 +1724,7 @@ func (x *VMDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMDesired.ProtoReflect.Descriptor instead.
 func (*VMDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{14}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *VMDesired) GetVmId() string {
@@ -1645,7 +1878,7 @@ type AgentUpgrade struct {
 
 func (x *AgentUpgrade) Reset() {
 	*x = AgentUpgrade{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[15]
+	mi := &file_eitri_v1_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1657,7 +1890,7 @@ func (x *AgentUpgrade) String() string {
 func (*AgentUpgrade) ProtoMessage() {}
 
 func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[15]
+	mi := &file_eitri_v1_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1670,7 +1903,7 @@ func (x *AgentUpgrade) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AgentUpgrade.ProtoReflect.Descriptor instead.
 func (*AgentUpgrade) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{15}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *AgentUpgrade) GetVersion() string {
@@ -1763,7 +1996,7 @@ type ExposureDesired struct {
 
 func (x *ExposureDesired) Reset() {
 	*x = ExposureDesired{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[16]
+	mi := &file_eitri_v1_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1775,7 +2008,7 @@ func (x *ExposureDesired) String() string {
 func (*ExposureDesired) ProtoMessage() {}
 
 func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[16]
+	mi := &file_eitri_v1_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1788,7 +2021,7 @@ func (x *ExposureDesired) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureDesired.ProtoReflect.Descriptor instead.
 func (*ExposureDesired) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{16}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ExposureDesired) GetId() string {
@@ -1856,7 +2089,7 @@ type ExposureActual struct {
 
 func (x *ExposureActual) Reset() {
 	*x = ExposureActual{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[17]
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1868,7 +2101,7 @@ func (x *ExposureActual) String() string {
 func (*ExposureActual) ProtoMessage() {}
 
 func (x *ExposureActual) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[17]
+	mi := &file_eitri_v1_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1881,7 +2114,7 @@ func (x *ExposureActual) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExposureActual.ProtoReflect.Descriptor instead.
 func (*ExposureActual) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{17}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ExposureActual) GetId() string {
@@ -1938,7 +2171,7 @@ type JoinToken struct {
 
 func (x *JoinToken) Reset() {
 	*x = JoinToken{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[18]
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1950,7 +2183,7 @@ func (x *JoinToken) String() string {
 func (*JoinToken) ProtoMessage() {}
 
 func (x *JoinToken) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[18]
+	mi := &file_eitri_v1_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1963,7 +2196,7 @@ func (x *JoinToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JoinToken.ProtoReflect.Descriptor instead.
 func (*JoinToken) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{18}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *JoinToken) GetUrl() string {
@@ -2012,7 +2245,7 @@ type CallsRequest struct {
 
 func (x *CallsRequest) Reset() {
 	*x = CallsRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[19]
+	mi := &file_eitri_v1_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2024,7 +2257,7 @@ func (x *CallsRequest) String() string {
 func (*CallsRequest) ProtoMessage() {}
 
 func (x *CallsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[19]
+	mi := &file_eitri_v1_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2037,7 +2270,7 @@ func (x *CallsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallsRequest.ProtoReflect.Descriptor instead.
 func (*CallsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{19}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *CallsRequest) GetInstanceId() string {
@@ -2057,6 +2290,7 @@ type CallsResponse struct {
 	//	*CallsResponse_ConsoleOutput
 	//	*CallsResponse_ConsoleInput
 	//	*CallsResponse_Tunnel
+	//	*CallsResponse_PruneImages
 	Call isCallsResponse_Call `protobuf_oneof:"call"`
 	// Where to open the answer stream: the control-plane replica the call
 	// came from, when it is not the one holding this Calls stream (several
@@ -2070,7 +2304,7 @@ type CallsResponse struct {
 
 func (x *CallsResponse) Reset() {
 	*x = CallsResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	mi := &file_eitri_v1_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2082,7 +2316,7 @@ func (x *CallsResponse) String() string {
 func (*CallsResponse) ProtoMessage() {}
 
 func (x *CallsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[20]
+	mi := &file_eitri_v1_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2095,7 +2329,7 @@ func (x *CallsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallsResponse.ProtoReflect.Descriptor instead.
 func (*CallsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{20}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *CallsResponse) GetId() string {
@@ -2139,6 +2373,15 @@ func (x *CallsResponse) GetTunnel() *TunnelCall {
 	return nil
 }
 
+func (x *CallsResponse) GetPruneImages() *PruneImagesCall {
+	if x != nil {
+		if x, ok := x.Call.(*CallsResponse_PruneImages); ok {
+			return x.PruneImages
+		}
+	}
+	return nil
+}
+
 func (x *CallsResponse) GetAnswerUrl() string {
 	if x != nil {
 		return x.AnswerUrl
@@ -2162,11 +2405,17 @@ type CallsResponse_Tunnel struct {
 	Tunnel *TunnelCall `protobuf:"bytes,4,opt,name=tunnel,proto3,oneof"`
 }
 
+type CallsResponse_PruneImages struct {
+	PruneImages *PruneImagesCall `protobuf:"bytes,6,opt,name=prune_images,json=pruneImages,proto3,oneof"`
+}
+
 func (*CallsResponse_ConsoleOutput) isCallsResponse_Call() {}
 
 func (*CallsResponse_ConsoleInput) isCallsResponse_Call() {}
 
 func (*CallsResponse_Tunnel) isCallsResponse_Call() {}
+
+func (*CallsResponse_PruneImages) isCallsResponse_Call() {}
 
 // ConsoleOutputCall asks for a VM's serial output, as
 // StreamConsoleRequest.
@@ -2184,7 +2433,7 @@ type ConsoleOutputCall struct {
 
 func (x *ConsoleOutputCall) Reset() {
 	*x = ConsoleOutputCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	mi := &file_eitri_v1_agent_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2196,7 +2445,7 @@ func (x *ConsoleOutputCall) String() string {
 func (*ConsoleOutputCall) ProtoMessage() {}
 
 func (x *ConsoleOutputCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[21]
+	mi := &file_eitri_v1_agent_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2209,7 +2458,7 @@ func (x *ConsoleOutputCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleOutputCall.ProtoReflect.Descriptor instead.
 func (*ConsoleOutputCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{21}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ConsoleOutputCall) GetVmId() string {
@@ -2247,6 +2496,46 @@ func (x *ConsoleOutputCall) GetNoFollow() bool {
 	return false
 }
 
+// PruneImagesCall asks the agent to remove from its image cache every image
+// nothing wants: not pinned (pulled, or used by a create in progress) and
+// made into no VM this host holds. The agent answers on a Console stream
+// whose last frame is done with images_pruned.
+type PruneImagesCall struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PruneImagesCall) Reset() {
+	*x = PruneImagesCall{}
+	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PruneImagesCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PruneImagesCall) ProtoMessage() {}
+
+func (x *PruneImagesCall) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PruneImagesCall.ProtoReflect.Descriptor instead.
+func (*PruneImagesCall) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{25}
+}
+
 // ConsoleInputCall types data into a VM's serial console.
 type ConsoleInputCall struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2258,7 +2547,7 @@ type ConsoleInputCall struct {
 
 func (x *ConsoleInputCall) Reset() {
 	*x = ConsoleInputCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[22]
+	mi := &file_eitri_v1_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2270,7 +2559,7 @@ func (x *ConsoleInputCall) String() string {
 func (*ConsoleInputCall) ProtoMessage() {}
 
 func (x *ConsoleInputCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[22]
+	mi := &file_eitri_v1_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2283,7 +2572,7 @@ func (x *ConsoleInputCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleInputCall.ProtoReflect.Descriptor instead.
 func (*ConsoleInputCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{22}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ConsoleInputCall) GetVmId() string {
@@ -2313,7 +2602,7 @@ type TunnelCall struct {
 
 func (x *TunnelCall) Reset() {
 	*x = TunnelCall{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[23]
+	mi := &file_eitri_v1_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2325,7 +2614,7 @@ func (x *TunnelCall) String() string {
 func (*TunnelCall) ProtoMessage() {}
 
 func (x *TunnelCall) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[23]
+	mi := &file_eitri_v1_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2338,7 +2627,7 @@ func (x *TunnelCall) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelCall.ProtoReflect.Descriptor instead.
 func (*TunnelCall) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{23}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *TunnelCall) GetVmId() string {
@@ -2371,15 +2660,17 @@ type ConsoleRequest struct {
 	// Set on the last frame of a call that failed: "not_found" (no such VM
 	// on this host), "failed_precondition" (not running, or no console
 	// input) or "unavailable"; error says why, for people.
-	ErrorCode     string `protobuf:"bytes,7,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
-	Error         string `protobuf:"bytes,8,opt,name=error,proto3" json:"error,omitempty"`
+	ErrorCode string `protobuf:"bytes,7,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	Error     string `protobuf:"bytes,8,opt,name=error,proto3" json:"error,omitempty"`
+	// Set with done on the answer to a prune_images call.
+	ImagesPruned  *ImagesPruned `protobuf:"bytes,9,opt,name=images_pruned,json=imagesPruned,proto3" json:"images_pruned,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ConsoleRequest) Reset() {
 	*x = ConsoleRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[24]
+	mi := &file_eitri_v1_agent_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2391,7 +2682,7 @@ func (x *ConsoleRequest) String() string {
 func (*ConsoleRequest) ProtoMessage() {}
 
 func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[24]
+	mi := &file_eitri_v1_agent_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2404,7 +2695,7 @@ func (x *ConsoleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleRequest.ProtoReflect.Descriptor instead.
 func (*ConsoleRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{24}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ConsoleRequest) GetCallId() string {
@@ -2463,6 +2754,13 @@ func (x *ConsoleRequest) GetError() string {
 	return ""
 }
 
+func (x *ConsoleRequest) GetImagesPruned() *ImagesPruned {
+	if x != nil {
+		return x.ImagesPruned
+	}
+	return nil
+}
+
 // ConsoleResponse is reserved: the control plane sends nothing on a Console
 // stream; it ends it.
 type ConsoleResponse struct {
@@ -2473,7 +2771,7 @@ type ConsoleResponse struct {
 
 func (x *ConsoleResponse) Reset() {
 	*x = ConsoleResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	mi := &file_eitri_v1_agent_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2485,7 +2783,7 @@ func (x *ConsoleResponse) String() string {
 func (*ConsoleResponse) ProtoMessage() {}
 
 func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[25]
+	mi := &file_eitri_v1_agent_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2498,7 +2796,7 @@ func (x *ConsoleResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConsoleResponse.ProtoReflect.Descriptor instead.
 func (*ConsoleResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{25}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{29}
 }
 
 // TunnelRequest is one frame from the agent on a Tunnel stream.
@@ -2523,7 +2821,7 @@ type TunnelRequest struct {
 
 func (x *TunnelRequest) Reset() {
 	*x = TunnelRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[26]
+	mi := &file_eitri_v1_agent_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2535,7 +2833,7 @@ func (x *TunnelRequest) String() string {
 func (*TunnelRequest) ProtoMessage() {}
 
 func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[26]
+	mi := &file_eitri_v1_agent_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2548,7 +2846,7 @@ func (x *TunnelRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelRequest.ProtoReflect.Descriptor instead.
 func (*TunnelRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{26}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *TunnelRequest) GetCallId() string {
@@ -2607,7 +2905,7 @@ type TunnelResponse struct {
 
 func (x *TunnelResponse) Reset() {
 	*x = TunnelResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[27]
+	mi := &file_eitri_v1_agent_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2619,7 +2917,7 @@ func (x *TunnelResponse) String() string {
 func (*TunnelResponse) ProtoMessage() {}
 
 func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[27]
+	mi := &file_eitri_v1_agent_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2632,7 +2930,7 @@ func (x *TunnelResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TunnelResponse.ProtoReflect.Descriptor instead.
 func (*TunnelResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{27}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *TunnelResponse) GetData() []byte {
@@ -2660,7 +2958,7 @@ type SignHostKeyRequest struct {
 
 func (x *SignHostKeyRequest) Reset() {
 	*x = SignHostKeyRequest{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[28]
+	mi := &file_eitri_v1_agent_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2672,7 +2970,7 @@ func (x *SignHostKeyRequest) String() string {
 func (*SignHostKeyRequest) ProtoMessage() {}
 
 func (x *SignHostKeyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[28]
+	mi := &file_eitri_v1_agent_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2685,7 +2983,7 @@ func (x *SignHostKeyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignHostKeyRequest.ProtoReflect.Descriptor instead.
 func (*SignHostKeyRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{28}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SignHostKeyRequest) GetVmId() string {
@@ -2715,7 +3013,7 @@ type SignHostKeyResponse struct {
 
 func (x *SignHostKeyResponse) Reset() {
 	*x = SignHostKeyResponse{}
-	mi := &file_eitri_v1_agent_proto_msgTypes[29]
+	mi := &file_eitri_v1_agent_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2727,7 +3025,7 @@ func (x *SignHostKeyResponse) String() string {
 func (*SignHostKeyResponse) ProtoMessage() {}
 
 func (x *SignHostKeyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_agent_proto_msgTypes[29]
+	mi := &file_eitri_v1_agent_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2740,7 +3038,7 @@ func (x *SignHostKeyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignHostKeyResponse.ProtoReflect.Descriptor instead.
 func (*SignHostKeyResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{29}
+	return file_eitri_v1_agent_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *SignHostKeyResponse) GetCertificate() string {
@@ -2762,12 +3060,31 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\ragent_version\x18\x03 \x01(\tR\fagentVersion\"R\n" +
 	"\x0eEnrollResponse\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12'\n" +
-	"\x0fhost_credential\x18\x02 \x01(\tR\x0ehostCredential\"\xa3\x01\n" +
+	"\x0fhost_credential\x18\x02 \x01(\tR\x0ehostCredential\"\xe2\x01\n" +
 	"\vSyncRequest\x12'\n" +
 	"\x05hello\x18\x01 \x01(\v2\x0f.eitri.v1.HelloH\x00R\x05hello\x125\n" +
 	"\x06report\x18\x02 \x01(\v2\x1b.eitri.v1.ActualStateReportH\x00R\x06report\x12-\n" +
-	"\x05usage\x18\x03 \x01(\v2\x15.eitri.v1.UsageSampleH\x00R\x05usageB\x05\n" +
-	"\x03msg\"S\n" +
+	"\x05usage\x18\x03 \x01(\v2\x15.eitri.v1.UsageSampleH\x00R\x05usage\x12=\n" +
+	"\vimage_cache\x18\x04 \x01(\v2\x1a.eitri.v1.ImageCacheReportH\x00R\n" +
+	"imageCacheB\x05\n" +
+	"\x03msg\"v\n" +
+	"\x10ImageCacheReport\x12-\n" +
+	"\x06images\x18\x01 \x03(\v2\x15.eitri.v1.CachedImageR\x06images\x12\x12\n" +
+	"\x04more\x18\x02 \x01(\rR\x04more\x12\x1f\n" +
+	"\vtotal_bytes\x18\x03 \x01(\x04R\n" +
+	"totalBytes\"\xb4\x01\n" +
+	"\vCachedImage\x12\x16\n" +
+	"\x06sha256\x18\x01 \x01(\tR\x06sha256\x12\x1d\n" +
+	"\n" +
+	"size_bytes\x18\x02 \x01(\x04R\tsizeBytes\x12$\n" +
+	"\x0elast_used_unix\x18\x03 \x01(\x03R\flastUsedUnix\x12\x16\n" +
+	"\x06pinned\x18\x04 \x01(\bR\x06pinned\x12\x15\n" +
+	"\x06vm_ids\x18\x05 \x03(\tR\x05vmIds\x12\x19\n" +
+	"\bmore_vms\x18\x06 \x01(\rR\amoreVms\"`\n" +
+	"\fImagesPruned\x12/\n" +
+	"\aremoved\x18\x01 \x03(\v2\x15.eitri.v1.CachedImageR\aremoved\x12\x1f\n" +
+	"\vfreed_bytes\x18\x02 \x01(\x04R\n" +
+	"freedBytes\"S\n" +
 	"\fSyncResponse\x12<\n" +
 	"\bsnapshot\x18\x01 \x01(\v2\x1e.eitri.v1.DesiredStateSnapshotH\x00R\bsnapshotB\x05\n" +
 	"\x03msg\"\x8f\x03\n" +
@@ -2929,12 +3246,13 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"releaseKey\"/\n" +
 	"\fCallsRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
-	"instanceId\"\xff\x01\n" +
+	"instanceId\"\xbf\x02\n" +
 	"\rCallsResponse\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12D\n" +
 	"\x0econsole_output\x18\x02 \x01(\v2\x1b.eitri.v1.ConsoleOutputCallH\x00R\rconsoleOutput\x12A\n" +
 	"\rconsole_input\x18\x03 \x01(\v2\x1a.eitri.v1.ConsoleInputCallH\x00R\fconsoleInput\x12.\n" +
-	"\x06tunnel\x18\x04 \x01(\v2\x14.eitri.v1.TunnelCallH\x00R\x06tunnel\x12\x1d\n" +
+	"\x06tunnel\x18\x04 \x01(\v2\x14.eitri.v1.TunnelCallH\x00R\x06tunnel\x12>\n" +
+	"\fprune_images\x18\x06 \x01(\v2\x19.eitri.v1.PruneImagesCallH\x00R\vpruneImages\x12\x1d\n" +
 	"\n" +
 	"answer_url\x18\x05 \x01(\tR\tanswerUrlB\x06\n" +
 	"\x04call\"\x90\x01\n" +
@@ -2944,14 +3262,15 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x1d\n" +
 	"\n" +
 	"tail_bytes\x18\x04 \x01(\rR\ttailBytes\x12\x1b\n" +
-	"\tno_follow\x18\x05 \x01(\bR\bnoFollow\";\n" +
+	"\tno_follow\x18\x05 \x01(\bR\bnoFollow\"\x11\n" +
+	"\x0fPruneImagesCall\";\n" +
 	"\x10ConsoleInputCall\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\"5\n" +
 	"\n" +
 	"TunnelCall\x12\x13\n" +
 	"\x05vm_id\x18\x01 \x01(\tR\x04vmId\x12\x12\n" +
-	"\x04port\x18\x02 \x01(\rR\x04port\"\xcd\x01\n" +
+	"\x04port\x18\x02 \x01(\rR\x04port\"\x8a\x02\n" +
 	"\x0eConsoleRequest\x12\x17\n" +
 	"\acall_id\x18\x01 \x01(\tR\x06callId\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\x12\x12\n" +
@@ -2961,7 +3280,8 @@ const file_eitri_v1_agent_proto_rawDesc = "" +
 	"\x04done\x18\x06 \x01(\bR\x04done\x12\x1d\n" +
 	"\n" +
 	"error_code\x18\a \x01(\tR\terrorCode\x12\x14\n" +
-	"\x05error\x18\b \x01(\tR\x05error\"\x11\n" +
+	"\x05error\x18\b \x01(\tR\x05error\x12;\n" +
+	"\rimages_pruned\x18\t \x01(\v2\x16.eitri.v1.ImagesPrunedR\fimagesPruned\"\x11\n" +
 	"\x0fConsoleResponse\"\xa1\x01\n" +
 	"\rTunnelRequest\x12\x17\n" +
 	"\acall_id\x18\x01 \x01(\tR\x06callId\x12\x1c\n" +
@@ -3000,89 +3320,98 @@ func file_eitri_v1_agent_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_agent_proto_rawDescData
 }
 
-var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_eitri_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_eitri_v1_agent_proto_goTypes = []any{
 	(*EnrollRequest)(nil),        // 0: eitri.v1.EnrollRequest
 	(*EnrollResponse)(nil),       // 1: eitri.v1.EnrollResponse
 	(*SyncRequest)(nil),          // 2: eitri.v1.SyncRequest
-	(*SyncResponse)(nil),         // 3: eitri.v1.SyncResponse
-	(*Hello)(nil),                // 4: eitri.v1.Hello
-	(*ActualStateReport)(nil),    // 5: eitri.v1.ActualStateReport
-	(*AgentUpgradeStatus)(nil),   // 6: eitri.v1.AgentUpgradeStatus
-	(*SnapshotRefusal)(nil),      // 7: eitri.v1.SnapshotRefusal
-	(*ActualVM)(nil),             // 8: eitri.v1.ActualVM
-	(*GuestExit)(nil),            // 9: eitri.v1.GuestExit
-	(*QuarantinedVM)(nil),        // 10: eitri.v1.QuarantinedVM
-	(*DesiredStateSnapshot)(nil), // 11: eitri.v1.DesiredStateSnapshot
-	(*ImageWanted)(nil),          // 12: eitri.v1.ImageWanted
-	(*ImageHeld)(nil),            // 13: eitri.v1.ImageHeld
-	(*VMDesired)(nil),            // 14: eitri.v1.VMDesired
-	(*AgentUpgrade)(nil),         // 15: eitri.v1.AgentUpgrade
-	(*ExposureDesired)(nil),      // 16: eitri.v1.ExposureDesired
-	(*ExposureActual)(nil),       // 17: eitri.v1.ExposureActual
-	(*JoinToken)(nil),            // 18: eitri.v1.JoinToken
-	(*CallsRequest)(nil),         // 19: eitri.v1.CallsRequest
-	(*CallsResponse)(nil),        // 20: eitri.v1.CallsResponse
-	(*ConsoleOutputCall)(nil),    // 21: eitri.v1.ConsoleOutputCall
-	(*ConsoleInputCall)(nil),     // 22: eitri.v1.ConsoleInputCall
-	(*TunnelCall)(nil),           // 23: eitri.v1.TunnelCall
-	(*ConsoleRequest)(nil),       // 24: eitri.v1.ConsoleRequest
-	(*ConsoleResponse)(nil),      // 25: eitri.v1.ConsoleResponse
-	(*TunnelRequest)(nil),        // 26: eitri.v1.TunnelRequest
-	(*TunnelResponse)(nil),       // 27: eitri.v1.TunnelResponse
-	(*SignHostKeyRequest)(nil),   // 28: eitri.v1.SignHostKeyRequest
-	(*SignHostKeyResponse)(nil),  // 29: eitri.v1.SignHostKeyResponse
-	(*UsageSample)(nil),          // 30: eitri.v1.UsageSample
-	(*Capacity)(nil),             // 31: eitri.v1.Capacity
-	(*Metrics)(nil),              // 32: eitri.v1.Metrics
-	(*Progress)(nil),             // 33: eitri.v1.Progress
-	(ImageReadiness)(0),          // 34: eitri.v1.ImageReadiness
-	(*ExposureSessions)(nil),     // 35: eitri.v1.ExposureSessions
+	(*ImageCacheReport)(nil),     // 3: eitri.v1.ImageCacheReport
+	(*CachedImage)(nil),          // 4: eitri.v1.CachedImage
+	(*ImagesPruned)(nil),         // 5: eitri.v1.ImagesPruned
+	(*SyncResponse)(nil),         // 6: eitri.v1.SyncResponse
+	(*Hello)(nil),                // 7: eitri.v1.Hello
+	(*ActualStateReport)(nil),    // 8: eitri.v1.ActualStateReport
+	(*AgentUpgradeStatus)(nil),   // 9: eitri.v1.AgentUpgradeStatus
+	(*SnapshotRefusal)(nil),      // 10: eitri.v1.SnapshotRefusal
+	(*ActualVM)(nil),             // 11: eitri.v1.ActualVM
+	(*GuestExit)(nil),            // 12: eitri.v1.GuestExit
+	(*QuarantinedVM)(nil),        // 13: eitri.v1.QuarantinedVM
+	(*DesiredStateSnapshot)(nil), // 14: eitri.v1.DesiredStateSnapshot
+	(*ImageWanted)(nil),          // 15: eitri.v1.ImageWanted
+	(*ImageHeld)(nil),            // 16: eitri.v1.ImageHeld
+	(*VMDesired)(nil),            // 17: eitri.v1.VMDesired
+	(*AgentUpgrade)(nil),         // 18: eitri.v1.AgentUpgrade
+	(*ExposureDesired)(nil),      // 19: eitri.v1.ExposureDesired
+	(*ExposureActual)(nil),       // 20: eitri.v1.ExposureActual
+	(*JoinToken)(nil),            // 21: eitri.v1.JoinToken
+	(*CallsRequest)(nil),         // 22: eitri.v1.CallsRequest
+	(*CallsResponse)(nil),        // 23: eitri.v1.CallsResponse
+	(*ConsoleOutputCall)(nil),    // 24: eitri.v1.ConsoleOutputCall
+	(*PruneImagesCall)(nil),      // 25: eitri.v1.PruneImagesCall
+	(*ConsoleInputCall)(nil),     // 26: eitri.v1.ConsoleInputCall
+	(*TunnelCall)(nil),           // 27: eitri.v1.TunnelCall
+	(*ConsoleRequest)(nil),       // 28: eitri.v1.ConsoleRequest
+	(*ConsoleResponse)(nil),      // 29: eitri.v1.ConsoleResponse
+	(*TunnelRequest)(nil),        // 30: eitri.v1.TunnelRequest
+	(*TunnelResponse)(nil),       // 31: eitri.v1.TunnelResponse
+	(*SignHostKeyRequest)(nil),   // 32: eitri.v1.SignHostKeyRequest
+	(*SignHostKeyResponse)(nil),  // 33: eitri.v1.SignHostKeyResponse
+	(*UsageSample)(nil),          // 34: eitri.v1.UsageSample
+	(*Capacity)(nil),             // 35: eitri.v1.Capacity
+	(*Metrics)(nil),              // 36: eitri.v1.Metrics
+	(*Progress)(nil),             // 37: eitri.v1.Progress
+	(ImageReadiness)(0),          // 38: eitri.v1.ImageReadiness
+	(*ExposureSessions)(nil),     // 39: eitri.v1.ExposureSessions
 }
 var file_eitri_v1_agent_proto_depIdxs = []int32{
-	4,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
-	5,  // 1: eitri.v1.SyncRequest.report:type_name -> eitri.v1.ActualStateReport
-	30, // 2: eitri.v1.SyncRequest.usage:type_name -> eitri.v1.UsageSample
-	11, // 3: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
-	8,  // 4: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
-	10, // 5: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
-	31, // 6: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
-	32, // 7: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
-	17, // 8: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
-	7,  // 9: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
-	6,  // 10: eitri.v1.ActualStateReport.upgrade:type_name -> eitri.v1.AgentUpgradeStatus
-	13, // 11: eitri.v1.ActualStateReport.images:type_name -> eitri.v1.ImageHeld
-	33, // 12: eitri.v1.AgentUpgradeStatus.progress:type_name -> eitri.v1.Progress
-	9,  // 13: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
-	33, // 14: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
-	14, // 15: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
-	14, // 16: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
-	15, // 17: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
-	16, // 18: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
-	12, // 19: eitri.v1.DesiredStateSnapshot.images:type_name -> eitri.v1.ImageWanted
-	33, // 20: eitri.v1.ImageHeld.progress:type_name -> eitri.v1.Progress
-	34, // 21: eitri.v1.VMDesired.readiness:type_name -> eitri.v1.ImageReadiness
-	35, // 22: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
-	21, // 23: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
-	22, // 24: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
-	23, // 25: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
-	0,  // 26: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
-	2,  // 27: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
-	19, // 28: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
-	24, // 29: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
-	26, // 30: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
-	28, // 31: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
-	1,  // 32: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
-	3,  // 33: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
-	20, // 34: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
-	25, // 35: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
-	27, // 36: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
-	29, // 37: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
-	32, // [32:38] is the sub-list for method output_type
-	26, // [26:32] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	7,  // 0: eitri.v1.SyncRequest.hello:type_name -> eitri.v1.Hello
+	8,  // 1: eitri.v1.SyncRequest.report:type_name -> eitri.v1.ActualStateReport
+	34, // 2: eitri.v1.SyncRequest.usage:type_name -> eitri.v1.UsageSample
+	3,  // 3: eitri.v1.SyncRequest.image_cache:type_name -> eitri.v1.ImageCacheReport
+	4,  // 4: eitri.v1.ImageCacheReport.images:type_name -> eitri.v1.CachedImage
+	4,  // 5: eitri.v1.ImagesPruned.removed:type_name -> eitri.v1.CachedImage
+	14, // 6: eitri.v1.SyncResponse.snapshot:type_name -> eitri.v1.DesiredStateSnapshot
+	11, // 7: eitri.v1.ActualStateReport.vms:type_name -> eitri.v1.ActualVM
+	13, // 8: eitri.v1.ActualStateReport.quarantined:type_name -> eitri.v1.QuarantinedVM
+	35, // 9: eitri.v1.ActualStateReport.capacity:type_name -> eitri.v1.Capacity
+	36, // 10: eitri.v1.ActualStateReport.metrics:type_name -> eitri.v1.Metrics
+	20, // 11: eitri.v1.ActualStateReport.exposures:type_name -> eitri.v1.ExposureActual
+	10, // 12: eitri.v1.ActualStateReport.snapshot_refused:type_name -> eitri.v1.SnapshotRefusal
+	9,  // 13: eitri.v1.ActualStateReport.upgrade:type_name -> eitri.v1.AgentUpgradeStatus
+	16, // 14: eitri.v1.ActualStateReport.images:type_name -> eitri.v1.ImageHeld
+	37, // 15: eitri.v1.AgentUpgradeStatus.progress:type_name -> eitri.v1.Progress
+	12, // 16: eitri.v1.ActualVM.last_exit:type_name -> eitri.v1.GuestExit
+	37, // 17: eitri.v1.ActualVM.progress:type_name -> eitri.v1.Progress
+	17, // 18: eitri.v1.QuarantinedVM.held:type_name -> eitri.v1.VMDesired
+	17, // 19: eitri.v1.DesiredStateSnapshot.vms:type_name -> eitri.v1.VMDesired
+	18, // 20: eitri.v1.DesiredStateSnapshot.agent_upgrade:type_name -> eitri.v1.AgentUpgrade
+	19, // 21: eitri.v1.DesiredStateSnapshot.exposures:type_name -> eitri.v1.ExposureDesired
+	15, // 22: eitri.v1.DesiredStateSnapshot.images:type_name -> eitri.v1.ImageWanted
+	37, // 23: eitri.v1.ImageHeld.progress:type_name -> eitri.v1.Progress
+	38, // 24: eitri.v1.VMDesired.readiness:type_name -> eitri.v1.ImageReadiness
+	39, // 25: eitri.v1.ExposureActual.sessions:type_name -> eitri.v1.ExposureSessions
+	24, // 26: eitri.v1.CallsResponse.console_output:type_name -> eitri.v1.ConsoleOutputCall
+	26, // 27: eitri.v1.CallsResponse.console_input:type_name -> eitri.v1.ConsoleInputCall
+	27, // 28: eitri.v1.CallsResponse.tunnel:type_name -> eitri.v1.TunnelCall
+	25, // 29: eitri.v1.CallsResponse.prune_images:type_name -> eitri.v1.PruneImagesCall
+	5,  // 30: eitri.v1.ConsoleRequest.images_pruned:type_name -> eitri.v1.ImagesPruned
+	0,  // 31: eitri.v1.AgentService.Enroll:input_type -> eitri.v1.EnrollRequest
+	2,  // 32: eitri.v1.AgentService.Sync:input_type -> eitri.v1.SyncRequest
+	22, // 33: eitri.v1.AgentService.Calls:input_type -> eitri.v1.CallsRequest
+	28, // 34: eitri.v1.AgentService.Console:input_type -> eitri.v1.ConsoleRequest
+	30, // 35: eitri.v1.AgentService.Tunnel:input_type -> eitri.v1.TunnelRequest
+	32, // 36: eitri.v1.AgentService.SignHostKey:input_type -> eitri.v1.SignHostKeyRequest
+	1,  // 37: eitri.v1.AgentService.Enroll:output_type -> eitri.v1.EnrollResponse
+	6,  // 38: eitri.v1.AgentService.Sync:output_type -> eitri.v1.SyncResponse
+	23, // 39: eitri.v1.AgentService.Calls:output_type -> eitri.v1.CallsResponse
+	29, // 40: eitri.v1.AgentService.Console:output_type -> eitri.v1.ConsoleResponse
+	31, // 41: eitri.v1.AgentService.Tunnel:output_type -> eitri.v1.TunnelResponse
+	33, // 42: eitri.v1.AgentService.SignHostKey:output_type -> eitri.v1.SignHostKeyResponse
+	37, // [37:43] is the sub-list for method output_type
+	31, // [31:37] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_agent_proto_init() }
@@ -3097,14 +3426,16 @@ func file_eitri_v1_agent_proto_init() {
 		(*SyncRequest_Hello)(nil),
 		(*SyncRequest_Report)(nil),
 		(*SyncRequest_Usage)(nil),
+		(*SyncRequest_ImageCache)(nil),
 	}
-	file_eitri_v1_agent_proto_msgTypes[3].OneofWrappers = []any{
+	file_eitri_v1_agent_proto_msgTypes[6].OneofWrappers = []any{
 		(*SyncResponse_Snapshot)(nil),
 	}
-	file_eitri_v1_agent_proto_msgTypes[20].OneofWrappers = []any{
+	file_eitri_v1_agent_proto_msgTypes[23].OneofWrappers = []any{
 		(*CallsResponse_ConsoleOutput)(nil),
 		(*CallsResponse_ConsoleInput)(nil),
 		(*CallsResponse_Tunnel)(nil),
+		(*CallsResponse_PruneImages)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -3112,7 +3443,7 @@ func file_eitri_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_agent_proto_rawDesc), len(file_eitri_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   30,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

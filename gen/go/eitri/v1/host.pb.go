@@ -783,6 +783,447 @@ func (x *DecommissionHostResponse) GetForgottenVmIds() []string {
 	return nil
 }
 
+type ListHostImagesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The host's id.
+	Id            string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListHostImagesRequest) Reset() {
+	*x = ListHostImagesRequest{}
+	mi := &file_eitri_v1_host_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListHostImagesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListHostImagesRequest) ProtoMessage() {}
+
+func (x *ListHostImagesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListHostImagesRequest.ProtoReflect.Descriptor instead.
+func (*ListHostImagesRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *ListHostImagesRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type ListHostImagesResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Most recently used first.
+	Images []*HostImage `protobuf:"bytes,1,rep,name=images,proto3" json:"images,omitempty"`
+	// Images the host holds beyond those it listed.
+	More uint32 `protobuf:"varint,2,opt,name=more,proto3" json:"more,omitempty"`
+	// The disk space every image in the cache takes.
+	TotalBytes uint64 `protobuf:"varint,3,opt,name=total_bytes,json=totalBytes,proto3" json:"total_bytes,omitempty"`
+	// When the host said this; null when it has not reported its cache (it
+	// is not connected, or its agent predates the report). Everything above
+	// is then empty: nothing is known.
+	ReportedAt    *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=reported_at,json=reportedAt,proto3" json:"reported_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListHostImagesResponse) Reset() {
+	*x = ListHostImagesResponse{}
+	mi := &file_eitri_v1_host_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListHostImagesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListHostImagesResponse) ProtoMessage() {}
+
+func (x *ListHostImagesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListHostImagesResponse.ProtoReflect.Descriptor instead.
+func (*ListHostImagesResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ListHostImagesResponse) GetImages() []*HostImage {
+	if x != nil {
+		return x.Images
+	}
+	return nil
+}
+
+func (x *ListHostImagesResponse) GetMore() uint32 {
+	if x != nil {
+		return x.More
+	}
+	return 0
+}
+
+func (x *ListHostImagesResponse) GetTotalBytes() uint64 {
+	if x != nil {
+		return x.TotalBytes
+	}
+	return 0
+}
+
+func (x *ListHostImagesResponse) GetReportedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ReportedAt
+	}
+	return nil
+}
+
+// HostImage is one image in a host's cache.
+type HostImage struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Sha256    string                 `protobuf:"bytes,1,opt,name=sha256,proto3" json:"sha256,omitempty"`
+	SizeBytes uint64                 `protobuf:"varint,2,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	// When it was last used on the host, by the host's clock.
+	LastUsed *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=last_used,json=lastUsed,proto3" json:"last_used,omitempty"`
+	// Held against eviction and prunes right now (pulled, or in use by a
+	// create in progress).
+	Pinned bool `protobuf:"varint,4,opt,name=pinned,proto3" json:"pinned,omitempty"`
+	// The catalogue images pulled to this host whose current version is this
+	// digest: the pulls that pin it.
+	PulledFor []string `protobuf:"bytes,5,rep,name=pulled_for,json=pulledFor,proto3" json:"pulled_for,omitempty"`
+	// The VMs on the host made from it.
+	Vms     []*HostImageVM `protobuf:"bytes,6,rep,name=vms,proto3" json:"vms,omitempty"`
+	MoreVms uint32         `protobuf:"varint,7,opt,name=more_vms,json=moreVms,proto3" json:"more_vms,omitempty"`
+	// The catalogue's names and versions for this digest.
+	Catalogue     []*CatalogueVersion `protobuf:"bytes,8,rep,name=catalogue,proto3" json:"catalogue,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HostImage) Reset() {
+	*x = HostImage{}
+	mi := &file_eitri_v1_host_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HostImage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HostImage) ProtoMessage() {}
+
+func (x *HostImage) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HostImage.ProtoReflect.Descriptor instead.
+func (*HostImage) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *HostImage) GetSha256() string {
+	if x != nil {
+		return x.Sha256
+	}
+	return ""
+}
+
+func (x *HostImage) GetSizeBytes() uint64 {
+	if x != nil {
+		return x.SizeBytes
+	}
+	return 0
+}
+
+func (x *HostImage) GetLastUsed() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastUsed
+	}
+	return nil
+}
+
+func (x *HostImage) GetPinned() bool {
+	if x != nil {
+		return x.Pinned
+	}
+	return false
+}
+
+func (x *HostImage) GetPulledFor() []string {
+	if x != nil {
+		return x.PulledFor
+	}
+	return nil
+}
+
+func (x *HostImage) GetVms() []*HostImageVM {
+	if x != nil {
+		return x.Vms
+	}
+	return nil
+}
+
+func (x *HostImage) GetMoreVms() uint32 {
+	if x != nil {
+		return x.MoreVms
+	}
+	return 0
+}
+
+func (x *HostImage) GetCatalogue() []*CatalogueVersion {
+	if x != nil {
+		return x.Catalogue
+	}
+	return nil
+}
+
+// HostImageVM is a VM made from a cached image.
+type HostImageVM struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Empty when the control plane has no such VM on the host (the host holds
+	// one it no longer knows of).
+	Name          string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HostImageVM) Reset() {
+	*x = HostImageVM{}
+	mi := &file_eitri_v1_host_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HostImageVM) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HostImageVM) ProtoMessage() {}
+
+func (x *HostImageVM) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HostImageVM.ProtoReflect.Descriptor instead.
+func (*HostImageVM) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *HostImageVM) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *HostImageVM) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+// CatalogueVersion is one catalogue name and version pointing at a digest.
+type CatalogueVersion struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Name    string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Version int64                  `protobuf:"varint,2,opt,name=version,proto3" json:"version,omitempty"`
+	// The name points at this version now.
+	Current       bool `protobuf:"varint,3,opt,name=current,proto3" json:"current,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CatalogueVersion) Reset() {
+	*x = CatalogueVersion{}
+	mi := &file_eitri_v1_host_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CatalogueVersion) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CatalogueVersion) ProtoMessage() {}
+
+func (x *CatalogueVersion) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CatalogueVersion.ProtoReflect.Descriptor instead.
+func (*CatalogueVersion) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *CatalogueVersion) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *CatalogueVersion) GetVersion() int64 {
+	if x != nil {
+		return x.Version
+	}
+	return 0
+}
+
+func (x *CatalogueVersion) GetCurrent() bool {
+	if x != nil {
+		return x.Current
+	}
+	return false
+}
+
+type PruneHostImagesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The host's id.
+	Id            string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PruneHostImagesRequest) Reset() {
+	*x = PruneHostImagesRequest{}
+	mi := &file_eitri_v1_host_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PruneHostImagesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PruneHostImagesRequest) ProtoMessage() {}
+
+func (x *PruneHostImagesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PruneHostImagesRequest.ProtoReflect.Descriptor instead.
+func (*PruneHostImagesRequest) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *PruneHostImagesRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type PruneHostImagesResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Removed       []*HostImage           `protobuf:"bytes,1,rep,name=removed,proto3" json:"removed,omitempty"`
+	FreedBytes    uint64                 `protobuf:"varint,2,opt,name=freed_bytes,json=freedBytes,proto3" json:"freed_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PruneHostImagesResponse) Reset() {
+	*x = PruneHostImagesResponse{}
+	mi := &file_eitri_v1_host_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PruneHostImagesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PruneHostImagesResponse) ProtoMessage() {}
+
+func (x *PruneHostImagesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_eitri_v1_host_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PruneHostImagesResponse.ProtoReflect.Descriptor instead.
+func (*PruneHostImagesResponse) Descriptor() ([]byte, []int) {
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *PruneHostImagesResponse) GetRemoved() []*HostImage {
+	if x != nil {
+		return x.Removed
+	}
+	return nil
+}
+
+func (x *PruneHostImagesResponse) GetFreedBytes() uint64 {
+	if x != nil {
+		return x.FreedBytes
+	}
+	return 0
+}
+
 type WatchHostsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -791,7 +1232,7 @@ type WatchHostsRequest struct {
 
 func (x *WatchHostsRequest) Reset() {
 	*x = WatchHostsRequest{}
-	mi := &file_eitri_v1_host_proto_msgTypes[11]
+	mi := &file_eitri_v1_host_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -803,7 +1244,7 @@ func (x *WatchHostsRequest) String() string {
 func (*WatchHostsRequest) ProtoMessage() {}
 
 func (x *WatchHostsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[11]
+	mi := &file_eitri_v1_host_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -816,7 +1257,7 @@ func (x *WatchHostsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchHostsRequest.ProtoReflect.Descriptor instead.
 func (*WatchHostsRequest) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{11}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{18}
 }
 
 type HostList struct {
@@ -828,7 +1269,7 @@ type HostList struct {
 
 func (x *HostList) Reset() {
 	*x = HostList{}
-	mi := &file_eitri_v1_host_proto_msgTypes[12]
+	mi := &file_eitri_v1_host_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -840,7 +1281,7 @@ func (x *HostList) String() string {
 func (*HostList) ProtoMessage() {}
 
 func (x *HostList) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[12]
+	mi := &file_eitri_v1_host_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -853,7 +1294,7 @@ func (x *HostList) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HostList.ProtoReflect.Descriptor instead.
 func (*HostList) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{12}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *HostList) GetHosts() []*Host {
@@ -877,7 +1318,7 @@ type WatchHostsResponse struct {
 
 func (x *WatchHostsResponse) Reset() {
 	*x = WatchHostsResponse{}
-	mi := &file_eitri_v1_host_proto_msgTypes[13]
+	mi := &file_eitri_v1_host_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -889,7 +1330,7 @@ func (x *WatchHostsResponse) String() string {
 func (*WatchHostsResponse) ProtoMessage() {}
 
 func (x *WatchHostsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_eitri_v1_host_proto_msgTypes[13]
+	mi := &file_eitri_v1_host_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -902,7 +1343,7 @@ func (x *WatchHostsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchHostsResponse.ProtoReflect.Descriptor instead.
 func (*WatchHostsResponse) Descriptor() ([]byte, []int) {
-	return file_eitri_v1_host_proto_rawDescGZIP(), []int{13}
+	return file_eitri_v1_host_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *WatchHostsResponse) GetEvent() isWatchHostsResponse_Event {
@@ -1023,7 +1464,40 @@ const file_eitri_v1_host_proto_rawDesc = "" +
 	"\x05force\x18\x02 \x01(\bR\x05force\"d\n" +
 	"\x18DecommissionHostResponse\x12\x1e\n" +
 	"\vlost_vm_ids\x18\x01 \x03(\tR\tlostVmIds\x12(\n" +
-	"\x10forgotten_vm_ids\x18\x02 \x03(\tR\x0eforgottenVmIds\"\x13\n" +
+	"\x10forgotten_vm_ids\x18\x02 \x03(\tR\x0eforgottenVmIds\"'\n" +
+	"\x15ListHostImagesRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\xb7\x01\n" +
+	"\x16ListHostImagesResponse\x12+\n" +
+	"\x06images\x18\x01 \x03(\v2\x13.eitri.v1.HostImageR\x06images\x12\x12\n" +
+	"\x04more\x18\x02 \x01(\rR\x04more\x12\x1f\n" +
+	"\vtotal_bytes\x18\x03 \x01(\x04R\n" +
+	"totalBytes\x12;\n" +
+	"\vreported_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"reportedAt\"\xb0\x02\n" +
+	"\tHostImage\x12\x16\n" +
+	"\x06sha256\x18\x01 \x01(\tR\x06sha256\x12\x1d\n" +
+	"\n" +
+	"size_bytes\x18\x02 \x01(\x04R\tsizeBytes\x127\n" +
+	"\tlast_used\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\blastUsed\x12\x16\n" +
+	"\x06pinned\x18\x04 \x01(\bR\x06pinned\x12\x1d\n" +
+	"\n" +
+	"pulled_for\x18\x05 \x03(\tR\tpulledFor\x12'\n" +
+	"\x03vms\x18\x06 \x03(\v2\x15.eitri.v1.HostImageVMR\x03vms\x12\x19\n" +
+	"\bmore_vms\x18\a \x01(\rR\amoreVms\x128\n" +
+	"\tcatalogue\x18\b \x03(\v2\x1a.eitri.v1.CatalogueVersionR\tcatalogue\"1\n" +
+	"\vHostImageVM\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\"Z\n" +
+	"\x10CatalogueVersion\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x18\n" +
+	"\aversion\x18\x02 \x01(\x03R\aversion\x12\x18\n" +
+	"\acurrent\x18\x03 \x01(\bR\acurrent\"(\n" +
+	"\x16PruneHostImagesRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"i\n" +
+	"\x17PruneHostImagesResponse\x12-\n" +
+	"\aremoved\x18\x01 \x03(\v2\x13.eitri.v1.HostImageR\aremoved\x12\x1f\n" +
+	"\vfreed_bytes\x18\x02 \x01(\x04R\n" +
+	"freedBytes\"\x13\n" +
 	"\x11WatchHostsRequest\"0\n" +
 	"\bHostList\x12$\n" +
 	"\x05hosts\x18\x01 \x03(\v2\x0e.eitri.v1.HostR\x05hosts\"\x9c\x01\n" +
@@ -1032,14 +1506,16 @@ const file_eitri_v1_host_proto_rawDesc = "" +
 	"\achanged\x18\x02 \x01(\v2\x0e.eitri.v1.HostH\x00R\achanged\x12\x1f\n" +
 	"\n" +
 	"removed_id\x18\x03 \x01(\tH\x00R\tremovedIdB\a\n" +
-	"\x05event2\x91\x03\n" +
+	"\x05event2\xbe\x04\n" +
 	"\vHostService\x12D\n" +
 	"\tListHosts\x12\x1a.eitri.v1.ListHostsRequest\x1a\x1b.eitri.v1.ListHostsResponse\x12>\n" +
 	"\aGetHost\x12\x18.eitri.v1.GetHostRequest\x1a\x19.eitri.v1.GetHostResponse\x12V\n" +
 	"\x0fCreateJoinToken\x12 .eitri.v1.CreateJoinTokenRequest\x1a!.eitri.v1.CreateJoinTokenResponse\x12Y\n" +
 	"\x10DecommissionHost\x12!.eitri.v1.DecommissionHostRequest\x1a\".eitri.v1.DecommissionHostResponse\x12I\n" +
 	"\n" +
-	"WatchHosts\x12\x1b.eitri.v1.WatchHostsRequest\x1a\x1c.eitri.v1.WatchHostsResponse0\x01B/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
+	"WatchHosts\x12\x1b.eitri.v1.WatchHostsRequest\x1a\x1c.eitri.v1.WatchHostsResponse0\x01\x12S\n" +
+	"\x0eListHostImages\x12\x1f.eitri.v1.ListHostImagesRequest\x1a .eitri.v1.ListHostImagesResponse\x12V\n" +
+	"\x0fPruneHostImages\x12 .eitri.v1.PruneHostImagesRequest\x1a!.eitri.v1.PruneHostImagesResponseB/Z-github.com/a73x/eitri/gen/go/eitri/v1;eitriv1b\x06proto3"
 
 var (
 	file_eitri_v1_host_proto_rawDescOnce sync.Once
@@ -1053,7 +1529,7 @@ func file_eitri_v1_host_proto_rawDescGZIP() []byte {
 	return file_eitri_v1_host_proto_rawDescData
 }
 
-var file_eitri_v1_host_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_eitri_v1_host_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_eitri_v1_host_proto_goTypes = []any{
 	(*Host)(nil),                     // 0: eitri.v1.Host
 	(*HostUpgrade)(nil),              // 1: eitri.v1.HostUpgrade
@@ -1066,50 +1542,67 @@ var file_eitri_v1_host_proto_goTypes = []any{
 	(*CreateJoinTokenResponse)(nil),  // 8: eitri.v1.CreateJoinTokenResponse
 	(*DecommissionHostRequest)(nil),  // 9: eitri.v1.DecommissionHostRequest
 	(*DecommissionHostResponse)(nil), // 10: eitri.v1.DecommissionHostResponse
-	(*WatchHostsRequest)(nil),        // 11: eitri.v1.WatchHostsRequest
-	(*HostList)(nil),                 // 12: eitri.v1.HostList
-	(*WatchHostsResponse)(nil),       // 13: eitri.v1.WatchHostsResponse
-	(*Capacity)(nil),                 // 14: eitri.v1.Capacity
-	(*Allocated)(nil),                // 15: eitri.v1.Allocated
-	(*Metrics)(nil),                  // 16: eitri.v1.Metrics
-	(*timestamppb.Timestamp)(nil),    // 17: google.protobuf.Timestamp
-	(*Progress)(nil),                 // 18: eitri.v1.Progress
-	(*durationpb.Duration)(nil),      // 19: google.protobuf.Duration
+	(*ListHostImagesRequest)(nil),    // 11: eitri.v1.ListHostImagesRequest
+	(*ListHostImagesResponse)(nil),   // 12: eitri.v1.ListHostImagesResponse
+	(*HostImage)(nil),                // 13: eitri.v1.HostImage
+	(*HostImageVM)(nil),              // 14: eitri.v1.HostImageVM
+	(*CatalogueVersion)(nil),         // 15: eitri.v1.CatalogueVersion
+	(*PruneHostImagesRequest)(nil),   // 16: eitri.v1.PruneHostImagesRequest
+	(*PruneHostImagesResponse)(nil),  // 17: eitri.v1.PruneHostImagesResponse
+	(*WatchHostsRequest)(nil),        // 18: eitri.v1.WatchHostsRequest
+	(*HostList)(nil),                 // 19: eitri.v1.HostList
+	(*WatchHostsResponse)(nil),       // 20: eitri.v1.WatchHostsResponse
+	(*Capacity)(nil),                 // 21: eitri.v1.Capacity
+	(*Allocated)(nil),                // 22: eitri.v1.Allocated
+	(*Metrics)(nil),                  // 23: eitri.v1.Metrics
+	(*timestamppb.Timestamp)(nil),    // 24: google.protobuf.Timestamp
+	(*Progress)(nil),                 // 25: eitri.v1.Progress
+	(*durationpb.Duration)(nil),      // 26: google.protobuf.Duration
 }
 var file_eitri_v1_host_proto_depIdxs = []int32{
-	14, // 0: eitri.v1.Host.capacity:type_name -> eitri.v1.Capacity
-	15, // 1: eitri.v1.Host.allocated:type_name -> eitri.v1.Allocated
-	16, // 2: eitri.v1.Host.metrics:type_name -> eitri.v1.Metrics
-	17, // 3: eitri.v1.Host.created_at:type_name -> google.protobuf.Timestamp
-	17, // 4: eitri.v1.Host.last_seen_at:type_name -> google.protobuf.Timestamp
+	21, // 0: eitri.v1.Host.capacity:type_name -> eitri.v1.Capacity
+	22, // 1: eitri.v1.Host.allocated:type_name -> eitri.v1.Allocated
+	23, // 2: eitri.v1.Host.metrics:type_name -> eitri.v1.Metrics
+	24, // 3: eitri.v1.Host.created_at:type_name -> google.protobuf.Timestamp
+	24, // 4: eitri.v1.Host.last_seen_at:type_name -> google.protobuf.Timestamp
 	2,  // 5: eitri.v1.Host.conditions:type_name -> eitri.v1.HostCondition
 	1,  // 6: eitri.v1.Host.upgrade:type_name -> eitri.v1.HostUpgrade
-	17, // 7: eitri.v1.HostUpgrade.since:type_name -> google.protobuf.Timestamp
-	18, // 8: eitri.v1.HostUpgrade.progress:type_name -> eitri.v1.Progress
-	17, // 9: eitri.v1.HostCondition.since:type_name -> google.protobuf.Timestamp
-	17, // 10: eitri.v1.HostCondition.last_seen_at:type_name -> google.protobuf.Timestamp
+	24, // 7: eitri.v1.HostUpgrade.since:type_name -> google.protobuf.Timestamp
+	25, // 8: eitri.v1.HostUpgrade.progress:type_name -> eitri.v1.Progress
+	24, // 9: eitri.v1.HostCondition.since:type_name -> google.protobuf.Timestamp
+	24, // 10: eitri.v1.HostCondition.last_seen_at:type_name -> google.protobuf.Timestamp
 	0,  // 11: eitri.v1.ListHostsResponse.hosts:type_name -> eitri.v1.Host
 	0,  // 12: eitri.v1.GetHostResponse.host:type_name -> eitri.v1.Host
-	19, // 13: eitri.v1.CreateJoinTokenRequest.ttl:type_name -> google.protobuf.Duration
-	17, // 14: eitri.v1.CreateJoinTokenResponse.expires_at:type_name -> google.protobuf.Timestamp
-	0,  // 15: eitri.v1.HostList.hosts:type_name -> eitri.v1.Host
-	12, // 16: eitri.v1.WatchHostsResponse.snapshot:type_name -> eitri.v1.HostList
-	0,  // 17: eitri.v1.WatchHostsResponse.changed:type_name -> eitri.v1.Host
-	3,  // 18: eitri.v1.HostService.ListHosts:input_type -> eitri.v1.ListHostsRequest
-	5,  // 19: eitri.v1.HostService.GetHost:input_type -> eitri.v1.GetHostRequest
-	7,  // 20: eitri.v1.HostService.CreateJoinToken:input_type -> eitri.v1.CreateJoinTokenRequest
-	9,  // 21: eitri.v1.HostService.DecommissionHost:input_type -> eitri.v1.DecommissionHostRequest
-	11, // 22: eitri.v1.HostService.WatchHosts:input_type -> eitri.v1.WatchHostsRequest
-	4,  // 23: eitri.v1.HostService.ListHosts:output_type -> eitri.v1.ListHostsResponse
-	6,  // 24: eitri.v1.HostService.GetHost:output_type -> eitri.v1.GetHostResponse
-	8,  // 25: eitri.v1.HostService.CreateJoinToken:output_type -> eitri.v1.CreateJoinTokenResponse
-	10, // 26: eitri.v1.HostService.DecommissionHost:output_type -> eitri.v1.DecommissionHostResponse
-	13, // 27: eitri.v1.HostService.WatchHosts:output_type -> eitri.v1.WatchHostsResponse
-	23, // [23:28] is the sub-list for method output_type
-	18, // [18:23] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	26, // 13: eitri.v1.CreateJoinTokenRequest.ttl:type_name -> google.protobuf.Duration
+	24, // 14: eitri.v1.CreateJoinTokenResponse.expires_at:type_name -> google.protobuf.Timestamp
+	13, // 15: eitri.v1.ListHostImagesResponse.images:type_name -> eitri.v1.HostImage
+	24, // 16: eitri.v1.ListHostImagesResponse.reported_at:type_name -> google.protobuf.Timestamp
+	24, // 17: eitri.v1.HostImage.last_used:type_name -> google.protobuf.Timestamp
+	14, // 18: eitri.v1.HostImage.vms:type_name -> eitri.v1.HostImageVM
+	15, // 19: eitri.v1.HostImage.catalogue:type_name -> eitri.v1.CatalogueVersion
+	13, // 20: eitri.v1.PruneHostImagesResponse.removed:type_name -> eitri.v1.HostImage
+	0,  // 21: eitri.v1.HostList.hosts:type_name -> eitri.v1.Host
+	19, // 22: eitri.v1.WatchHostsResponse.snapshot:type_name -> eitri.v1.HostList
+	0,  // 23: eitri.v1.WatchHostsResponse.changed:type_name -> eitri.v1.Host
+	3,  // 24: eitri.v1.HostService.ListHosts:input_type -> eitri.v1.ListHostsRequest
+	5,  // 25: eitri.v1.HostService.GetHost:input_type -> eitri.v1.GetHostRequest
+	7,  // 26: eitri.v1.HostService.CreateJoinToken:input_type -> eitri.v1.CreateJoinTokenRequest
+	9,  // 27: eitri.v1.HostService.DecommissionHost:input_type -> eitri.v1.DecommissionHostRequest
+	18, // 28: eitri.v1.HostService.WatchHosts:input_type -> eitri.v1.WatchHostsRequest
+	11, // 29: eitri.v1.HostService.ListHostImages:input_type -> eitri.v1.ListHostImagesRequest
+	16, // 30: eitri.v1.HostService.PruneHostImages:input_type -> eitri.v1.PruneHostImagesRequest
+	4,  // 31: eitri.v1.HostService.ListHosts:output_type -> eitri.v1.ListHostsResponse
+	6,  // 32: eitri.v1.HostService.GetHost:output_type -> eitri.v1.GetHostResponse
+	8,  // 33: eitri.v1.HostService.CreateJoinToken:output_type -> eitri.v1.CreateJoinTokenResponse
+	10, // 34: eitri.v1.HostService.DecommissionHost:output_type -> eitri.v1.DecommissionHostResponse
+	20, // 35: eitri.v1.HostService.WatchHosts:output_type -> eitri.v1.WatchHostsResponse
+	12, // 36: eitri.v1.HostService.ListHostImages:output_type -> eitri.v1.ListHostImagesResponse
+	17, // 37: eitri.v1.HostService.PruneHostImages:output_type -> eitri.v1.PruneHostImagesResponse
+	31, // [31:38] is the sub-list for method output_type
+	24, // [24:31] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_eitri_v1_host_proto_init() }
@@ -1118,7 +1611,7 @@ func file_eitri_v1_host_proto_init() {
 		return
 	}
 	file_eitri_v1_resources_proto_init()
-	file_eitri_v1_host_proto_msgTypes[13].OneofWrappers = []any{
+	file_eitri_v1_host_proto_msgTypes[20].OneofWrappers = []any{
 		(*WatchHostsResponse_Snapshot)(nil),
 		(*WatchHostsResponse_Changed)(nil),
 		(*WatchHostsResponse_RemovedId)(nil),
@@ -1129,7 +1622,7 @@ func file_eitri_v1_host_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_eitri_v1_host_proto_rawDesc), len(file_eitri_v1_host_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -45,6 +45,12 @@ const (
 	HostServiceDecommissionHostProcedure = "/eitri.v1.HostService/DecommissionHost"
 	// HostServiceWatchHostsProcedure is the fully-qualified name of the HostService's WatchHosts RPC.
 	HostServiceWatchHostsProcedure = "/eitri.v1.HostService/WatchHosts"
+	// HostServiceListHostImagesProcedure is the fully-qualified name of the HostService's
+	// ListHostImages RPC.
+	HostServiceListHostImagesProcedure = "/eitri.v1.HostService/ListHostImages"
+	// HostServicePruneHostImagesProcedure is the fully-qualified name of the HostService's
+	// PruneHostImages RPC.
+	HostServicePruneHostImagesProcedure = "/eitri.v1.HostService/PruneHostImages"
 )
 
 // HostServiceClient is a client for the eitri.v1.HostService service.
@@ -57,6 +63,13 @@ type HostServiceClient interface {
 	// set for a host that is gone for good.
 	DecommissionHost(context.Context, *connect.Request[v1.DecommissionHostRequest]) (*connect.Response[v1.DecommissionHostResponse], error)
 	WatchHosts(context.Context, *connect.Request[v1.WatchHostsRequest]) (*connect.ServerStreamForClient[v1.WatchHostsResponse], error)
+	// ListHostImages is what the host's image cache holds, as the host last
+	// reported it, with what uses each image. Admin only.
+	ListHostImages(context.Context, *connect.Request[v1.ListHostImagesRequest]) (*connect.Response[v1.ListHostImagesResponse], error)
+	// PruneHostImages has the host remove from its cache every image nothing
+	// wants (not pinned, made into no VM on the host) and says what went.
+	// The host must be connected. Admin only.
+	PruneHostImages(context.Context, *connect.Request[v1.PruneHostImagesRequest]) (*connect.Response[v1.PruneHostImagesResponse], error)
 }
 
 // NewHostServiceClient constructs a client for the eitri.v1.HostService service. By default, it
@@ -100,6 +113,18 @@ func NewHostServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(hostServiceMethods.ByName("WatchHosts")),
 			connect.WithClientOptions(opts...),
 		),
+		listHostImages: connect.NewClient[v1.ListHostImagesRequest, v1.ListHostImagesResponse](
+			httpClient,
+			baseURL+HostServiceListHostImagesProcedure,
+			connect.WithSchema(hostServiceMethods.ByName("ListHostImages")),
+			connect.WithClientOptions(opts...),
+		),
+		pruneHostImages: connect.NewClient[v1.PruneHostImagesRequest, v1.PruneHostImagesResponse](
+			httpClient,
+			baseURL+HostServicePruneHostImagesProcedure,
+			connect.WithSchema(hostServiceMethods.ByName("PruneHostImages")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -110,6 +135,8 @@ type hostServiceClient struct {
 	createJoinToken  *connect.Client[v1.CreateJoinTokenRequest, v1.CreateJoinTokenResponse]
 	decommissionHost *connect.Client[v1.DecommissionHostRequest, v1.DecommissionHostResponse]
 	watchHosts       *connect.Client[v1.WatchHostsRequest, v1.WatchHostsResponse]
+	listHostImages   *connect.Client[v1.ListHostImagesRequest, v1.ListHostImagesResponse]
+	pruneHostImages  *connect.Client[v1.PruneHostImagesRequest, v1.PruneHostImagesResponse]
 }
 
 // ListHosts calls eitri.v1.HostService.ListHosts.
@@ -137,6 +164,16 @@ func (c *hostServiceClient) WatchHosts(ctx context.Context, req *connect.Request
 	return c.watchHosts.CallServerStream(ctx, req)
 }
 
+// ListHostImages calls eitri.v1.HostService.ListHostImages.
+func (c *hostServiceClient) ListHostImages(ctx context.Context, req *connect.Request[v1.ListHostImagesRequest]) (*connect.Response[v1.ListHostImagesResponse], error) {
+	return c.listHostImages.CallUnary(ctx, req)
+}
+
+// PruneHostImages calls eitri.v1.HostService.PruneHostImages.
+func (c *hostServiceClient) PruneHostImages(ctx context.Context, req *connect.Request[v1.PruneHostImagesRequest]) (*connect.Response[v1.PruneHostImagesResponse], error) {
+	return c.pruneHostImages.CallUnary(ctx, req)
+}
+
 // HostServiceHandler is an implementation of the eitri.v1.HostService service.
 type HostServiceHandler interface {
 	ListHosts(context.Context, *connect.Request[v1.ListHostsRequest]) (*connect.Response[v1.ListHostsResponse], error)
@@ -147,6 +184,13 @@ type HostServiceHandler interface {
 	// set for a host that is gone for good.
 	DecommissionHost(context.Context, *connect.Request[v1.DecommissionHostRequest]) (*connect.Response[v1.DecommissionHostResponse], error)
 	WatchHosts(context.Context, *connect.Request[v1.WatchHostsRequest], *connect.ServerStream[v1.WatchHostsResponse]) error
+	// ListHostImages is what the host's image cache holds, as the host last
+	// reported it, with what uses each image. Admin only.
+	ListHostImages(context.Context, *connect.Request[v1.ListHostImagesRequest]) (*connect.Response[v1.ListHostImagesResponse], error)
+	// PruneHostImages has the host remove from its cache every image nothing
+	// wants (not pinned, made into no VM on the host) and says what went.
+	// The host must be connected. Admin only.
+	PruneHostImages(context.Context, *connect.Request[v1.PruneHostImagesRequest]) (*connect.Response[v1.PruneHostImagesResponse], error)
 }
 
 // NewHostServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -186,6 +230,18 @@ func NewHostServiceHandler(svc HostServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(hostServiceMethods.ByName("WatchHosts")),
 		connect.WithHandlerOptions(opts...),
 	)
+	hostServiceListHostImagesHandler := connect.NewUnaryHandler(
+		HostServiceListHostImagesProcedure,
+		svc.ListHostImages,
+		connect.WithSchema(hostServiceMethods.ByName("ListHostImages")),
+		connect.WithHandlerOptions(opts...),
+	)
+	hostServicePruneHostImagesHandler := connect.NewUnaryHandler(
+		HostServicePruneHostImagesProcedure,
+		svc.PruneHostImages,
+		connect.WithSchema(hostServiceMethods.ByName("PruneHostImages")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/eitri.v1.HostService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case HostServiceListHostsProcedure:
@@ -198,6 +254,10 @@ func NewHostServiceHandler(svc HostServiceHandler, opts ...connect.HandlerOption
 			hostServiceDecommissionHostHandler.ServeHTTP(w, r)
 		case HostServiceWatchHostsProcedure:
 			hostServiceWatchHostsHandler.ServeHTTP(w, r)
+		case HostServiceListHostImagesProcedure:
+			hostServiceListHostImagesHandler.ServeHTTP(w, r)
+		case HostServicePruneHostImagesProcedure:
+			hostServicePruneHostImagesHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -225,4 +285,12 @@ func (UnimplementedHostServiceHandler) DecommissionHost(context.Context, *connec
 
 func (UnimplementedHostServiceHandler) WatchHosts(context.Context, *connect.Request[v1.WatchHostsRequest], *connect.ServerStream[v1.WatchHostsResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.HostService.WatchHosts is not implemented"))
+}
+
+func (UnimplementedHostServiceHandler) ListHostImages(context.Context, *connect.Request[v1.ListHostImagesRequest]) (*connect.Response[v1.ListHostImagesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.HostService.ListHostImages is not implemented"))
+}
+
+func (UnimplementedHostServiceHandler) PruneHostImages(context.Context, *connect.Request[v1.PruneHostImagesRequest]) (*connect.Response[v1.PruneHostImagesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("eitri.v1.HostService.PruneHostImages is not implemented"))
 }

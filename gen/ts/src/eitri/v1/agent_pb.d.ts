@@ -96,6 +96,16 @@ export declare type SyncRequest = Message<"eitri.v1.SyncRequest"> & {
      */
     value: UsageSample;
     case: "usage";
+  } | {
+    /**
+     * What the host's image cache holds. Sent after every (re)connect and
+     * whenever the cache changes, not with every report: the control plane
+     * keeps the last one for as long as the stream lasts.
+     *
+     * @generated from field: eitri.v1.ImageCacheReport image_cache = 4;
+     */
+    value: ImageCacheReport;
+    case: "imageCache";
   } | { case: undefined; value?: undefined };
 };
 
@@ -104,6 +114,124 @@ export declare type SyncRequest = Message<"eitri.v1.SyncRequest"> & {
  * Use `create(SyncRequestSchema)` to create a new message.
  */
 export declare const SyncRequestSchema: GenMessage<SyncRequest>;
+
+/**
+ * ImageCacheReport is everything in one host's image cache, complete but
+ * bounded: at most a few hundred rows, most recently used first, and a
+ * count of the rest.
+ *
+ * @generated from message eitri.v1.ImageCacheReport
+ */
+export declare type ImageCacheReport = Message<"eitri.v1.ImageCacheReport"> & {
+  /**
+   * @generated from field: repeated eitri.v1.CachedImage images = 1;
+   */
+  images: CachedImage[];
+
+  /**
+   * Images in the cache that are not listed (beyond the cap).
+   *
+   * @generated from field: uint32 more = 2;
+   */
+  more: number;
+
+  /**
+   * The disk space every image in the cache takes, listed or not.
+   *
+   * @generated from field: uint64 total_bytes = 3;
+   */
+  totalBytes: bigint;
+};
+
+/**
+ * Describes the message eitri.v1.ImageCacheReport.
+ * Use `create(ImageCacheReportSchema)` to create a new message.
+ */
+export declare const ImageCacheReportSchema: GenMessage<ImageCacheReport>;
+
+/**
+ * CachedImage is one finished image in a host's cache.
+ *
+ * @generated from message eitri.v1.CachedImage
+ */
+export declare type CachedImage = Message<"eitri.v1.CachedImage"> & {
+  /**
+   * 64 lowercase hex characters: the digest of the bytes as served.
+   *
+   * @generated from field: string sha256 = 1;
+   */
+  sha256: string;
+
+  /**
+   * The disk space it takes (allocated blocks; a raw image's holes are
+   * free).
+   *
+   * @generated from field: uint64 size_bytes = 2;
+   */
+  sizeBytes: bigint;
+
+  /**
+   * When a download or a create last used it, in unix seconds by the
+   * host's clock.
+   *
+   * @generated from field: int64 last_used_unix = 3;
+   */
+  lastUsedUnix: bigint;
+
+  /**
+   * Held against eviction right now: pulled (DesiredStateSnapshot.images
+   * lists it) or in use by a create in progress.
+   *
+   * @generated from field: bool pinned = 4;
+   */
+  pinned: boolean;
+
+  /**
+   * The VMs on this host made from it, by the host's own records. A prune
+   * keeps an image any VM here was made from.
+   *
+   * @generated from field: repeated string vm_ids = 5;
+   */
+  vmIds: string[];
+
+  /**
+   * VMs made from it beyond those listed.
+   *
+   * @generated from field: uint32 more_vms = 6;
+   */
+  moreVms: number;
+};
+
+/**
+ * Describes the message eitri.v1.CachedImage.
+ * Use `create(CachedImageSchema)` to create a new message.
+ */
+export declare const CachedImageSchema: GenMessage<CachedImage>;
+
+/**
+ * ImagesPruned is what a prune_images call removed from the host's cache.
+ *
+ * @generated from message eitri.v1.ImagesPruned
+ */
+export declare type ImagesPruned = Message<"eitri.v1.ImagesPruned"> & {
+  /**
+   * @generated from field: repeated eitri.v1.CachedImage removed = 1;
+   */
+  removed: CachedImage[];
+
+  /**
+   * The disk space the removal gave back.
+   *
+   * @generated from field: uint64 freed_bytes = 2;
+   */
+  freedBytes: bigint;
+};
+
+/**
+ * Describes the message eitri.v1.ImagesPruned.
+ * Use `create(ImagesPrunedSchema)` to create a new message.
+ */
+export declare const ImagesPrunedSchema: GenMessage<ImagesPruned>;
 
 /**
  * SyncResponse is one frame from the control plane.
@@ -1241,6 +1369,12 @@ export declare type CallsResponse = Message<"eitri.v1.CallsResponse"> & {
      */
     value: TunnelCall;
     case: "tunnel";
+  } | {
+    /**
+     * @generated from field: eitri.v1.PruneImagesCall prune_images = 6;
+     */
+    value: PruneImagesCall;
+    case: "pruneImages";
   } | { case: undefined; value?: undefined };
 
   /**
@@ -1301,6 +1435,23 @@ export declare type ConsoleOutputCall = Message<"eitri.v1.ConsoleOutputCall"> & 
  * Use `create(ConsoleOutputCallSchema)` to create a new message.
  */
 export declare const ConsoleOutputCallSchema: GenMessage<ConsoleOutputCall>;
+
+/**
+ * PruneImagesCall asks the agent to remove from its image cache every image
+ * nothing wants: not pinned (pulled, or used by a create in progress) and
+ * made into no VM this host holds. The agent answers on a Console stream
+ * whose last frame is done with images_pruned.
+ *
+ * @generated from message eitri.v1.PruneImagesCall
+ */
+export declare type PruneImagesCall = Message<"eitri.v1.PruneImagesCall"> & {
+};
+
+/**
+ * Describes the message eitri.v1.PruneImagesCall.
+ * Use `create(PruneImagesCallSchema)` to create a new message.
+ */
+export declare const PruneImagesCallSchema: GenMessage<PruneImagesCall>;
 
 /**
  * ConsoleInputCall types data into a VM's serial console.
@@ -1407,6 +1558,13 @@ export declare type ConsoleRequest = Message<"eitri.v1.ConsoleRequest"> & {
    * @generated from field: string error = 8;
    */
   error: string;
+
+  /**
+   * Set with done on the answer to a prune_images call.
+   *
+   * @generated from field: eitri.v1.ImagesPruned images_pruned = 9;
+   */
+  imagesPruned?: ImagesPruned | undefined;
 };
 
 /**

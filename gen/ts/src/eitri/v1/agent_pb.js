@@ -11,7 +11,7 @@ import { file_eitri_v1_usage } from "./usage_pb.js";
  * Describes the file eitri/v1/agent.proto.
  */
 export const file_eitri_v1_agent = /*@__PURE__*/
-  fileDesc("ChRlaXRyaS92MS9hZ2VudC5wcm90bxIIZWl0cmkudjEiTAoNRW5yb2xsUmVxdWVzdBISCgpqb2luX3Rva2VuGAEgASgJEhAKCGhvc3RuYW1lGAIgASgJEhUKDWFnZW50X3ZlcnNpb24YAyABKAkiOgoORW5yb2xsUmVzcG9uc2USDwoHaG9zdF9pZBgBIAEoCRIXCg9ob3N0X2NyZWRlbnRpYWwYAiABKAkijQEKC1N5bmNSZXF1ZXN0EiAKBWhlbGxvGAEgASgLMg8uZWl0cmkudjEuSGVsbG9IABItCgZyZXBvcnQYAiABKAsyGy5laXRyaS52MS5BY3R1YWxTdGF0ZVJlcG9ydEgAEiYKBXVzYWdlGAMgASgLMhUuZWl0cmkudjEuVXNhZ2VTYW1wbGVIAEIFCgNtc2ciSQoMU3luY1Jlc3BvbnNlEjIKCHNuYXBzaG90GAEgASgLMh4uZWl0cmkudjEuRGVzaXJlZFN0YXRlU25hcHNob3RIAEIFCgNtc2ci/wEKBUhlbGxvEg8KB2hvc3RfaWQYASABKAkSFQoNYWdlbnRfdmVyc2lvbhgCIAEoCRIQCghob3N0bmFtZRgDIAEoCRITCgthY2NlbGVyYXRvchgEIAEoCRIPCgdhZGRyZXNzGAUgASgJEhoKEmFjY2VsZXJhdG9yX3JlYXNvbhgGIAEoCRITCgtpbnN0YW5jZV9pZBgHIAEoCRIYChBjb250cm9sX3BsYW5lX2lkGAggASgJEhUKDWFwcGxpZWRfZXBvY2gYCSABKAQSGgoSYXBwbGllZF9nZW5lcmF0aW9uGAogASgEEgoKAm9zGAsgASgJEgwKBGFyY2gYDCABKAki8wMKEUFjdHVhbFN0YXRlUmVwb3J0Eh8KA3ZtcxgBIAMoCzISLmVpdHJpLnYxLkFjdHVhbFZNEhEKCWRlc3Ryb3llZBgCIAMoCRIsCgtxdWFyYW50aW5lZBgDIAMoCzIXLmVpdHJpLnYxLlF1YXJhbnRpbmVkVk0SJAoIY2FwYWNpdHkYBCABKAsyEi5laXRyaS52MS5DYXBhY2l0eRIiCgdtZXRyaWNzGAUgASgLMhEuZWl0cmkudjEuTWV0cmljcxIrCglleHBvc3VyZXMYBiADKAsyGC5laXRyaS52MS5FeHBvc3VyZUFjdHVhbBIaChJhcHBsaWVkX2dlbmVyYXRpb24YByABKAQSEwoLYWNjZWxlcmF0b3IYCCABKAkSGgoSYWNjZWxlcmF0b3JfcmVhc29uGAkgASgJEhUKDWFwcGxpZWRfZXBvY2gYCiABKAQSGAoQY29udHJvbF9wbGFuZV9pZBgLIAEoCRIzChBzbmFwc2hvdF9yZWZ1c2VkGAwgASgLMhkuZWl0cmkudjEuU25hcHNob3RSZWZ1c2FsEi0KB3VwZ3JhZGUYDSABKAsyHC5laXRyaS52MS5BZ2VudFVwZ3JhZGVTdGF0dXMSIwoGaW1hZ2VzGA4gAygLMhMuZWl0cmkudjEuSW1hZ2VIZWxkIrgBChJBZ2VudFVwZ3JhZGVTdGF0dXMSFgoOdGFyZ2V0X3ZlcnNpb24YASABKAkSDAoEc3RlcBgCIAEoCRIOCgZkZXRhaWwYAyABKAkSJAoIcHJvZ3Jlc3MYBCABKAsyEi5laXRyaS52MS5Qcm9ncmVzcxINCgVlcnJvchgFIAEoCRISCgpzaW5jZV91bml4GAYgASgDEhIKCnJvbGxvdXRfaWQYByABKAkSDwoHYXR0ZW1wdBgIIAEoBCJeCg9TbmFwc2hvdFJlZnVzYWwSGAoQY29udHJvbF9wbGFuZV9pZBgBIAEoCRINCgVlcG9jaBgCIAEoBBISCgpnZW5lcmF0aW9uGAMgASgEEg4KBnJlYXNvbhgEIAEoCSKoAgoIQWN0dWFsVk0SDQoFdm1faWQYASABKAkSDQoFcG93ZXIYAiABKAkSDQoFcGhhc2UYAyABKAkSCgoCaXAYBCABKAkSEgoKbGFzdF9lcnJvchgFIAEoCRIXCg9zc2hfaG9zdF9wdWJrZXkYBiABKAkSFQoNc3RhdHVzX2RldGFpbBgHIAEoCRIYChB1bmV4cGVjdGVkX2V4aXRzGAggASgNEiYKCWxhc3RfZXhpdBgJIAEoCzITLmVpdHJpLnYxLkd1ZXN0RXhpdBINCgVyZXRyeRgKIAEoBBIkCghwcm9ncmVzcxgLIAEoCzISLmVpdHJpLnYxLlByb2dyZXNzEhIKCmxvZ2luX3VzZXIYDCABKAkSFAoMcmVhZHlfc2lnbmFsGA0gASgJIkEKCUd1ZXN0RXhpdBIOCgZyZWFzb24YASABKAkSEwoLc2VyaWFsX3RhaWwYAiABKAkSDwoHYXRfdW5peBgDIAEoAyK/AQoNUXVhcmFudGluZWRWTRINCgV2bV9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhMKC3Ztc3BlY19qc29uGAMgASgMEhcKD2Rlc3Ryb3lfYXRfdW5peBgEIAEoAxIhCgRoZWxkGAUgASgLMhMuZWl0cmkudjEuVk1EZXNpcmVkEg0KBXBvd2VyGAYgASgJEg4KBnJlYXNvbhgHIAEoCRINCgVzdGFsZRgIIAEoCBISCgpzaW5jZV91bml4GAkgASgDIvkBChREZXNpcmVkU3RhdGVTbmFwc2hvdBISCgpnZW5lcmF0aW9uGAEgASgEEiAKA3ZtcxgCIAMoCzITLmVpdHJpLnYxLlZNRGVzaXJlZBItCg1hZ2VudF91cGdyYWRlGAMgASgLMhYuZWl0cmkudjEuQWdlbnRVcGdyYWRlEiwKCWV4cG9zdXJlcxgEIAMoCzIZLmVpdHJpLnYxLkV4cG9zdXJlRGVzaXJlZBIYChBjb250cm9sX3BsYW5lX2lkGAUgASgJEg0KBWVwb2NoGAYgASgEEiUKBmltYWdlcxgHIAMoCzIVLmVpdHJpLnYxLkltYWdlV2FudGVkIioKC0ltYWdlV2FudGVkEgsKA3VybBgBIAEoCRIOCgZzaGEyNTYYAiABKAkidQoJSW1hZ2VIZWxkEg4KBnNoYTI1NhgBIAEoCRIMCgRoZWxkGAIgASgIEhUKDXN0YXR1c19kZXRhaWwYAyABKAkSJAoIcHJvZ3Jlc3MYBCABKAsyEi5laXRyaS52MS5Qcm9ncmVzcxINCgVlcnJvchgFIAEoCSLjAgoJVk1EZXNpcmVkEg0KBXZtX2lkGAEgASgJEgwKBG5hbWUYAiABKAkSEQoJaW1hZ2VfdXJsGAMgASgJEhQKDGltYWdlX3NoYTI1NhgEIAEoCRINCgV2Y3B1cxgFIAEoBRIOCgZtZW1fbWIYBiABKAMSDwoHZGlza19nYhgHIAEoAxITCgtwb3dlcl9zdGF0ZRgIIAEoCRIPCgdkZWxldGVkGAkgASgIEhcKD2Rlc3Ryb3lfYXRfdW5peBgKIAEoAxIaChJzc2hfYXV0aG9yaXplZF9rZXkYCyABKAkSDQoFb3duZXIYDCABKAkSDwoHZGVzdHJveRgNIAEoCBIPCgd2ZXJzaW9uGA4gASgEEg0KBXJldHJ5GA8gASgEEhgKEHNzaF91c2VyX2NhX2tleXMYECADKAkSKwoJcmVhZGluZXNzGBEgASgOMhguZWl0cmkudjEuSW1hZ2VSZWFkaW5lc3MirAEKDEFnZW50VXBncmFkZRIPCgd2ZXJzaW9uGAEgASgJEgsKA3VybBgCIAEoCRIOCgZzaGEyNTYYAyABKAkSCgoCb3MYBCABKAkSDAoEYXJjaBgFIAEoCRIMCgRzaXplGAYgASgDEhEKCXNpZ25hdHVyZRgHIAEoDBIOCgZrZXlfaWQYCCABKAkSEgoKcm9sbG91dF9pZBgJIAEoCRIPCgdhdHRlbXB0GAogASgEIooBCg9FeHBvc3VyZURlc2lyZWQSCgoCaWQYASABKAkSDQoFdm1faWQYAiABKAkSEgoKZ3Vlc3RfcG9ydBgDIAEoDRIRCglob3N0X3BvcnQYBCABKA0SEAoIcHJvdG9jb2wYBSABKAkSDQoFc2NvcGUYBiABKAkSFAoMbWF4X3Nlc3Npb25zGAcgASgNImkKDkV4cG9zdXJlQWN0dWFsEgoKAmlkGAEgASgJEg0KBXN0YXRlGAIgASgJEg4KBnJlYXNvbhgDIAEoCRIsCghzZXNzaW9ucxgEIAEoCzIaLmVpdHJpLnYxLkV4cG9zdXJlU2Vzc2lvbnMiZQoJSm9pblRva2VuEgsKA3VybBgBIAEoCRIYChBjZXJ0X2ZpbmdlcnByaW50GAIgASgJEg4KBnNlY3JldBgDIAEoCRIMCgR1cmxzGAQgAygJEhMKC3JlbGVhc2Vfa2V5GAUgASgJIiMKDENhbGxzUmVxdWVzdBITCgtpbnN0YW5jZV9pZBgBIAEoCSLLAQoNQ2FsbHNSZXNwb25zZRIKCgJpZBgBIAEoCRI1Cg5jb25zb2xlX291dHB1dBgCIAEoCzIbLmVpdHJpLnYxLkNvbnNvbGVPdXRwdXRDYWxsSAASMwoNY29uc29sZV9pbnB1dBgDIAEoCzIaLmVpdHJpLnYxLkNvbnNvbGVJbnB1dENhbGxIABImCgZ0dW5uZWwYBCABKAsyFC5laXRyaS52MS5UdW5uZWxDYWxsSAASEgoKYW5zd2VyX3VybBgFIAEoCUIGCgRjYWxsImcKEUNvbnNvbGVPdXRwdXRDYWxsEg0KBXZtX2lkGAEgASgJEgwKBGJvb3QYAiABKAkSDgoGb2Zmc2V0GAMgASgDEhIKCnRhaWxfYnl0ZXMYBCABKA0SEQoJbm9fZm9sbG93GAUgASgIIi8KEENvbnNvbGVJbnB1dENhbGwSDQoFdm1faWQYASABKAkSDAoEZGF0YRgCIAEoDCIpCgpUdW5uZWxDYWxsEg0KBXZtX2lkGAEgASgJEgwKBHBvcnQYAiABKA0ikAEKDkNvbnNvbGVSZXF1ZXN0Eg8KB2NhbGxfaWQYASABKAkSDAoEZGF0YRgCIAEoDBIMCgRib290GAMgASgJEg4KBm9mZnNldBgEIAEoAxIQCghuZXdfYm9vdBgFIAEoCBIMCgRkb25lGAYgASgIEhIKCmVycm9yX2NvZGUYByABKAkSDQoFZXJyb3IYCCABKAkiEQoPQ29uc29sZVJlc3BvbnNlInEKDVR1bm5lbFJlcXVlc3QSDwoHY2FsbF9pZBgBIAEoCRIRCgljb25uZWN0ZWQYAiABKAgSDAoEZGF0YRgDIAEoDBILCgNlb2YYBCABKAgSEgoKZXJyb3JfY29kZRgFIAEoCRINCgVlcnJvchgGIAEoCSIrCg5UdW5uZWxSZXNwb25zZRIMCgRkYXRhGAEgASgMEgsKA2VvZhgCIAEoCCI3ChJTaWduSG9zdEtleVJlcXVlc3QSDQoFdm1faWQYASABKAkSEgoKcHVibGljX2tleRgCIAEoCSIqChNTaWduSG9zdEtleVJlc3BvbnNlEhMKC2NlcnRpZmljYXRlGAEgASgJMpMDCgxBZ2VudFNlcnZpY2USOwoGRW5yb2xsEhcuZWl0cmkudjEuRW5yb2xsUmVxdWVzdBoYLmVpdHJpLnYxLkVucm9sbFJlc3BvbnNlEjkKBFN5bmMSFS5laXRyaS52MS5TeW5jUmVxdWVzdBoWLmVpdHJpLnYxLlN5bmNSZXNwb25zZSgBMAESOgoFQ2FsbHMSFi5laXRyaS52MS5DYWxsc1JlcXVlc3QaFy5laXRyaS52MS5DYWxsc1Jlc3BvbnNlMAESQgoHQ29uc29sZRIYLmVpdHJpLnYxLkNvbnNvbGVSZXF1ZXN0GhkuZWl0cmkudjEuQ29uc29sZVJlc3BvbnNlKAEwARI/CgZUdW5uZWwSFy5laXRyaS52MS5UdW5uZWxSZXF1ZXN0GhguZWl0cmkudjEuVHVubmVsUmVzcG9uc2UoATABEkoKC1NpZ25Ib3N0S2V5EhwuZWl0cmkudjEuU2lnbkhvc3RLZXlSZXF1ZXN0Gh0uZWl0cmkudjEuU2lnbkhvc3RLZXlSZXNwb25zZUIvWi1naXRodWIuY29tL2E3M3gvZWl0cmkvZ2VuL2dvL2VpdHJpL3YxO2VpdHJpdjFiBnByb3RvMw", [file_eitri_v1_images, file_eitri_v1_resources, file_eitri_v1_usage]);
+  fileDesc("ChRlaXRyaS92MS9hZ2VudC5wcm90bxIIZWl0cmkudjEiTAoNRW5yb2xsUmVxdWVzdBISCgpqb2luX3Rva2VuGAEgASgJEhAKCGhvc3RuYW1lGAIgASgJEhUKDWFnZW50X3ZlcnNpb24YAyABKAkiOgoORW5yb2xsUmVzcG9uc2USDwoHaG9zdF9pZBgBIAEoCRIXCg9ob3N0X2NyZWRlbnRpYWwYAiABKAkiwAEKC1N5bmNSZXF1ZXN0EiAKBWhlbGxvGAEgASgLMg8uZWl0cmkudjEuSGVsbG9IABItCgZyZXBvcnQYAiABKAsyGy5laXRyaS52MS5BY3R1YWxTdGF0ZVJlcG9ydEgAEiYKBXVzYWdlGAMgASgLMhUuZWl0cmkudjEuVXNhZ2VTYW1wbGVIABIxCgtpbWFnZV9jYWNoZRgEIAEoCzIaLmVpdHJpLnYxLkltYWdlQ2FjaGVSZXBvcnRIAEIFCgNtc2ciXAoQSW1hZ2VDYWNoZVJlcG9ydBIlCgZpbWFnZXMYASADKAsyFS5laXRyaS52MS5DYWNoZWRJbWFnZRIMCgRtb3JlGAIgASgNEhMKC3RvdGFsX2J5dGVzGAMgASgEInsKC0NhY2hlZEltYWdlEg4KBnNoYTI1NhgBIAEoCRISCgpzaXplX2J5dGVzGAIgASgEEhYKDmxhc3RfdXNlZF91bml4GAMgASgDEg4KBnBpbm5lZBgEIAEoCBIOCgZ2bV9pZHMYBSADKAkSEAoIbW9yZV92bXMYBiABKA0iSwoMSW1hZ2VzUHJ1bmVkEiYKB3JlbW92ZWQYASADKAsyFS5laXRyaS52MS5DYWNoZWRJbWFnZRITCgtmcmVlZF9ieXRlcxgCIAEoBCJJCgxTeW5jUmVzcG9uc2USMgoIc25hcHNob3QYASABKAsyHi5laXRyaS52MS5EZXNpcmVkU3RhdGVTbmFwc2hvdEgAQgUKA21zZyL/AQoFSGVsbG8SDwoHaG9zdF9pZBgBIAEoCRIVCg1hZ2VudF92ZXJzaW9uGAIgASgJEhAKCGhvc3RuYW1lGAMgASgJEhMKC2FjY2VsZXJhdG9yGAQgASgJEg8KB2FkZHJlc3MYBSABKAkSGgoSYWNjZWxlcmF0b3JfcmVhc29uGAYgASgJEhMKC2luc3RhbmNlX2lkGAcgASgJEhgKEGNvbnRyb2xfcGxhbmVfaWQYCCABKAkSFQoNYXBwbGllZF9lcG9jaBgJIAEoBBIaChJhcHBsaWVkX2dlbmVyYXRpb24YCiABKAQSCgoCb3MYCyABKAkSDAoEYXJjaBgMIAEoCSLzAwoRQWN0dWFsU3RhdGVSZXBvcnQSHwoDdm1zGAEgAygLMhIuZWl0cmkudjEuQWN0dWFsVk0SEQoJZGVzdHJveWVkGAIgAygJEiwKC3F1YXJhbnRpbmVkGAMgAygLMhcuZWl0cmkudjEuUXVhcmFudGluZWRWTRIkCghjYXBhY2l0eRgEIAEoCzISLmVpdHJpLnYxLkNhcGFjaXR5EiIKB21ldHJpY3MYBSABKAsyES5laXRyaS52MS5NZXRyaWNzEisKCWV4cG9zdXJlcxgGIAMoCzIYLmVpdHJpLnYxLkV4cG9zdXJlQWN0dWFsEhoKEmFwcGxpZWRfZ2VuZXJhdGlvbhgHIAEoBBITCgthY2NlbGVyYXRvchgIIAEoCRIaChJhY2NlbGVyYXRvcl9yZWFzb24YCSABKAkSFQoNYXBwbGllZF9lcG9jaBgKIAEoBBIYChBjb250cm9sX3BsYW5lX2lkGAsgASgJEjMKEHNuYXBzaG90X3JlZnVzZWQYDCABKAsyGS5laXRyaS52MS5TbmFwc2hvdFJlZnVzYWwSLQoHdXBncmFkZRgNIAEoCzIcLmVpdHJpLnYxLkFnZW50VXBncmFkZVN0YXR1cxIjCgZpbWFnZXMYDiADKAsyEy5laXRyaS52MS5JbWFnZUhlbGQiuAEKEkFnZW50VXBncmFkZVN0YXR1cxIWCg50YXJnZXRfdmVyc2lvbhgBIAEoCRIMCgRzdGVwGAIgASgJEg4KBmRldGFpbBgDIAEoCRIkCghwcm9ncmVzcxgEIAEoCzISLmVpdHJpLnYxLlByb2dyZXNzEg0KBWVycm9yGAUgASgJEhIKCnNpbmNlX3VuaXgYBiABKAMSEgoKcm9sbG91dF9pZBgHIAEoCRIPCgdhdHRlbXB0GAggASgEIl4KD1NuYXBzaG90UmVmdXNhbBIYChBjb250cm9sX3BsYW5lX2lkGAEgASgJEg0KBWVwb2NoGAIgASgEEhIKCmdlbmVyYXRpb24YAyABKAQSDgoGcmVhc29uGAQgASgJIqgCCghBY3R1YWxWTRINCgV2bV9pZBgBIAEoCRINCgVwb3dlchgCIAEoCRINCgVwaGFzZRgDIAEoCRIKCgJpcBgEIAEoCRISCgpsYXN0X2Vycm9yGAUgASgJEhcKD3NzaF9ob3N0X3B1YmtleRgGIAEoCRIVCg1zdGF0dXNfZGV0YWlsGAcgASgJEhgKEHVuZXhwZWN0ZWRfZXhpdHMYCCABKA0SJgoJbGFzdF9leGl0GAkgASgLMhMuZWl0cmkudjEuR3Vlc3RFeGl0Eg0KBXJldHJ5GAogASgEEiQKCHByb2dyZXNzGAsgASgLMhIuZWl0cmkudjEuUHJvZ3Jlc3MSEgoKbG9naW5fdXNlchgMIAEoCRIUCgxyZWFkeV9zaWduYWwYDSABKAkiQQoJR3Vlc3RFeGl0Eg4KBnJlYXNvbhgBIAEoCRITCgtzZXJpYWxfdGFpbBgCIAEoCRIPCgdhdF91bml4GAMgASgDIr8BCg1RdWFyYW50aW5lZFZNEg0KBXZtX2lkGAEgASgJEgwKBG5hbWUYAiABKAkSEwoLdm1zcGVjX2pzb24YAyABKAwSFwoPZGVzdHJveV9hdF91bml4GAQgASgDEiEKBGhlbGQYBSABKAsyEy5laXRyaS52MS5WTURlc2lyZWQSDQoFcG93ZXIYBiABKAkSDgoGcmVhc29uGAcgASgJEg0KBXN0YWxlGAggASgIEhIKCnNpbmNlX3VuaXgYCSABKAMi+QEKFERlc2lyZWRTdGF0ZVNuYXBzaG90EhIKCmdlbmVyYXRpb24YASABKAQSIAoDdm1zGAIgAygLMhMuZWl0cmkudjEuVk1EZXNpcmVkEi0KDWFnZW50X3VwZ3JhZGUYAyABKAsyFi5laXRyaS52MS5BZ2VudFVwZ3JhZGUSLAoJZXhwb3N1cmVzGAQgAygLMhkuZWl0cmkudjEuRXhwb3N1cmVEZXNpcmVkEhgKEGNvbnRyb2xfcGxhbmVfaWQYBSABKAkSDQoFZXBvY2gYBiABKAQSJQoGaW1hZ2VzGAcgAygLMhUuZWl0cmkudjEuSW1hZ2VXYW50ZWQiKgoLSW1hZ2VXYW50ZWQSCwoDdXJsGAEgASgJEg4KBnNoYTI1NhgCIAEoCSJ1CglJbWFnZUhlbGQSDgoGc2hhMjU2GAEgASgJEgwKBGhlbGQYAiABKAgSFQoNc3RhdHVzX2RldGFpbBgDIAEoCRIkCghwcm9ncmVzcxgEIAEoCzISLmVpdHJpLnYxLlByb2dyZXNzEg0KBWVycm9yGAUgASgJIuMCCglWTURlc2lyZWQSDQoFdm1faWQYASABKAkSDAoEbmFtZRgCIAEoCRIRCglpbWFnZV91cmwYAyABKAkSFAoMaW1hZ2Vfc2hhMjU2GAQgASgJEg0KBXZjcHVzGAUgASgFEg4KBm1lbV9tYhgGIAEoAxIPCgdkaXNrX2diGAcgASgDEhMKC3Bvd2VyX3N0YXRlGAggASgJEg8KB2RlbGV0ZWQYCSABKAgSFwoPZGVzdHJveV9hdF91bml4GAogASgDEhoKEnNzaF9hdXRob3JpemVkX2tleRgLIAEoCRINCgVvd25lchgMIAEoCRIPCgdkZXN0cm95GA0gASgIEg8KB3ZlcnNpb24YDiABKAQSDQoFcmV0cnkYDyABKAQSGAoQc3NoX3VzZXJfY2Ffa2V5cxgQIAMoCRIrCglyZWFkaW5lc3MYESABKA4yGC5laXRyaS52MS5JbWFnZVJlYWRpbmVzcyKsAQoMQWdlbnRVcGdyYWRlEg8KB3ZlcnNpb24YASABKAkSCwoDdXJsGAIgASgJEg4KBnNoYTI1NhgDIAEoCRIKCgJvcxgEIAEoCRIMCgRhcmNoGAUgASgJEgwKBHNpemUYBiABKAMSEQoJc2lnbmF0dXJlGAcgASgMEg4KBmtleV9pZBgIIAEoCRISCgpyb2xsb3V0X2lkGAkgASgJEg8KB2F0dGVtcHQYCiABKAQiigEKD0V4cG9zdXJlRGVzaXJlZBIKCgJpZBgBIAEoCRINCgV2bV9pZBgCIAEoCRISCgpndWVzdF9wb3J0GAMgASgNEhEKCWhvc3RfcG9ydBgEIAEoDRIQCghwcm90b2NvbBgFIAEoCRINCgVzY29wZRgGIAEoCRIUCgxtYXhfc2Vzc2lvbnMYByABKA0iaQoORXhwb3N1cmVBY3R1YWwSCgoCaWQYASABKAkSDQoFc3RhdGUYAiABKAkSDgoGcmVhc29uGAMgASgJEiwKCHNlc3Npb25zGAQgASgLMhouZWl0cmkudjEuRXhwb3N1cmVTZXNzaW9ucyJlCglKb2luVG9rZW4SCwoDdXJsGAEgASgJEhgKEGNlcnRfZmluZ2VycHJpbnQYAiABKAkSDgoGc2VjcmV0GAMgASgJEgwKBHVybHMYBCADKAkSEwoLcmVsZWFzZV9rZXkYBSABKAkiIwoMQ2FsbHNSZXF1ZXN0EhMKC2luc3RhbmNlX2lkGAEgASgJIv4BCg1DYWxsc1Jlc3BvbnNlEgoKAmlkGAEgASgJEjUKDmNvbnNvbGVfb3V0cHV0GAIgASgLMhsuZWl0cmkudjEuQ29uc29sZU91dHB1dENhbGxIABIzCg1jb25zb2xlX2lucHV0GAMgASgLMhouZWl0cmkudjEuQ29uc29sZUlucHV0Q2FsbEgAEiYKBnR1bm5lbBgEIAEoCzIULmVpdHJpLnYxLlR1bm5lbENhbGxIABIxCgxwcnVuZV9pbWFnZXMYBiABKAsyGS5laXRyaS52MS5QcnVuZUltYWdlc0NhbGxIABISCgphbnN3ZXJfdXJsGAUgASgJQgYKBGNhbGwiZwoRQ29uc29sZU91dHB1dENhbGwSDQoFdm1faWQYASABKAkSDAoEYm9vdBgCIAEoCRIOCgZvZmZzZXQYAyABKAMSEgoKdGFpbF9ieXRlcxgEIAEoDRIRCglub19mb2xsb3cYBSABKAgiEQoPUHJ1bmVJbWFnZXNDYWxsIi8KEENvbnNvbGVJbnB1dENhbGwSDQoFdm1faWQYASABKAkSDAoEZGF0YRgCIAEoDCIpCgpUdW5uZWxDYWxsEg0KBXZtX2lkGAEgASgJEgwKBHBvcnQYAiABKA0ivwEKDkNvbnNvbGVSZXF1ZXN0Eg8KB2NhbGxfaWQYASABKAkSDAoEZGF0YRgCIAEoDBIMCgRib290GAMgASgJEg4KBm9mZnNldBgEIAEoAxIQCghuZXdfYm9vdBgFIAEoCBIMCgRkb25lGAYgASgIEhIKCmVycm9yX2NvZGUYByABKAkSDQoFZXJyb3IYCCABKAkSLQoNaW1hZ2VzX3BydW5lZBgJIAEoCzIWLmVpdHJpLnYxLkltYWdlc1BydW5lZCIRCg9Db25zb2xlUmVzcG9uc2UicQoNVHVubmVsUmVxdWVzdBIPCgdjYWxsX2lkGAEgASgJEhEKCWNvbm5lY3RlZBgCIAEoCBIMCgRkYXRhGAMgASgMEgsKA2VvZhgEIAEoCBISCgplcnJvcl9jb2RlGAUgASgJEg0KBWVycm9yGAYgASgJIisKDlR1bm5lbFJlc3BvbnNlEgwKBGRhdGEYASABKAwSCwoDZW9mGAIgASgIIjcKElNpZ25Ib3N0S2V5UmVxdWVzdBINCgV2bV9pZBgBIAEoCRISCgpwdWJsaWNfa2V5GAIgASgJIioKE1NpZ25Ib3N0S2V5UmVzcG9uc2USEwoLY2VydGlmaWNhdGUYASABKAkykwMKDEFnZW50U2VydmljZRI7CgZFbnJvbGwSFy5laXRyaS52MS5FbnJvbGxSZXF1ZXN0GhguZWl0cmkudjEuRW5yb2xsUmVzcG9uc2USOQoEU3luYxIVLmVpdHJpLnYxLlN5bmNSZXF1ZXN0GhYuZWl0cmkudjEuU3luY1Jlc3BvbnNlKAEwARI6CgVDYWxscxIWLmVpdHJpLnYxLkNhbGxzUmVxdWVzdBoXLmVpdHJpLnYxLkNhbGxzUmVzcG9uc2UwARJCCgdDb25zb2xlEhguZWl0cmkudjEuQ29uc29sZVJlcXVlc3QaGS5laXRyaS52MS5Db25zb2xlUmVzcG9uc2UoATABEj8KBlR1bm5lbBIXLmVpdHJpLnYxLlR1bm5lbFJlcXVlc3QaGC5laXRyaS52MS5UdW5uZWxSZXNwb25zZSgBMAESSgoLU2lnbkhvc3RLZXkSHC5laXRyaS52MS5TaWduSG9zdEtleVJlcXVlc3QaHS5laXRyaS52MS5TaWduSG9zdEtleVJlc3BvbnNlQi9aLWdpdGh1Yi5jb20vYTczeC9laXRyaS9nZW4vZ28vZWl0cmkvdjE7ZWl0cml2MWIGcHJvdG8z", [file_eitri_v1_images, file_eitri_v1_resources, file_eitri_v1_usage]);
 
 /**
  * Describes the message eitri.v1.EnrollRequest.
@@ -35,193 +35,221 @@ export const SyncRequestSchema = /*@__PURE__*/
   messageDesc(file_eitri_v1_agent, 2);
 
 /**
+ * Describes the message eitri.v1.ImageCacheReport.
+ * Use `create(ImageCacheReportSchema)` to create a new message.
+ */
+export const ImageCacheReportSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_agent, 3);
+
+/**
+ * Describes the message eitri.v1.CachedImage.
+ * Use `create(CachedImageSchema)` to create a new message.
+ */
+export const CachedImageSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_agent, 4);
+
+/**
+ * Describes the message eitri.v1.ImagesPruned.
+ * Use `create(ImagesPrunedSchema)` to create a new message.
+ */
+export const ImagesPrunedSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_agent, 5);
+
+/**
  * Describes the message eitri.v1.SyncResponse.
  * Use `create(SyncResponseSchema)` to create a new message.
  */
 export const SyncResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 3);
+  messageDesc(file_eitri_v1_agent, 6);
 
 /**
  * Describes the message eitri.v1.Hello.
  * Use `create(HelloSchema)` to create a new message.
  */
 export const HelloSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 4);
+  messageDesc(file_eitri_v1_agent, 7);
 
 /**
  * Describes the message eitri.v1.ActualStateReport.
  * Use `create(ActualStateReportSchema)` to create a new message.
  */
 export const ActualStateReportSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 5);
+  messageDesc(file_eitri_v1_agent, 8);
 
 /**
  * Describes the message eitri.v1.AgentUpgradeStatus.
  * Use `create(AgentUpgradeStatusSchema)` to create a new message.
  */
 export const AgentUpgradeStatusSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 6);
+  messageDesc(file_eitri_v1_agent, 9);
 
 /**
  * Describes the message eitri.v1.SnapshotRefusal.
  * Use `create(SnapshotRefusalSchema)` to create a new message.
  */
 export const SnapshotRefusalSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 7);
+  messageDesc(file_eitri_v1_agent, 10);
 
 /**
  * Describes the message eitri.v1.ActualVM.
  * Use `create(ActualVMSchema)` to create a new message.
  */
 export const ActualVMSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 8);
+  messageDesc(file_eitri_v1_agent, 11);
 
 /**
  * Describes the message eitri.v1.GuestExit.
  * Use `create(GuestExitSchema)` to create a new message.
  */
 export const GuestExitSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 9);
+  messageDesc(file_eitri_v1_agent, 12);
 
 /**
  * Describes the message eitri.v1.QuarantinedVM.
  * Use `create(QuarantinedVMSchema)` to create a new message.
  */
 export const QuarantinedVMSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 10);
+  messageDesc(file_eitri_v1_agent, 13);
 
 /**
  * Describes the message eitri.v1.DesiredStateSnapshot.
  * Use `create(DesiredStateSnapshotSchema)` to create a new message.
  */
 export const DesiredStateSnapshotSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 11);
+  messageDesc(file_eitri_v1_agent, 14);
 
 /**
  * Describes the message eitri.v1.ImageWanted.
  * Use `create(ImageWantedSchema)` to create a new message.
  */
 export const ImageWantedSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 12);
+  messageDesc(file_eitri_v1_agent, 15);
 
 /**
  * Describes the message eitri.v1.ImageHeld.
  * Use `create(ImageHeldSchema)` to create a new message.
  */
 export const ImageHeldSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 13);
+  messageDesc(file_eitri_v1_agent, 16);
 
 /**
  * Describes the message eitri.v1.VMDesired.
  * Use `create(VMDesiredSchema)` to create a new message.
  */
 export const VMDesiredSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 14);
+  messageDesc(file_eitri_v1_agent, 17);
 
 /**
  * Describes the message eitri.v1.AgentUpgrade.
  * Use `create(AgentUpgradeSchema)` to create a new message.
  */
 export const AgentUpgradeSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 15);
+  messageDesc(file_eitri_v1_agent, 18);
 
 /**
  * Describes the message eitri.v1.ExposureDesired.
  * Use `create(ExposureDesiredSchema)` to create a new message.
  */
 export const ExposureDesiredSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 16);
+  messageDesc(file_eitri_v1_agent, 19);
 
 /**
  * Describes the message eitri.v1.ExposureActual.
  * Use `create(ExposureActualSchema)` to create a new message.
  */
 export const ExposureActualSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 17);
+  messageDesc(file_eitri_v1_agent, 20);
 
 /**
  * Describes the message eitri.v1.JoinToken.
  * Use `create(JoinTokenSchema)` to create a new message.
  */
 export const JoinTokenSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 18);
+  messageDesc(file_eitri_v1_agent, 21);
 
 /**
  * Describes the message eitri.v1.CallsRequest.
  * Use `create(CallsRequestSchema)` to create a new message.
  */
 export const CallsRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 19);
+  messageDesc(file_eitri_v1_agent, 22);
 
 /**
  * Describes the message eitri.v1.CallsResponse.
  * Use `create(CallsResponseSchema)` to create a new message.
  */
 export const CallsResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 20);
+  messageDesc(file_eitri_v1_agent, 23);
 
 /**
  * Describes the message eitri.v1.ConsoleOutputCall.
  * Use `create(ConsoleOutputCallSchema)` to create a new message.
  */
 export const ConsoleOutputCallSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 21);
+  messageDesc(file_eitri_v1_agent, 24);
+
+/**
+ * Describes the message eitri.v1.PruneImagesCall.
+ * Use `create(PruneImagesCallSchema)` to create a new message.
+ */
+export const PruneImagesCallSchema = /*@__PURE__*/
+  messageDesc(file_eitri_v1_agent, 25);
 
 /**
  * Describes the message eitri.v1.ConsoleInputCall.
  * Use `create(ConsoleInputCallSchema)` to create a new message.
  */
 export const ConsoleInputCallSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 22);
+  messageDesc(file_eitri_v1_agent, 26);
 
 /**
  * Describes the message eitri.v1.TunnelCall.
  * Use `create(TunnelCallSchema)` to create a new message.
  */
 export const TunnelCallSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 23);
+  messageDesc(file_eitri_v1_agent, 27);
 
 /**
  * Describes the message eitri.v1.ConsoleRequest.
  * Use `create(ConsoleRequestSchema)` to create a new message.
  */
 export const ConsoleRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 24);
+  messageDesc(file_eitri_v1_agent, 28);
 
 /**
  * Describes the message eitri.v1.ConsoleResponse.
  * Use `create(ConsoleResponseSchema)` to create a new message.
  */
 export const ConsoleResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 25);
+  messageDesc(file_eitri_v1_agent, 29);
 
 /**
  * Describes the message eitri.v1.TunnelRequest.
  * Use `create(TunnelRequestSchema)` to create a new message.
  */
 export const TunnelRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 26);
+  messageDesc(file_eitri_v1_agent, 30);
 
 /**
  * Describes the message eitri.v1.TunnelResponse.
  * Use `create(TunnelResponseSchema)` to create a new message.
  */
 export const TunnelResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 27);
+  messageDesc(file_eitri_v1_agent, 31);
 
 /**
  * Describes the message eitri.v1.SignHostKeyRequest.
  * Use `create(SignHostKeyRequestSchema)` to create a new message.
  */
 export const SignHostKeyRequestSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 28);
+  messageDesc(file_eitri_v1_agent, 32);
 
 /**
  * Describes the message eitri.v1.SignHostKeyResponse.
  * Use `create(SignHostKeyResponseSchema)` to create a new message.
  */
 export const SignHostKeyResponseSchema = /*@__PURE__*/
-  messageDesc(file_eitri_v1_agent, 29);
+  messageDesc(file_eitri_v1_agent, 33);
 
 /**
  * AgentService is the only surface a host agent talks to. Enroll is

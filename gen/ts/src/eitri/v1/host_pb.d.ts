@@ -411,6 +411,225 @@ export declare type DecommissionHostResponse = Message<"eitri.v1.DecommissionHos
 export declare const DecommissionHostResponseSchema: GenMessage<DecommissionHostResponse>;
 
 /**
+ * @generated from message eitri.v1.ListHostImagesRequest
+ */
+export declare type ListHostImagesRequest = Message<"eitri.v1.ListHostImagesRequest"> & {
+  /**
+   * The host's id.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+};
+
+/**
+ * Describes the message eitri.v1.ListHostImagesRequest.
+ * Use `create(ListHostImagesRequestSchema)` to create a new message.
+ */
+export declare const ListHostImagesRequestSchema: GenMessage<ListHostImagesRequest>;
+
+/**
+ * @generated from message eitri.v1.ListHostImagesResponse
+ */
+export declare type ListHostImagesResponse = Message<"eitri.v1.ListHostImagesResponse"> & {
+  /**
+   * Most recently used first.
+   *
+   * @generated from field: repeated eitri.v1.HostImage images = 1;
+   */
+  images: HostImage[];
+
+  /**
+   * Images the host holds beyond those it listed.
+   *
+   * @generated from field: uint32 more = 2;
+   */
+  more: number;
+
+  /**
+   * The disk space every image in the cache takes.
+   *
+   * @generated from field: uint64 total_bytes = 3;
+   */
+  totalBytes: bigint;
+
+  /**
+   * When the host said this; null when it has not reported its cache (it
+   * is not connected, or its agent predates the report). Everything above
+   * is then empty: nothing is known.
+   *
+   * @generated from field: google.protobuf.Timestamp reported_at = 4;
+   */
+  reportedAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message eitri.v1.ListHostImagesResponse.
+ * Use `create(ListHostImagesResponseSchema)` to create a new message.
+ */
+export declare const ListHostImagesResponseSchema: GenMessage<ListHostImagesResponse>;
+
+/**
+ * HostImage is one image in a host's cache.
+ *
+ * @generated from message eitri.v1.HostImage
+ */
+export declare type HostImage = Message<"eitri.v1.HostImage"> & {
+  /**
+   * @generated from field: string sha256 = 1;
+   */
+  sha256: string;
+
+  /**
+   * @generated from field: uint64 size_bytes = 2;
+   */
+  sizeBytes: bigint;
+
+  /**
+   * When it was last used on the host, by the host's clock.
+   *
+   * @generated from field: google.protobuf.Timestamp last_used = 3;
+   */
+  lastUsed?: Timestamp | undefined;
+
+  /**
+   * Held against eviction and prunes right now (pulled, or in use by a
+   * create in progress).
+   *
+   * @generated from field: bool pinned = 4;
+   */
+  pinned: boolean;
+
+  /**
+   * The catalogue images pulled to this host whose current version is this
+   * digest: the pulls that pin it.
+   *
+   * @generated from field: repeated string pulled_for = 5;
+   */
+  pulledFor: string[];
+
+  /**
+   * The VMs on the host made from it.
+   *
+   * @generated from field: repeated eitri.v1.HostImageVM vms = 6;
+   */
+  vms: HostImageVM[];
+
+  /**
+   * @generated from field: uint32 more_vms = 7;
+   */
+  moreVms: number;
+
+  /**
+   * The catalogue's names and versions for this digest.
+   *
+   * @generated from field: repeated eitri.v1.CatalogueVersion catalogue = 8;
+   */
+  catalogue: CatalogueVersion[];
+};
+
+/**
+ * Describes the message eitri.v1.HostImage.
+ * Use `create(HostImageSchema)` to create a new message.
+ */
+export declare const HostImageSchema: GenMessage<HostImage>;
+
+/**
+ * HostImageVM is a VM made from a cached image.
+ *
+ * @generated from message eitri.v1.HostImageVM
+ */
+export declare type HostImageVM = Message<"eitri.v1.HostImageVM"> & {
+  /**
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * Empty when the control plane has no such VM on the host (the host holds
+   * one it no longer knows of).
+   *
+   * @generated from field: string name = 2;
+   */
+  name: string;
+};
+
+/**
+ * Describes the message eitri.v1.HostImageVM.
+ * Use `create(HostImageVMSchema)` to create a new message.
+ */
+export declare const HostImageVMSchema: GenMessage<HostImageVM>;
+
+/**
+ * CatalogueVersion is one catalogue name and version pointing at a digest.
+ *
+ * @generated from message eitri.v1.CatalogueVersion
+ */
+export declare type CatalogueVersion = Message<"eitri.v1.CatalogueVersion"> & {
+  /**
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * @generated from field: int64 version = 2;
+   */
+  version: bigint;
+
+  /**
+   * The name points at this version now.
+   *
+   * @generated from field: bool current = 3;
+   */
+  current: boolean;
+};
+
+/**
+ * Describes the message eitri.v1.CatalogueVersion.
+ * Use `create(CatalogueVersionSchema)` to create a new message.
+ */
+export declare const CatalogueVersionSchema: GenMessage<CatalogueVersion>;
+
+/**
+ * @generated from message eitri.v1.PruneHostImagesRequest
+ */
+export declare type PruneHostImagesRequest = Message<"eitri.v1.PruneHostImagesRequest"> & {
+  /**
+   * The host's id.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+};
+
+/**
+ * Describes the message eitri.v1.PruneHostImagesRequest.
+ * Use `create(PruneHostImagesRequestSchema)` to create a new message.
+ */
+export declare const PruneHostImagesRequestSchema: GenMessage<PruneHostImagesRequest>;
+
+/**
+ * @generated from message eitri.v1.PruneHostImagesResponse
+ */
+export declare type PruneHostImagesResponse = Message<"eitri.v1.PruneHostImagesResponse"> & {
+  /**
+   * @generated from field: repeated eitri.v1.HostImage removed = 1;
+   */
+  removed: HostImage[];
+
+  /**
+   * @generated from field: uint64 freed_bytes = 2;
+   */
+  freedBytes: bigint;
+};
+
+/**
+ * Describes the message eitri.v1.PruneHostImagesResponse.
+ * Use `create(PruneHostImagesResponseSchema)` to create a new message.
+ */
+export declare const PruneHostImagesResponseSchema: GenMessage<PruneHostImagesResponse>;
+
+/**
  * @generated from message eitri.v1.WatchHostsRequest
  */
 export declare type WatchHostsRequest = Message<"eitri.v1.WatchHostsRequest"> & {
@@ -522,6 +741,29 @@ export declare const HostService: GenService<{
     methodKind: "server_streaming";
     input: typeof WatchHostsRequestSchema;
     output: typeof WatchHostsResponseSchema;
+  },
+  /**
+   * ListHostImages is what the host's image cache holds, as the host last
+   * reported it, with what uses each image. Admin only.
+   *
+   * @generated from rpc eitri.v1.HostService.ListHostImages
+   */
+  listHostImages: {
+    methodKind: "unary";
+    input: typeof ListHostImagesRequestSchema;
+    output: typeof ListHostImagesResponseSchema;
+  },
+  /**
+   * PruneHostImages has the host remove from its cache every image nothing
+   * wants (not pinned, made into no VM on the host) and says what went.
+   * The host must be connected. Admin only.
+   *
+   * @generated from rpc eitri.v1.HostService.PruneHostImages
+   */
+  pruneHostImages: {
+    methodKind: "unary";
+    input: typeof PruneHostImagesRequestSchema;
+    output: typeof PruneHostImagesResponseSchema;
   },
 }>;
 
