@@ -175,6 +175,7 @@ func Run(ctx context.Context, cfg Config) error {
 	cache := imagecache.New(filepath.Join(cfg.DataDir, "images"), imagecache.WithMaxBytes(cfg.CacheBytes),
 		imagecache.WithDialPolicy(cfg.ImagePolicy), imagecache.WithLogger(log))
 	images := hostvm.NewImages(cache)
+	cached := cacheReport{cache: cache, st: st, log: log}
 	hv, err := hostvm.New(hostvm.Config{QEMU: qb, Net: network, St: st, Images: images, SSHFallbackAfter: cfg.SSHFallbackAfter, Log: log})
 	if err != nil {
 		return err
@@ -249,7 +250,8 @@ func Run(ctx context.Context, cfg Config) error {
 	instance := rand.Text()
 	log.Info("agent starting", "host", id.HostID, "control_plane", id.ServerURL, "accelerator", qb.Accel().Name, "address", addr)
 	go func() {
-		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: instance, Serial: qb, Guests: n.Resolve, Log: log})
+		_ = consolerelay.Run(ctx, consolerelay.Config{Client: hc, Identity: id, InstanceID: instance, Serial: qb, Guests: n.Resolve,
+			PruneImages: cached.Prune, Log: log})
 	}()
 	err = syncclient.Run(ctx, syncclient.Config{
 		Identity: id, Source: upgrading{n, up}, Log: log, Client: hc,
@@ -261,7 +263,8 @@ func Run(ctx context.Context, cfg Config) error {
 				ControlPlaneId: cp, AppliedEpoch: epoch, AppliedGeneration: gen,
 				Os: runtime.GOOS, Arch: runtime.GOARCH}
 		},
-		Usage: usageSampler(cfg.DataDir, eng, qb),
+		Usage:      usageSampler(cfg.DataDir, eng, qb),
+		ImageCache: cached.Report, ImageCacheChanged: cached.Changed(ctx),
 		// A snapshot applied is the control plane hearing this build: a
 		// new build on trial has proved itself.
 		OnSnapshot: func(uint64) { up.Healthy() },

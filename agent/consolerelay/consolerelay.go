@@ -43,7 +43,10 @@ type Config struct {
 	// Guests finds a running VM's address on its bridge, for tunnels; nil
 	// refuses them.
 	Guests GuestAddr
-	Log    *slog.Logger
+	// PruneImages removes from the host's image cache what nothing wants
+	// and says what went; nil refuses prune calls.
+	PruneImages func(context.Context) (*eitriv1.ImagesPruned, error)
+	Log         *slog.Logger
 	// MinBackoff/MaxBackoff bound reconnect delays (default 500ms / 30s).
 	MinBackoff, MaxBackoff time.Duration
 }
@@ -65,7 +68,7 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	client := eitriv1connect.NewAgentServiceClient(cfg.Client, cfg.Identity.ServerURL,
 		connect.WithInterceptors(connclient.Bearer(cfg.Identity.Credential)))
-	r := &relay{client: client, ident: cfg.Identity, serial: cfg.Serial, guests: cfg.Guests, log: cfg.Log, slots: make(chan struct{}, maxCalls)}
+	r := &relay{client: client, ident: cfg.Identity, serial: cfg.Serial, guests: cfg.Guests, prune: cfg.PruneImages, log: cfg.Log, slots: make(chan struct{}, maxCalls)}
 	backoff := cfg.MinBackoff
 	for {
 		healthy, err := r.listen(ctx, cfg.InstanceID)
@@ -100,6 +103,7 @@ type relay struct {
 	replicas map[string]eitriv1connect.AgentServiceClient
 	serial   Serial
 	guests   GuestAddr
+	prune    func(context.Context) (*eitriv1.ImagesPruned, error)
 	log      *slog.Logger
 	slots    chan struct{}
 }
@@ -249,6 +253,16 @@ func (r *relay) answer(ctx context.Context, c *eitriv1.CallsResponse) {
 		icancel()
 		if err == nil {
 			_ = st.Send(&eitriv1.ConsoleRequest{Done: true})
+			return
+		}
+	case *eitriv1.CallsResponse_PruneImages:
+		if r.prune == nil {
+			err = errors.New("this agent keeps no image cache to prune")
+			break
+		}
+		var pruned *eitriv1.ImagesPruned
+		if pruned, err = r.prune(ctx); err == nil {
+			_ = st.Send(&eitriv1.ConsoleRequest{Done: true, ImagesPruned: pruned})
 			return
 		}
 	default:

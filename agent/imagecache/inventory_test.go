@@ -33,8 +33,8 @@ func TestPruneRemovesOnlyWhatNothingWants(t *testing.T) {
 	c := loopbackCache(dir)
 	pulled := cached(t, c, testImage(64<<10))
 	c.Acquire(pulled) // a pull holds it
-	forVM := cached(t, c, testImage(96<<10)[1:])
-	unused := cached(t, c, testImage(80<<10)[2:])
+	forVM := cached(t, c, testImage(96 << 10)[1:])
+	unused := cached(t, c, testImage(80 << 10)[2:])
 	unusedBytes := allocatedBytes(t, c.Path(unused))
 
 	var asked []string

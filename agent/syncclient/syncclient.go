@@ -93,6 +93,12 @@ type Config struct {
 	// slow measurement never holds up a report.
 	Usage      func(context.Context) *eitriv1.UsageSample
 	UsageEvery time.Duration
+	// ImageCache says what the host's image cache holds; nil sends nothing.
+	// It is sent after every (re)connect and, at the next ReportEvery tick,
+	// after ImageCacheChanged fires: never with every report, since a
+	// cache's listing barely changes.
+	ImageCache        func() *eitriv1.ImageCacheReport
+	ImageCacheChanged <-chan struct{}
 	// Client is the HTTP client to use (nil: connclient.HTTPClient of the identity's
 	// pin); share one so the agent's other streams ride the same connection.
 	Client *http.Client
@@ -239,6 +245,19 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 	if err := send(true); err != nil {
 		return false, err
 	}
+	// The cache's listing rides its own frame: after the first report, then
+	// coalesced to one per tick whatever the number of changes.
+	cacheDirty := cfg.ImageCache != nil
+	sendCache := func() error {
+		if !cacheDirty {
+			return nil
+		}
+		cacheDirty = false
+		return st.Send(&eitriv1.SyncRequest{Msg: &eitriv1.SyncRequest_ImageCache{ImageCache: cfg.ImageCache()}})
+	}
+	if err := sendCache(); err != nil {
+		return false, err
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -261,8 +280,13 @@ func session(ctx context.Context, client eitriv1connect.AgentServiceClient, cfg 
 					return healthy, err
 				}
 			}
+		case <-cfg.ImageCacheChanged:
+			cacheDirty = cfg.ImageCache != nil
 		case <-tick.C:
 			if err := send(false); err != nil {
+				return healthy, err
+			}
+			if err := sendCache(); err != nil {
 				return healthy, err
 			}
 		case u := <-samples:
