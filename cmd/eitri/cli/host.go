@@ -17,7 +17,7 @@ import (
 func newHostCmd(a *app) *cobra.Command {
 	cmd := noun("host", "List, add and retire hosts",
 		newHostListCmd(a), newHostGetCmd(a), newHostJoinTokenCmd(a), newHostDecommissionCmd(a), newHostUpgradeCmd(a),
-		newHostTopCmd(a))
+		newHostTopCmd(a), newHostImagesCmd(a))
 	a.addOutputFlag(cmd)
 	return cmd
 }
