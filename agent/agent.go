@@ -175,7 +175,7 @@ func Run(ctx context.Context, cfg Config) error {
 	cache := imagecache.New(filepath.Join(cfg.DataDir, "images"), imagecache.WithMaxBytes(cfg.CacheBytes),
 		imagecache.WithDialPolicy(cfg.ImagePolicy), imagecache.WithLogger(log))
 	images := hostvm.NewImages(cache)
-	cached := cacheReport{cache: cache, st: st, log: log}
+	cached := CacheReport{Cache: cache, State: st, Log: log}
 	hv, err := hostvm.New(hostvm.Config{QEMU: qb, Net: network, St: st, Images: images, SSHFallbackAfter: cfg.SSHFallbackAfter, Log: log})
 	if err != nil {
 		return err

@@ -21,27 +21,28 @@ const (
 	maxReportedVMs = 64
 )
 
-// cacheReport is the host's image cache as the control plane sees it: its
-// listing with the VMs made from each image, and the prune the control
-// plane can ask for.
-type cacheReport struct {
-	cache *imagecache.Cache
-	st    *state.Store
-	log   *slog.Logger
+// CacheReport is the host's image cache as the control plane sees it: its
+// listing with the VMs made from each image (Report, sent when Changed
+// fires), and the prune the control plane can ask for (Prune).
+type CacheReport struct {
+	Cache *imagecache.Cache
+	// State holds the VM records: what each VM was made from.
+	State *state.Store
+	Log   *slog.Logger
 }
 
 // madeFrom maps each digest to the VMs this host holds records of that
 // were made from it, ids sorted. A record that cannot be read is an error:
 // it may be a VM whose base must stay.
-func (r cacheReport) madeFrom() (map[string][]string, error) {
-	ids, err := r.st.ListVMs()
+func (r CacheReport) madeFrom() (map[string][]string, error) {
+	ids, err := r.State.ListVMs()
 	if err != nil {
 		return nil, err
 	}
 	slices.Sort(ids)
 	out := map[string][]string{}
 	for _, id := range ids {
-		rec, ok, err := r.st.LoadVM(id)
+		rec, ok, err := r.State.LoadVM(id)
 		if err != nil {
 			return nil, fmt.Errorf("vm %s: %w", id, err)
 		}
@@ -63,16 +64,16 @@ func cachedRow(im imagecache.Image, vms []string) *eitriv1.CachedImage {
 }
 
 // Report lists the cache, most recently used first, within the bounds.
-func (r cacheReport) Report() *eitriv1.ImageCacheReport {
+func (r CacheReport) Report() *eitriv1.ImageCacheReport {
 	rep := &eitriv1.ImageCacheReport{}
-	ims, err := r.cache.Images()
+	ims, err := r.Cache.Images()
 	if err != nil {
-		r.log.Warn("cannot list the image cache for the control plane", "err", err)
+		r.Log.Warn("cannot list the image cache for the control plane", "err", err)
 	}
 	uses, err := r.madeFrom()
 	if err != nil {
 		// The listing still says what is cached; only its VMs go unnamed.
-		r.log.Warn("cannot tell which VMs use the cached images", "err", err)
+		r.Log.Warn("cannot tell which VMs use the cached images", "err", err)
 	}
 	for i, im := range ims {
 		rep.TotalBytes += uint64(max(im.Bytes, 0))
@@ -89,12 +90,12 @@ func (r cacheReport) Report() *eitriv1.ImageCacheReport {
 // creates in progress), and every image a VM on this host was made from
 // stays too, whether its root disk holds a hard link to it or reads the
 // cache's file itself.
-func (r cacheReport) Prune(ctx context.Context) (*eitriv1.ImagesPruned, error) {
+func (r CacheReport) Prune(ctx context.Context) (*eitriv1.ImagesPruned, error) {
 	uses, err := r.madeFrom()
 	if err != nil {
 		return nil, fmt.Errorf("prune refused: cannot tell which images the VMs on this host need: %w", err)
 	}
-	removed, err := r.cache.Prune(ctx, func(sha string) bool { return len(uses[sha]) > 0 })
+	removed, err := r.Cache.Prune(ctx, func(sha string) bool { return len(uses[sha]) > 0 })
 	out := &eitriv1.ImagesPruned{}
 	for _, im := range removed {
 		out.Removed = append(out.Removed, cachedRow(im, nil))
@@ -103,7 +104,7 @@ func (r cacheReport) Prune(ctx context.Context) (*eitriv1.ImagesPruned, error) {
 	if err != nil {
 		return nil, err
 	}
-	r.log.Info("pruned the image cache", "images", len(out.Removed), "freed_bytes", out.FreedBytes)
+	r.Log.Info("pruned the image cache", "images", len(out.Removed), "freed_bytes", out.FreedBytes)
 	return out, nil
 }
 
@@ -113,7 +114,7 @@ const vmsCheckEvery = 5 * time.Second
 
 // Changed fires (coalesced) when Report may say something new: the cache
 // changed, or the set of VM records did. It runs until ctx ends.
-func (r cacheReport) Changed(ctx context.Context) <-chan struct{} {
+func (r CacheReport) Changed(ctx context.Context) <-chan struct{} {
 	out := make(chan struct{}, 1)
 	signal := func() {
 		select {
@@ -124,16 +125,16 @@ func (r cacheReport) Changed(ctx context.Context) <-chan struct{} {
 	go func() {
 		t := time.NewTicker(vmsCheckEvery)
 		defer t.Stop()
-		last, _ := r.st.ListVMs()
+		last, _ := r.State.ListVMs()
 		slices.Sort(last)
 		for {
 			select {
 			case <-ctx.Done():
 				return
-			case <-r.cache.Changed():
+			case <-r.Cache.Changed():
 				signal()
 			case <-t.C:
-				ids, err := r.st.ListVMs()
+				ids, err := r.State.ListVMs()
 				if err != nil {
 					continue
 				}

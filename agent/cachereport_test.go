@@ -52,7 +52,7 @@ func TestTheCacheReportNamesTheVMsAndThePruneKeepsTheirImagesAndThePinned(t *tes
 	c.Acquire(pulled)
 	defer c.Release(pulled)
 	require.NoError(t, st.SaveVM("vm-1", state.Record{Spec: state.VMSpec{ID: "vm-1", ImageSHA256: forVM}}))
-	r := cacheReport{cache: c, st: st, log: slog.Default()}
+	r := CacheReport{Cache: c, State: st, Log: slog.Default()}
 
 	rep := r.Report()
 	require.Len(t, rep.Images, 3)
@@ -83,7 +83,7 @@ func TestAPruneIsRefusedWhileAVMRecordCannotBeRead(t *testing.T) {
 	c, shas := cacheWith(t, body(20<<10, 4))
 	// A torn record may be the VM whose base this is.
 	require.NoError(t, os.WriteFile(filepath.Join(st.Dir(), "vms", "vm-2.json"), []byte("{"), 0o600))
-	r := cacheReport{cache: c, st: st, log: slog.Default()}
+	r := CacheReport{Cache: c, State: st, Log: slog.Default()}
 	_, err := r.Prune(context.Background())
 	require.ErrorContains(t, err, "prune refused")
 	assert.FileExists(t, c.Path(shas[0]))
