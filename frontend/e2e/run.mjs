@@ -499,10 +499,15 @@ async function inside(bin, guest) {
 				const traffic = row.locator('td[data-label="Traffic"]');
 				const before = ((await traffic.textContent()) ?? '').trim();
 				log(`exposure on 127.0.0.1:${port}, summary before: ${JSON.stringify(before)}`);
-				// Three short HTTP requests, and one connection held open.
+				// Three short HTTP requests, counting every byte each way, and
+				// one connection held open.
+				let sent = 0;
+				let received = 0;
 				for (let i = 0; i < 3; i++) {
-					const body = await httpGet(`http://127.0.0.1:${port}/`);
-					if (!/hostname=ui-1/.test(body)) throw new Error(`guest answered ${JSON.stringify(body.slice(0, 80))}, want hostname=ui-1`);
+					const r = await rawGet(port);
+					if (!/hostname=ui-1/.test(r.text)) throw new Error(`guest answered ${JSON.stringify(r.text.slice(0, 80))}, want hostname=ui-1`);
+					sent += r.sent;
+					received += r.received;
 				}
 				const held = await openSocket(port);
 				try {
@@ -515,23 +520,28 @@ async function inside(bin, guest) {
 						20_000,
 						'the summary shows the held connection as open'
 					);
-					const open = ((await traffic.textContent()) ?? '').trim();
-					log(`summary with one open: ${open}`);
-					// The three answered requests were counted before the held
-					// connection opened, so this report carries their bytes.
-					const [, , , , inBytes, outBytes] = open.match(summaryRe);
-					if (!inBytes || inBytes === '0 B' || !outBytes || outBytes === '0 B')
-						throw new Error(`the summary shows no bytes carried after three requests: ${JSON.stringify(open)}`);
+					log(`summary with one open: ${((await traffic.textContent()) ?? '').trim()}`);
 					await shot('vm-detail-exposure');
 				} finally {
 					held.destroy();
 				}
+				// Closed, and the bytes are exactly what went each way. Bytes
+				// alone make no report: they come with the host's next one
+				// (at the latest its 5 s heartbeat).
+				const want = [formatBytes(sent), formatBytes(received)];
+				let last = '';
 				await waitFor(
-					async () => ((await traffic.textContent()) ?? '').match(summaryRe)?.[1] === '0',
+					async () => {
+						last = ((await traffic.textContent()) ?? '').trim();
+						const m = last.match(summaryRe);
+						return m?.[1] === '0' && m[4] === want[0] && m[5] === want[1];
+					},
 					20_000,
-					'the summary goes back to 0 open after the connection closes'
-				);
-				log(`summary after close: ${((await traffic.textContent()) ?? '').trim()}`);
+					`the summary goes back to 0 open and says ${want[0]} in, ${want[1]} out`
+				).catch((err) => {
+					throw new Error(`${err.message}; it says ${JSON.stringify(last)}`);
+				});
+				log(`summary after close: ${last}`);
 				if (!(await page.evaluate(() => window.__e2eNoReload === true))) throw new Error('the page reloaded');
 			}).then(async (ok) => ok || (await failShot('exposure'), false));
 
@@ -886,15 +896,19 @@ async function usageWindow(vmId, token) {
 	}
 }
 
-// formatBytes is the console's (frontend/src/lib/usage.ts).
+// formatBytes is the console's (frontend/src/lib/display.ts).
 function formatBytes(v) {
-	const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+	const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+	if (!Number.isFinite(v) || v < 0) return '—';
 	let i = 0;
 	while (v >= 1024 && i < units.length - 1) {
 		v /= 1024;
 		i++;
 	}
-	return i === 0 ? `${Math.round(v)} B` : `${v.toFixed(1)} ${units[i]}`;
+	if (i === 0) return `${v} B`;
+	const text = v < 10 ? v.toFixed(1).replace(/\.0$/, '') : Math.round(v).toString();
+	if (text === '1024' && i < units.length - 1) return `1 ${units[i + 1]}`;
+	return `${text} ${units[i]}`;
 }
 
 async function waitFor(fn, ms, what) {
@@ -1001,6 +1015,24 @@ function httpGet(url) {
 		});
 		req.on('timeout', () => req.destroy(new Error(`GET ${url}: no answer in 10 s`)));
 		req.on('error', rej);
+	});
+}
+
+// rawGet asks the guest's web server for / over a plain socket and counts
+// the bytes each way, as the published port should.
+function rawGet(port) {
+	return new Promise((res, rej) => {
+		const req = 'GET / HTTP/1.0\r\nHost: e2e\r\n\r\n';
+		const chunks = [];
+		const s = net.connect(port, '127.0.0.1', () => s.write(req));
+		s.setTimeout(10_000, () => s.destroy(new Error(`port ${port}: no answer in 10 s`)));
+		s.on('data', (d) => chunks.push(d));
+		s.on('error', rej);
+		s.on('close', (hadError) => {
+			if (hadError) return;
+			const body = Buffer.concat(chunks);
+			res({ sent: Buffer.byteLength(req), received: body.length, text: body.toString('utf8') });
+		});
 	});
 }
 

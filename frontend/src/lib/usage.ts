@@ -5,6 +5,7 @@
 // that went back (the VM's QEMU started again).
 import { timestampMs } from '@bufbuild/protobuf/wkt';
 import type { HostUsage, VMUsage } from '@eitri/sdk/usage_pb';
+import { formatBytes as bytesText } from './display';
 
 /** Samples kept per VM and host: an hour at the agents' 10 s. */
 export const windowPoints = 360;
@@ -98,15 +99,10 @@ export function formatPercent(v: number | null): string {
 	return v === null ? '—' : `${v.toFixed(1)}%`;
 }
 
+/** A measured byte count in the console's one byte format; "—" when it
+ *  was not measured. */
 export function formatBytes(v: number | null): string {
-	if (v === null) return '—';
-	const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
-	let i = 0;
-	while (v >= 1024 && i < units.length - 1) {
-		v /= 1024;
-		i++;
-	}
-	return i === 0 ? `${Math.round(v)} B` : `${v.toFixed(1)} ${units[i]}`;
+	return v === null ? '—' : bytesText(v);
 }
 
 export const formatRate = (v: number | null) => (v === null ? '—' : `${formatBytes(v)}/s`);
