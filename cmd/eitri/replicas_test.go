@@ -501,3 +501,42 @@ func TestUsageMeasuredThroughOneReplicaIsChartedOnAnother(t *testing.T) {
 		}
 	}
 }
+
+// TestAHostsImageListingAnswersThroughAnyReplica: a host on replica b sends
+// its image cache listing; `ListHostImages` through replica a answers with
+// it, and once the host is gone, with nothing.
+func TestAHostsImageListingAnswersThroughAnyReplica(t *testing.T) {
+	db := pgtest.DSN(t)
+	a := startReplica(t, db)
+	b := startReplica(t, db)
+	token := a.srv.AdminToken
+	onA, onB := a.as(t, token), b.as(t, token)
+
+	id := b.enroll(onB)
+	id.ServerURLs = []string{b.url}
+	sha := strings.Repeat("ab", 32)
+	cfg := quickAgent(id, &source{}, "agent-1")
+	cfg.ImageCache = func() *eitriv1.ImageCacheReport {
+		return &eitriv1.ImageCacheReport{TotalBytes: 4 << 20, Images: []*eitriv1.CachedImage{{Sha256: sha, SizeBytes: 4 << 20, Pinned: true}}}
+	}
+	agentCtx, stopAgent := context.WithCancel(context.Background())
+	done := startAgentStream(agentCtx, cfg)
+	defer func() { stopAgent(); <-done }()
+
+	var got *eitriv1.ListHostImagesResponse
+	require.Eventually(t, func() bool {
+		var err error
+		got, err = a.srv.Fleet.ListHostImages(onA, id.HostID)
+		return err == nil && len(got.GetImages()) == 1
+	}, 10*time.Second, 20*time.Millisecond, "a answers with the listing b's host sent")
+	assert.Equal(t, sha, got.GetImages()[0].GetSha256())
+	assert.Equal(t, uint64(4<<20), got.GetTotalBytes())
+	assert.NotNil(t, got.GetReportedAt(), "when the host said it")
+
+	stopAgent()
+	<-done
+	require.Eventually(t, func() bool {
+		got, err := a.srv.Fleet.ListHostImages(onA, id.HostID)
+		return err == nil && len(got.GetImages()) == 0 && got.GetReportedAt() == nil
+	}, 10*time.Second, 20*time.Millisecond, "a host that went away holds nothing anyone can vouch for")
+}

@@ -47,6 +47,17 @@ func (s *Session) ImageCache(c *eitriv1.ImageCacheReport) {
 	f.mu.Lock()
 	s.images, s.imagesAt = c, now
 	f.mu.Unlock()
+	if f.st.Shared() && s.claim != 0 {
+		// For the other replicas' ListHostImages; rare (the host sends it
+		// when its cache changes), so written at once.
+		b, err := proto.Marshal(c)
+		if err == nil {
+			err = f.st.WriteLiveImageCache(s.ctx, s.hostID, s.claim, b, now)
+		}
+		if err != nil && s.ctx.Err() == nil {
+			f.log.Warn("share the host's image cache listing", "host", s.hostID, "err", err)
+		}
+	}
 }
 
 // ListHostImages is what the host's cache holds, as the host last said,
@@ -67,10 +78,21 @@ func (f *Fleet) ListHostImages(ctx context.Context, id string) (*eitriv1.ListHos
 	}
 	f.mu.Unlock()
 	out := &eitriv1.ListHostImagesResponse{}
-	if c == nil {
-		if f.heldElsewhere(id) {
-			return nil, errorf(Unavailable, "host %s is connected to another control-plane replica, which holds its image cache listing; ask through that one", id)
+	if c == nil && f.st.Shared() {
+		// Held by another replica, which keeps the listing in the database.
+		b, when, ok, err := f.st.LiveImageCache(ctx, id)
+		if err != nil {
+			return nil, err
 		}
+		if ok {
+			c = &eitriv1.ImageCacheReport{}
+			if err := proto.Unmarshal(b, c); err != nil {
+				return nil, errorf(Unavailable, "host %s's image cache listing, kept by another replica, does not decode: %v", id, err)
+			}
+			at = when
+		}
+	}
+	if c == nil {
 		return out, nil // not reported: nothing is known
 	}
 	rows, err := f.hostImageRows(ctx, id, c.GetImages())

@@ -54,7 +54,8 @@ func (s *Store) ClaimHost(ctx context.Context, hostID, instance string, hello []
 		err := tx.QueryRowContext(ctx, `INSERT INTO host_live (host_id, replica, instance, conn, connected, expires_at, hello, report, rev)
 			VALUES ($1, $2, $3, nextval('host_live_conn'), TRUE, `+dbNow+` + $4, $5, NULL, nextval('host_live_rev'))
 			ON CONFLICT (host_id) DO UPDATE SET replica = EXCLUDED.replica, instance = EXCLUDED.instance, conn = EXCLUDED.conn,
-				connected = TRUE, expires_at = EXCLUDED.expires_at, hello = EXCLUDED.hello, report = NULL, usage = NULL, rev = EXCLUDED.rev
+				connected = TRUE, expires_at = EXCLUDED.expires_at, hello = EXCLUDED.hello, report = NULL, usage = NULL,
+				image_cache = NULL, image_cache_at = NULL, rev = EXCLUDED.rev
 			WHERE host_live.replica = EXCLUDED.replica OR host_live.instance = EXCLUDED.instance
 				OR host_live.instance = '' OR EXCLUDED.instance = ''
 				OR NOT host_live.connected OR host_live.expires_at < `+dbNow+`
@@ -113,11 +114,40 @@ func (s *Store) WriteLive(ctx context.Context, reps []LiveReport, ttl time.Durat
 	return lost, err
 }
 
+// WriteLiveImageCache keeps the image cache listing hostID sent on its
+// stream conn here, for the other replicas to answer with. Not a live
+// write: nobody follows it; they read it when asked.
+func (s *Store) WriteLiveImageCache(ctx context.Context, hostID string, conn int64, listing []byte, at time.Time) error {
+	if !s.pg {
+		return errors.New("store: live state is shared only on PostgreSQL")
+	}
+	_, err := s.db.ExecContext(ctx, `UPDATE host_live SET image_cache = $1, image_cache_at = $2
+		WHERE host_id = $3 AND replica = $4 AND conn = $5 AND connected`, listing, at.UnixNano(), hostID, s.replica, conn)
+	return err
+}
+
+// LiveImageCache is the image cache listing hostID's holder keeps, and
+// when it came; ok is false while the host is not connected or has sent
+// none.
+func (s *Store) LiveImageCache(ctx context.Context, hostID string) (listing []byte, at time.Time, ok bool, err error) {
+	var ns sql.NullInt64
+	err = s.db.QueryRowContext(ctx, `SELECT image_cache, image_cache_at FROM host_live
+		WHERE host_id = $1 AND connected AND expires_at >= `+dbNow+` AND image_cache IS NOT NULL`, hostID).Scan(&listing, &ns)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, time.Time{}, false, nil
+	}
+	if err != nil {
+		return nil, time.Time{}, false, err
+	}
+	return listing, time.Unix(0, ns.Int64).UTC(), true, nil
+}
+
 // ReleaseHost marks the stream conn of hostID closed, if it is still the
 // host's current one here.
 func (s *Store) ReleaseHost(ctx context.Context, hostID string, conn int64) error {
 	return s.liveWrite(ctx, func(tx *sql.Tx) error {
-		_, err := tx.ExecContext(ctx, `UPDATE host_live SET connected = FALSE, report = NULL, usage = NULL, rev = nextval('host_live_rev')
+		_, err := tx.ExecContext(ctx, `UPDATE host_live SET connected = FALSE, report = NULL, usage = NULL, image_cache = NULL, image_cache_at = NULL,
+			rev = nextval('host_live_rev')
 			WHERE host_id = $1 AND replica = $2 AND conn = $3`, hostID, s.replica, conn)
 		return err
 	})
