@@ -19,3 +19,14 @@ func TestTheControlPlaneNeverImportsTheAgent(t *testing.T) {
 		Tests: true,
 	}.Check(t)
 }
+
+func TestTheCallRelayNeverImportsTheFleet(t *testing.T) {
+	deptest.Rules{
+		Packages: []string{"./server/callrelay/..."},
+		BadDeps: map[string]string{
+			eitri + "server/fleet": "the fleet authorizes a console or tunnel and hands the relay what it needs to know of the hosts through the relay's own small interfaces (callrelay.Hosts, callrelay.CallStore); a relay that reached into the fleet would tie the two into one cycle of state and locks, and could not be tested or grown to cross replicas on its own",
+			eitri + "server/api":   "the API is the relay's caller: it turns the relay's errors into Connect codes and carries its streams",
+		},
+		Tests: true,
+	}.Check(t)
+}

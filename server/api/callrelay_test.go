@@ -26,7 +26,7 @@ import (
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
 	"github.com/a73x/eitri/server"
 	"github.com/a73x/eitri/server/api"
-	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/server/callrelay"
 )
 
 // agentInstance is the played agent's process id, on Sync and Calls alike.
@@ -234,10 +234,10 @@ func TestOneUserHoldsAtMostTheirShareOfAHostsCallSlots(t *testing.T) {
 		}
 		open++
 	}
-	assert.Equal(t, fleet.MaxHostCallsPerUser, open)
+	assert.Equal(t, callrelay.MaxHostCallsPerUser, open)
 	assert.Equal(t, connect.CodeResourceExhausted, code(refused), "%v", refused)
 	if refused != nil {
-		assert.Contains(t, refused.Error(), fmt.Sprintf("mallory has %d consoles, console inputs and tunnels open on this vm's host already, the most one user may on one host", fleet.MaxHostCallsPerUser))
+		assert.Contains(t, refused.Error(), fmt.Sprintf("mallory has %d consoles, console inputs and tunnels open on this vm's host already, the most one user may on one host", callrelay.MaxHostCallsPerUser))
 	}
 	assert.NoError(t, readConsole(ctx, e.vms(alice), avm), "another user still gets a console on that host")
 }

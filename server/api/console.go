@@ -47,7 +47,7 @@ func (s agentService) Calls(ctx context.Context, r *connect.Request[eitriv1.Call
 	if err != nil {
 		return err
 	}
-	line, err := s.f.OpenCalls(ctx, hostID, r.Msg.GetInstanceId())
+	line, err := s.f.Relay.OpenCalls(ctx, hostID, r.Msg.GetInstanceId())
 	if err != nil {
 		return s.toConnect(err)
 	}
@@ -73,7 +73,7 @@ func (s agentService) Console(ctx context.Context, st *connect.BidiStream[eitriv
 	if err != nil {
 		return err
 	}
-	a, err := s.f.AnswerConsole(hostID, first.GetCallId())
+	a, err := s.f.Relay.AnswerConsole(hostID, first.GetCallId())
 	if err != nil {
 		return s.toConnect(err)
 	}
@@ -117,7 +117,7 @@ func (s agentService) Tunnel(ctx context.Context, st *connect.BidiStream[eitriv1
 	if err != nil {
 		return err
 	}
-	a, err := s.f.AnswerTunnel(hostID, first.GetCallId())
+	a, err := s.f.Relay.AnswerTunnel(hostID, first.GetCallId())
 	if err != nil {
 		return s.toConnect(err)
 	}
@@ -129,7 +129,7 @@ func (s agentService) Tunnel(ctx context.Context, st *connect.BidiStream[eitriv1
 
 // nameCallWithin bounds the wait for the first message of an answer
 // stream: until it names its call, the stream holds one of its host's
-// answer slots (fleet.OpenAnswer).
+// answer slots (callrelay.Relay.OpenAnswer).
 const nameCallWithin = 15 * time.Second
 
 // answerOpening reads what opens every stream an agent answers a call on:
@@ -141,7 +141,7 @@ func answerOpening[M interface{ GetCallId() string }](ctx context.Context, s age
 	if err != nil {
 		return "", none, err
 	}
-	done, err := s.f.OpenAnswer(hostID)
+	done, err := s.f.Relay.OpenAnswer(hostID)
 	if err != nil {
 		return "", none, s.toConnect(err)
 	}

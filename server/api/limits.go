@@ -9,7 +9,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/a73x/eitri/gen/go/eitri/v1/eitriv1connect"
-	"github.com/a73x/eitri/server/fleet"
+	"github.com/a73x/eitri/server/callrelay"
 	"github.com/a73x/eitri/server/imagesource"
 )
 
@@ -32,13 +32,13 @@ const (
 	// and only a host credential can send one.
 	MaxReportMessage = 8 << 20
 	// MaxTunnelMessage: one tunnel frame, either stream's, carries at most
-	// fleet.MaxTunnelChunk bytes and a few fields.
-	MaxTunnelMessage = fleet.MaxTunnelChunk + 1<<10
+	// callrelay.MaxTunnelChunk bytes and a few fields.
+	MaxTunnelMessage = callrelay.MaxTunnelChunk + 1<<10
 	// MaxConsoleMessage: one frame of an agent's Console stream, a chunk
-	// of serial output (fleet.MaxConsoleChunk) with its place in the log,
+	// of serial output (callrelay.MaxConsoleChunk) with its place in the log,
 	// or a short error. A host's answers are streamed chunk by chunk; an
 	// 8 MiB frame here would be buffered whole before anything checks it.
-	MaxConsoleMessage = fleet.MaxConsoleChunk + 1<<10
+	MaxConsoleMessage = callrelay.MaxConsoleChunk + 1<<10
 )
 
 // EnvelopeSlack is what the wire adds around one message in a request body:

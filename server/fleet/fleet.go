@@ -19,6 +19,7 @@ import (
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
 	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/callrelay"
 	"github.com/a73x/eitri/server/registry"
 	"github.com/a73x/eitri/server/sshca"
 	"github.com/a73x/eitri/server/store"
@@ -87,11 +88,29 @@ func invalid(field, format string, args ...any) error {
 	return &Error{Kind: Invalid, Msg: field + ": " + fmt.Sprintf(format, args...)}
 }
 
-// KindOf returns err's kind (Internal for anything unclassified).
+// relayKinds are the kinds of the call relay's errors.
+var relayKinds = map[callrelay.Kind]Kind{
+	callrelay.Invalid:      Invalid,
+	callrelay.NotFound:     NotFound,
+	callrelay.Conflict:     Conflict,
+	callrelay.Precondition: Precondition,
+	callrelay.Exhausted:    Exhausted,
+	callrelay.Unavailable:  Unavailable,
+}
+
+// KindOf returns err's kind (Internal for anything unclassified). The call
+// relay's errors are classified as the fleet's own, so a caller of either
+// reads them alike.
 func KindOf(err error) Kind {
 	var e *Error
 	if errors.As(err, &e) {
 		return e.Kind
+	}
+	var re *callrelay.Error
+	if errors.As(err, &re) {
+		if k, ok := relayKinds[re.Kind]; ok {
+			return k
+		}
 	}
 	return Internal
 }
@@ -128,7 +147,7 @@ type Config struct {
 	// did, to take it. Nil: one control plane, nothing to share.
 	SecretsChanged, OthersChangedSecrets func(context.Context) error
 	// MaxTunnelsPerUser caps each user's open tunnels (default
-	// DefaultMaxTunnelsPerUser).
+	// callrelay.DefaultMaxTunnelsPerUser).
 	MaxTunnelsPerUser int
 	// ReleaseKey checks uploaded agent builds, and join tokens carry it to
 	// new agents; zero: no builds are taken, and agents learn no key here.
@@ -164,6 +183,9 @@ type Fleet struct {
 	Images *watch.Topic[*eitriv1.Image]
 	// Usage is the recent usage hosts pushed (usage.go).
 	Usage *usage.Store
+	// Relay carries consoles and tunnels to the hosts; the fleet
+	// authorizes each user's request before it goes there (relay.go).
+	Relay *callrelay.Relay
 
 	mu       sync.Mutex
 	sessions map[string]*Session // host id → current stream
@@ -177,9 +199,6 @@ type Fleet struct {
 	creds credStreams // open streams by credential, ended on revoke
 
 	published published // the rows watchers last heard, for narration
-
-	consoles consoleHub  // console calls relayed by hosts (console.go)
-	tunnels  tunnelCount // open tunnels by user (tunnel.go)
 
 	tunnelEvents tunnelEvents // tunnels the VMs' timelines heard of (tunnelevents.go)
 
@@ -201,9 +220,6 @@ func New(cfg Config, st *store.Store) *Fleet {
 	if cfg.RestoreMargin == 0 {
 		cfg.RestoreMargin = min(time.Minute, cfg.DeleteGrace/10)
 	}
-	if cfg.MaxTunnelsPerUser == 0 {
-		cfg.MaxTunnelsPerUser = DefaultMaxTunnelsPerUser
-	}
 	if cfg.DestroySweep == 0 {
 		cfg.DestroySweep = 15 * time.Second
 	}
@@ -222,7 +238,7 @@ func New(cfg Config, st *store.Store) *Fleet {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	return &Fleet{
+	f := &Fleet{
 		cfg:       cfg,
 		st:        st,
 		reg:       registry.New(),
@@ -240,6 +256,15 @@ func New(cfg Config, st *store.Store) *Fleet {
 		Rollouts:  watch.NewTopic[*eitriv1.Rollout](),
 		rollouts:  rollouts{wake: make(chan struct{}, 1)},
 	}
+	f.Relay = callrelay.New(callrelay.Config{
+		Hosts:             relayHosts{f},
+		Calls:             st,
+		AdvertiseURL:      cfg.AdvertiseURL,
+		MaxTunnelsPerUser: cfg.MaxTunnelsPerUser,
+		Now:               f.now,
+		Log:               cfg.Log,
+	})
+	return f
 }
 
 func (f *Fleet) now() time.Time { return f.cfg.Now().UTC() }

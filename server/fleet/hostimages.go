@@ -8,6 +8,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/callrelay"
 )
 
 // What each host holds in its image cache. The host sends its listing on
@@ -116,22 +117,22 @@ func (f *Fleet) PruneHostImages(ctx context.Context, id string) (*eitriv1.PruneH
 	if !f.reg.Connected(id) {
 		return nil, errorf(Precondition, "host %s is not connected; its cache can be pruned once it is back", id)
 	}
-	ctx, cancel := context.WithTimeout(ctx, answerWithin+pruneWithin)
+	ctx, cancel := context.WithTimeout(ctx, callrelay.AnswerWithin+pruneWithin)
 	defer cancel()
-	pc, end, err := f.call(ctx, id, p, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_PruneImages{PruneImages: &eitriv1.PruneImagesCall{}}}, nil)
+	a, err := f.Relay.Call(ctx, id, p, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_PruneImages{PruneImages: &eitriv1.PruneImagesCall{}}})
 	if err != nil {
 		return nil, err
 	}
-	defer end()
+	defer a.End()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil, errorf(Unavailable, "host %s did not say what it pruned within %s; list its images to see", id, pruneWithin)
-		case fr := <-pc.frames:
-			m := fr.m
+		case fr := <-a.Frames():
+			m := fr.Msg
 			switch {
 			case m == nil:
-				return nil, errorf(Unavailable, "host %s hung up before it said what it pruned (%v); list its images to see", id, fr.err)
+				return nil, errorf(Unavailable, "host %s hung up before it said what it pruned (%v); list its images to see", id, fr.Err)
 			case m.GetErrorCode() != "":
 				return nil, errorf(Unavailable, "host %s: %s", id, clip(printable(m.GetError()), maxAgentError))
 			case m.GetDone():

@@ -171,7 +171,7 @@ func (f *Fleet) FollowReplicas(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-calls:
-			f.takeCalls(ctx)
+			f.Relay.TakeCalls(ctx)
 		case <-changes:
 			fl.followChanges(ctx)
 		case <-live:
@@ -179,7 +179,7 @@ func (f *Fleet) FollowReplicas(ctx context.Context) {
 		case <-poll.C:
 			// A wake-up may have been lost, and a dead replica's claims
 			// lapse with nobody writing.
-			f.takeCalls(ctx)
+			f.Relay.TakeCalls(ctx)
 			fl.catchUp(ctx)
 		case <-prune.C:
 			if _, err := f.st.PruneChanges(ctx, changesKept); err != nil && ctx.Err() == nil {
@@ -576,54 +576,4 @@ func (f *Fleet) heldElsewhere(hostID string) bool {
 	defer f.replicas.mu.Unlock()
 	_, ok := f.replicas.mirrors[hostID]
 	return ok
-}
-
-// postCall hands a call to the replica holding its host.
-func (f *Fleet) postCall(ctx context.Context, hostID string, c *eitriv1.CallsResponse) error {
-	b, err := proto.Marshal(c)
-	if err != nil {
-		return err
-	}
-	if err := f.st.PostCall(ctx, store.PostedCall{ID: c.Id, HostID: hostID, Call: b}); err != nil {
-		f.log.Warn("post a call to the host's replica", "host", hostID, "err", err)
-		return errorf(Unavailable, "the vm's host is connected to another control-plane replica, which this one cannot reach now; try again")
-	}
-	return nil
-}
-
-// takeCalls sends the calls other replicas posted for hosts whose Calls
-// stream is here down those streams.
-func (f *Fleet) takeCalls(ctx context.Context) {
-	h := &f.consoles
-	h.mu.Lock()
-	hosts := make([]string, 0, len(h.lines))
-	for id := range h.lines {
-		hosts = append(hosts, id)
-	}
-	h.mu.Unlock()
-	calls, err := f.st.TakeCalls(ctx, hosts)
-	if err != nil {
-		if ctx.Err() == nil {
-			f.log.Warn("take the calls other replicas posted", "err", err)
-		}
-		return
-	}
-	for _, pc := range calls {
-		c := &eitriv1.CallsResponse{}
-		if err := proto.Unmarshal(pc.Call, c); err != nil {
-			f.log.Warn("a posted call does not decode", "call", pc.ID, "err", err)
-			continue
-		}
-		h.mu.Lock()
-		line := h.lines[pc.HostID]
-		h.mu.Unlock()
-		if line == nil {
-			continue // the stream went meanwhile; the caller times out
-		}
-		select {
-		case line.calls <- c:
-		default:
-			f.log.Warn("the host is not taking calls fast enough; one from another replica is dropped", "host", pc.HostID, "call", pc.ID)
-		}
-	}
 }

@@ -8,7 +8,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/callrelay"
 )
 
 // What a VM's timeline hears of its tunnels. Each tunnel is recorded on
@@ -50,9 +50,9 @@ type tunnelWindow struct {
 }
 
 // tunnelEnded records a tunnel that reached the VM's host: on its own
-// while its window has room, counted otherwise. err is what the caller was
-// told (nil for a tunnel that ended well).
-func (f *Fleet) tunnelEnded(ctx context.Context, vmID string, p auth.Principal, port uint32, t *tunnelRun, err error) {
+// while its window has room, counted otherwise.
+func (f *Fleet) tunnelEnded(ctx context.Context, t callrelay.TunnelEnd) {
+	vmID, p, port := t.VMID, t.Caller, t.Port
 	te := &f.tunnelEvents
 	key := tunnelEventKey{vmID, p.UserID}
 	te.mu.Lock()
@@ -73,15 +73,15 @@ func (f *Fleet) tunnelEnded(ctx context.Context, vmID string, p auth.Principal, 
 		w.recorded++
 		te.mu.Unlock()
 		f.event(ctx, vmID, "tunnel", fmt.Sprintf("tunnel to port %d by %s, opened %s: %d bytes to the guest, %d bytes from it; %s",
-			port, p.Name, t.opened.UTC().Format(time.RFC3339), t.up.Load(), t.down.Load(), t.ended))
+			port, p.Name, t.Opened.UTC().Format(time.RFC3339), t.Up, t.Down, t.How))
 		return
 	}
 	w.held++
-	w.up += t.up.Load()
-	w.down += t.down.Load()
-	if err != nil {
+	w.up += t.Up
+	w.down += t.Down
+	if t.Err != nil {
 		w.failed++
-		w.lastFailed = t.ended
+		w.lastFailed = t.How
 	}
 	if !slices.Contains(w.ports, port) {
 		if len(w.ports) < tunnelSummaryPorts {

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/a73x/eitri/server/auth"
+	"github.com/a73x/eitri/server/callrelay"
 	"github.com/a73x/eitri/server/store"
 	"github.com/a73x/eitri/wire/vmstate"
 )
@@ -58,16 +59,14 @@ func (e *eventsFleet) endWindows() {
 // tunnel records one tunnel's end as OpenTunnel does; refused ones end as
 // a stopped VM's host refuses them.
 func (e *eventsFleet) tunnel(p auth.Principal, port uint32, refused bool) {
-	t := &tunnelRun{opened: e.now(), ended: "closed by both sides"}
-	var err error
+	t := callrelay.TunnelEnd{VMID: "vm-1", Caller: p, Port: port, Opened: e.now(), How: "closed by both sides"}
 	if refused {
-		t.ended = "failed: vm vm-1 is not running"
-		err = errorf(Precondition, "%s", "vm vm-1 is not running")
+		t.How = "failed: vm vm-1 is not running"
+		t.Err = errorf(Precondition, "%s", "vm vm-1 is not running")
 	} else {
-		t.up.Store(10)
-		t.down.Store(100)
+		t.Up, t.Down = 10, 100
 	}
-	e.tunnelEnded(context.Background(), "vm-1", p, port, t, err)
+	e.tunnelEnded(context.Background(), t)
 }
 
 func (e *eventsFleet) timeline(t *testing.T) []string {

@@ -1,4 +1,4 @@
-package fleet
+package callrelay
 
 import (
 	"context"
@@ -77,12 +77,26 @@ func (c *tunnelCount) admit(p auth.Principal, limit int) (release func(), err er
 	}, nil
 }
 
+// TunnelEnd is how one tunnel that reached its VM's host went.
+type TunnelEnd struct {
+	VMID   string
+	Caller auth.Principal
+	Port   uint32
+	Opened time.Time
+	// Up and Down are the bytes carried to the guest and from it.
+	Up, Down int64
+	// How says how the tunnel ended, in words.
+	How string
+	// Err is what the caller was told; nil for a tunnel that ended well.
+	Err error
+}
+
 // OpenTunnel relays one tunnel for the caller: recv reads the caller's
 // messages (the first names the VM and port; io.EOF is its half-close),
 // send writes to it. It returns when both sides have closed (nil), the
-// caller left (nil), or either side failed. The tunnel is recorded in the
-// VM's events once it has reached its host.
-func (f *Fleet) OpenTunnel(ctx context.Context, recv func() (*eitriv1.OpenTunnelRequest, error), send func(*eitriv1.OpenTunnelResponse) error) error {
+// caller left (nil), or either side failed. A tunnel that reached its host
+// is told to ended before its host's and user's slots are given back.
+func (r *Relay) OpenTunnel(ctx context.Context, authorize Authorize, recv func() (*eitriv1.OpenTunnelRequest, error), send func(*eitriv1.OpenTunnelResponse) error, ended func(TunnelEnd)) error {
 	first, err := recv()
 	if errors.Is(err, io.EOF) {
 		return invalid("vm_id", "required: the first message names the vm and the port")
@@ -98,18 +112,18 @@ func (f *Fleet) OpenTunnel(ctx context.Context, recv func() (*eitriv1.OpenTunnel
 		return invalid("data", "%d bytes is more than %d in one message", n, MaxTunnelChunk)
 	}
 	vmID := first.GetVmId()
-	hostID, p, err := f.consoleVM(ctx, vmID)
+	to, err := authorize(ctx, vmID)
 	if err != nil {
 		return err
 	}
-	release, err := f.tunnels.admit(p, f.cfg.MaxTunnelsPerUser)
+	release, err := r.tunnels.admit(to.Caller, r.cfg.MaxTunnelsPerUser)
 	if err != nil {
 		return err
 	}
 	defer release()
 
 	tp := &tunnelPipes{up: make(chan *eitriv1.TunnelResponse), down: make(chan tunnelFrame)}
-	pc, end, err := f.call(ctx, hostID, p, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_Tunnel{Tunnel: &eitriv1.TunnelCall{
+	pc, end, err := r.call(ctx, to.HostID, to.Caller, &eitriv1.CallsResponse{Call: &eitriv1.CallsResponse_Tunnel{Tunnel: &eitriv1.TunnelCall{
 		VmId: vmID, Port: port,
 	}}}, tp)
 	if err != nil {
@@ -117,20 +131,19 @@ func (f *Fleet) OpenTunnel(ctx context.Context, recv func() (*eitriv1.OpenTunnel
 	}
 	defer end()
 
-	t := &tunnelRun{f: f, ctx: ctx, tp: tp, gone: pc.gone, opened: f.now()}
+	t := &tunnelRun{ctx: ctx, tp: tp, gone: pc.gone, opened: r.now()}
 	err = t.relay(first, recv, send)
-	f.tunnelEnded(context.WithoutCancel(ctx), vmID, p, port, t, err)
+	ended(TunnelEnd{VMID: vmID, Caller: to.Caller, Port: port, Opened: t.opened, Up: t.up.Load(), Down: t.down.Load(), How: t.ended, Err: err})
 	return err
 }
 
 // tunnelRun is one tunnel's relay, from the user's side.
 type tunnelRun struct {
-	f      *Fleet
 	ctx    context.Context
 	tp     *tunnelPipes
 	gone   <-chan struct{}
 	opened time.Time
-	// Bytes carried each way, and how the tunnel ended, for its event.
+	// Bytes carried each way, and how the tunnel ended, for its TunnelEnd.
 	up, down atomic.Int64
 	ended    string
 }
@@ -277,8 +290,8 @@ type TunnelAnswer struct {
 
 // AnswerTunnel matches an agent's Tunnel stream to the tunnel call it
 // names. A host answers only its own calls, once each.
-func (f *Fleet) AnswerTunnel(hostID, callID string) (*TunnelAnswer, error) {
-	h := &f.consoles
+func (r *Relay) AnswerTunnel(hostID, callID string) (*TunnelAnswer, error) {
+	h := &r.calls
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	pc, err := h.attach(hostID, callID, true)
