@@ -692,3 +692,16 @@ func BenchmarkUpdateVM(b *testing.B) {
 		}
 	}
 }
+
+func BenchmarkCreateVM(b *testing.B) {
+	s := benchStore(b, 1000)
+	ctx := context.Background()
+	i := 0
+	b.ReportAllocs()
+	for b.Loop() {
+		i++
+		if err := s.CreateVM(ctx, testVM(fmt.Sprintf("b%06d", i), "u1", "h1", fmt.Sprintf("bench-%d", i), t0)); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
