@@ -27,8 +27,9 @@ func TestHostDecommissionForceMarksADeadHostsVMsLost(t *testing.T) {
 	require.NoError(t, err)
 	seen := now.Add(-5 * time.Minute)
 	require.NoError(t, srv.Store.CreateHost(ctx, store.Host{ID: "h-dead", Name: "rack9", CredentialHash: []byte("x"), CreatedAt: seen, LastSeenAt: &seen}))
-	require.NoError(t, srv.Store.CreateVM(ctx, store.VM{ID: "vm-1", OwnerID: admin.UserID, HostID: "h-dead", Name: "web",
-		ImageURL: "http://x/y.raw", VCPUs: 1, MemMB: 256, DiskGB: 1, PowerState: vmstate.PowerRunning, Status: "ready"}))
+	_, err = srv.Store.CreateVM(ctx, store.VM{ID: "vm-1", OwnerID: admin.UserID, HostID: "h-dead", Name: "web",
+		ImageURL: "http://x/y.raw", VCPUs: 1, MemMB: 256, DiskGB: 1, PowerState: vmstate.PowerRunning, Status: "ready"})
+	require.NoError(t, err)
 
 	_, err = eitri("host", "decommission", "h-dead")
 	require.Error(t, err)

@@ -317,9 +317,7 @@ func (f *Fleet) AdoptOrphanedVM(ctx context.Context, r *eitriv1.AdoptOrphanedVMR
 	case errors.Is(err, store.ErrNotFound):
 		vm = store.VM{ID: id, HostID: r.GetHostId(), Status: vmstate.LifecyclePending, CreatedAt: now, UpdatedAt: now}
 		adopt(&vm)
-		if err = f.st.CreateVM(ctx, vm); err == nil {
-			vm, err = f.st.GetVM(ctx, id)
-		}
+		vm, err = f.st.CreateVM(ctx, vm)
 	}
 	if errors.Is(err, store.ErrConflict) {
 		return nil, errorf(Conflict, "name: its owner already has a VM named %q; pass name to adopt it under another", name)
@@ -329,7 +327,7 @@ func (f *Fleet) AdoptOrphanedVM(ctx context.Context, r *eitriv1.AdoptOrphanedVMR
 	}
 	f.event(ctx, id, "adopted", fmt.Sprintf("adopted as host %s held it (%s)", f.hostName(ctx, r.GetHostId()), q.GetReason()))
 	f.log.Info("orphaned vm adopted", "vm", id, "host", r.GetHostId())
-	f.vmChanged(ctx, vm.HostID, id)
+	f.vmWritten(vm)
 	f.exposuresOfVMChanged(ctx, id)
 	return f.vmView(vm), nil
 }
@@ -372,18 +370,19 @@ func (f *Fleet) DestroyOrphanedVM(ctx context.Context, r *eitriv1.DestroyOrphane
 			ImageURL: held.GetImageUrl(), ImageSHA256: held.GetImageSha256(), VCPUs: held.GetVcpus(), MemMB: held.GetMemMb(), DiskGB: held.GetDiskGb(),
 			PowerState: vmstate.PowerStopped, Status: vmstate.LifecyclePending, CreatedAt: now, UpdatedAt: now}
 		doom(&vm)
-		err = f.st.CreateVM(ctx, vm)
-		if errors.Is(err, store.ErrConflict) {
+		row, cerr := f.st.CreateVM(ctx, vm)
+		if errors.Is(cerr, store.ErrConflict) {
 			vm.Name = id // the owner reused the name; the row is only a destroy order
-			err = f.st.CreateVM(ctx, vm)
+			row, cerr = f.st.CreateVM(ctx, vm)
 		}
+		vm, err = row, cerr
 	}
 	if err != nil {
 		return storeErr(err, "vm "+id)
 	}
 	f.event(ctx, id, "deleted", fmt.Sprintf("orphaned on host %s (%s); destroy ordered by %s", f.hostName(ctx, r.GetHostId()), q.GetReason(), p.Name))
 	f.log.Info("orphaned vm destroy ordered", "vm", id, "host", r.GetHostId(), "by", p.Name)
-	f.vmChanged(ctx, r.GetHostId(), id)
+	f.vmWritten(vm)
 	f.exposuresOfVMChanged(ctx, id)
 	return nil
 }

@@ -108,6 +108,7 @@ func (f *Fleet) publishVMRow(vm store.VM) {
 func (f *Fleet) publishLiveVM(ctx context.Context, id string) {
 	vm, ok := f.published.vm(id)
 	if !ok {
+		// Never published here: the store's row is all there is to show.
 		f.publishVM(ctx, id)
 		return
 	}

@@ -348,6 +348,8 @@ func (fl *follower) apply(ctx context.Context, c store.Change) {
 		if c.Removed {
 			f.vmRemoved(c.ID, c.OwnerID)
 		} else {
+			// The feed names the row another replica wrote, not its
+			// contents: read it.
 			f.publishVM(ctx, c.ID)
 		}
 		f.kick(c.HostID)

@@ -68,7 +68,7 @@ func (f *Fleet) RetryVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 			msg = fmt.Sprintf("retry requested after: %s", lastErr)
 		}
 		f.event(ctx, id, "retried", msg)
-		f.vmChanged(ctx, vm.HostID, id)
+		f.vmWritten(vm)
 	}
 	return f.vmView(vm), nil
 }

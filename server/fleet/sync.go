@@ -399,6 +399,8 @@ func (f *Fleet) publishWritten(ctx context.Context, hostID string, d registry.Di
 		if vm, ok := written[id]; ok {
 			f.publishVMRow(vm)
 		} else if durable[id] {
+			// Not written here just now (another replica's host, a write
+			// that failed or found the row gone): the store has the truth.
 			f.publishVM(ctx, id)
 		} else {
 			f.publishLiveVM(ctx, id)

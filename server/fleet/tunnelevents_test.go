@@ -35,7 +35,8 @@ func newEventsFleet(t *testing.T) *eventsFleet {
 	for _, u := range []store.User{{ID: "u1", Name: "alice"}, {ID: "u2", Name: "bob"}} {
 		require.NoError(t, st.CreateUser(ctx, u))
 	}
-	require.NoError(t, st.CreateVM(ctx, store.VM{ID: "vm-1", OwnerID: "u1", Name: "web", PowerState: vmstate.PowerStopped}))
+	_, err = st.CreateVM(ctx, store.VM{ID: "vm-1", OwnerID: "u1", Name: "web", PowerState: vmstate.PowerStopped})
+	require.NoError(t, err)
 	e := &eventsFleet{Fleet: New(Config{}, st), st: st}
 	e.tunnelEvents.after = func(_ time.Duration, fn func()) {
 		e.mu.Lock()

@@ -171,18 +171,20 @@ func (f *Fleet) CreateVM(ctx context.Context, r *eitriv1.CreateVMRequest) (*eitr
 		}
 		return nil
 	}
-	if err := f.st.CreateVMAdmitted(ctx, vm, admit); err != nil {
+	written, err := f.st.CreateVMAdmitted(ctx, vm, admit)
+	if err != nil {
 		if errors.Is(err, store.ErrConflict) {
 			return nil, errorf(Conflict, "name: you already have a VM named %q", vm.Name)
 		}
 		return nil, err
 	}
+	vm = written
 	where := hostID
 	if h, err := f.st.HostByID(ctx, hostID); err == nil {
 		where = h.Name
 	}
 	f.event(ctx, vm.ID, "created", fmt.Sprintf("created on host %s (%d vCPU, %d MiB, %d GiB)", where, vm.VCPUs, vm.MemMB, vm.DiskGB))
-	f.vmChanged(ctx, vm.HostID, vm.ID)
+	f.vmWritten(vm)
 	return f.vmView(vm), nil
 }
 
@@ -339,7 +341,7 @@ func (f *Fleet) SetPower(ctx context.Context, id, power string) (*eitriv1.VM, er
 	}
 	if changed {
 		f.event(ctx, id, "power", "desired power set to "+power)
-		f.vmChanged(ctx, vm.HostID, id)
+		f.vmWritten(vm)
 	}
 	return f.vmView(vm), nil
 }
@@ -368,7 +370,7 @@ func (f *Fleet) DeleteVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 	}
 	if changed {
 		f.event(ctx, id, "deleted", "deleted; restorable until "+f.restorableUntil(vm).Format("2006-01-02 15:04:05 MST"))
-		f.vmChanged(ctx, vm.HostID, id)
+		f.vmWritten(vm)
 		f.exposuresOfVMChanged(ctx, id)
 	}
 	return f.vmView(vm), nil
@@ -426,7 +428,7 @@ func (f *Fleet) RestoreVM(ctx context.Context, id string) (*eitriv1.VM, error) {
 	}
 	if changed {
 		f.event(ctx, id, "restored", "restored")
-		f.vmChanged(ctx, vm.HostID, id)
+		f.vmWritten(vm)
 		f.exposuresOfVMChanged(ctx, id)
 	}
 	return f.vmView(vm), nil
@@ -542,13 +544,19 @@ func Lifecycle(v store.VM, row *eitriv1.ActualVM, reporting bool) string {
 	return vmstate.LifecyclePending
 }
 
-// vmChanged rebuilds a VM once and hands it to every watcher, and tells its
-// host that its desired state moved.
-func (f *Fleet) vmChanged(ctx context.Context, hostID, id string) {
-	f.publishVM(ctx, id)
-	f.kick(hostID)
+// vmWritten hands a VM as it was just written to every watcher, and tells
+// its host (which reads its desired state anew). A change carries the row
+// it wrote, so nothing reads it back by id.
+func (f *Fleet) vmWritten(vm store.VM) {
+	f.publishVMRow(vm)
+	f.kick(vm.HostID)
 }
 
+// publishVM reads a VM by id and publishes it, or its removal when it is
+// gone. Only for a change whose row this replica does not hold: one learned
+// from another replica's change feed (the feed carries ids, not rows), or a
+// host's report that moved durable facts this replica did not write.
+// Whoever writes a row publishes it as written (vmWritten, publishVMRow).
 func (f *Fleet) publishVM(ctx context.Context, id string) {
 	vm, err := f.st.GetVM(ctx, id)
 	if errors.Is(err, store.ErrNotFound) {

@@ -29,7 +29,7 @@ func TestTheChangeFeedRecordsEveryWriteWithItsReplica(t *testing.T) {
 	require.NoError(t, err)
 
 	fixture(t, a) // two hosts
-	require.NoError(t, a.CreateVM(ctx, testVM("v1", "u2", "h1", "web-1", t0)))
+	mustCreateVM(t, a, testVM("v1", "u2", "h1", "web-1", t0))
 	_, _, err = b.UpdateVM(ctx, "v1", func(v *VM) error { v.PowerState = "stopped"; return nil })
 	require.NoError(t, err)
 	require.NoError(t, a.TouchHost(ctx, "h1", t0.Add(time.Minute)))
@@ -106,7 +106,10 @@ func TestAFollowerNeverMissesAChangeCommittedAfterALaterNumberedOne(t *testing.T
 	require.NoError(t, err)
 
 	wrote := make(chan error, 1)
-	go func() { wrote <- b.CreateVM(ctx, testVM("v1", "u2", "h2", "web-1", t0)) }()
+	go func() {
+		_, err := b.CreateVM(ctx, testVM("v1", "u2", "h2", "web-1", t0))
+		wrote <- err
+	}()
 	seen := 0
 	follow := func() {
 		got, err := b.Changes(ctx, after, 100)

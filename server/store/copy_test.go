@@ -99,7 +99,7 @@ func fillEverything(t *testing.T, s *Store) {
 	v1 := testVM("v1", "u1", "h1", "web", t0)
 	v1.UserCAKeys = []string{"ssh-ed25519 AAAAnew eitri-user-ca", "ssh-ed25519 AAAAold eitri-user-ca"}
 	v1.ImageName, v1.ImageVersion, v1.Readiness = "debian-12", 2, "address"
-	require.NoError(t, s.CreateVM(ctx, v1))
+	mustCreateVM(t, s, v1)
 	_, _, err := s.UpdateVM(ctx, "v1", func(vm *VM) error {
 		vm.Status, vm.AssignedIP, vm.SSHHostPubkey, vm.Retry, vm.ExitsSeen = "running", "10.77.0.9", "ssh-ed25519 HOST", 2, 1
 		return nil
@@ -107,14 +107,14 @@ func fillEverything(t *testing.T, s *Store) {
 	require.NoError(t, err)
 	v2 := testVM("v2", "u2", "", "unplaced", t0.Add(time.Second))
 	v2.PowerState = vmstate.PowerStopped
-	require.NoError(t, s.CreateVM(ctx, v2))
-	require.NoError(t, s.CreateVM(ctx, testVM("v3", "u2", "h2", "gone", t0.Add(2*time.Second))))
+	mustCreateVM(t, s, v2)
+	mustCreateVM(t, s, testVM("v3", "u2", "h2", "gone", t0.Add(2*time.Second)))
 	_, _, err = s.UpdateVM(ctx, "v3", func(vm *VM) error {
 		vm.DeletedAt, vm.DestroyAt, vm.LastError = ptr(t0.Add(time.Hour)), ptr(t0.Add(25*time.Hour)), "deleted by bob"
 		return nil
 	})
 	require.NoError(t, err)
-	require.NoError(t, s.CreateVM(ctx, testVM("v4", "u2", "h2", "brief", t0)))
+	mustCreateVM(t, s, testVM("v4", "u2", "h2", "brief", t0))
 
 	require.NoError(t, s.CreateExposure(ctx, testExposure("e1", "v1", "h1", 80, 30080, "tcp", t0)))
 	udp := testExposure("e2", "v1", "h1", 53, 30053, "udp", t0.Add(time.Second))

@@ -106,7 +106,7 @@ func testMigrationsIdempotent(t *testing.T, e engine) {
 	s, err := Open(ctx, db)
 	require.NoError(t, err)
 	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
+	mustCreateVM(t, s, testVM("v1", "u1", "h1", "web", t0))
 	require.NoError(t, s.Close())
 
 	for range 2 {
@@ -202,7 +202,7 @@ func TestTwoReplicasRacingForTheLastVMAQuotaAllowsLetExactlyOneWin(t *testing.T)
 				wg.Go(func() {
 					<-go1
 					id := fmt.Sprintf("v%d-%d", round, i)
-					errs[i] = s.CreateVMAdmitted(ctx, testVM(id, "u2", "h1", id, t0), admit)
+					_, errs[i] = s.CreateVMAdmitted(ctx, testVM(id, "u2", "h1", id, t0), admit)
 				})
 			}
 			close(go1)

@@ -16,9 +16,8 @@ func withTwoVMs(t *testing.T, e engine) *Store {
 	t.Helper()
 	s, _ := e.open(t)
 	fixture(t, s)
-	ctx := context.Background()
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("v2", "u1", "h1", "db", t0)))
+	mustCreateVM(t, s, testVM("v1", "u1", "h1", "web", t0))
+	mustCreateVM(t, s, testVM("v2", "u1", "h1", "db", t0))
 	return s
 }
 

@@ -107,7 +107,7 @@ func testVMKeepsItsImage(t *testing.T, e engine) {
 	require.NoError(t, s.CreateUser(ctx, u))
 	vm := VM{ID: "vm-1", OwnerID: "u1", Name: "web-1", ImageURL: "https://example.org/d.qcow2", PowerState: "running",
 		ImageName: "debian-12", ImageVersion: 4, Readiness: "address"}
-	require.NoError(t, s.CreateVM(ctx, vm))
+	mustCreateVM(t, s, vm)
 	got, err := s.GetVM(ctx, "vm-1")
 	require.NoError(t, err)
 	assert.Equal(t, "debian-12", got.ImageName)

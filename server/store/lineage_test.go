@@ -49,7 +49,7 @@ func testOnlyADesiredChangeGivesTheVMANewVersion(t *testing.T, e engine) {
 	ctx := context.Background()
 	s, _ := e.open(t)
 	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
+	mustCreateVM(t, s, testVM("v1", "u1", "h1", "web", t0))
 	created, err := s.GetVM(ctx, "v1")
 	require.NoError(t, err)
 

@@ -21,7 +21,7 @@ func testForgettingADeadHostKeepsItsVMsAsLostRows(t *testing.T, e engine) {
 	ctx := context.Background()
 	live, gone, other := testVM("v1", "u2", "h1", "web", t0), testVM("v2", "u2", "h1", "old", t0.Add(time.Second)), testVM("v3", "u2", "h2", "db", t0)
 	for _, v := range []VM{live, gone, other} {
-		require.NoError(t, s.CreateVM(ctx, v))
+		mustCreateVM(t, s, v)
 	}
 	_, _, err := s.UpdateVM(ctx, "v2", func(v *VM) error { v.DeletedAt, v.DestroyAt = ptr(t0), ptr(t0.Add(time.Hour)); return nil })
 	require.NoError(t, err)
@@ -74,7 +74,7 @@ func testAHostSeenAfterTheCutoffIsNotForgotten(t *testing.T, e engine) {
 	s, _ := e.open(t)
 	fixture(t, s)
 	ctx := context.Background()
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u2", "h1", "web", t0)))
+	mustCreateVM(t, s, testVM("v1", "u2", "h1", "web", t0))
 	// It came back between the caller's check and the write.
 	require.NoError(t, s.TouchHost(ctx, "h1", t0.Add(time.Hour)))
 

@@ -58,8 +58,8 @@ func testCountExposuresByOwnerCountsOnlyTheOwnersVMs(t *testing.T, e engine) {
 	s, _ := e.open(t)
 	fixture(t, s)
 	ctx := context.Background()
-	require.NoError(t, s.CreateVM(ctx, testVM("vm-a", "u1", "h1", "a", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("vm-b", "u2", "h1", "b", t0)))
+	mustCreateVM(t, s, testVM("vm-a", "u1", "h1", "a", t0))
+	mustCreateVM(t, s, testVM("vm-b", "u2", "h1", "b", t0))
 	for i, vm := range []string{"vm-a", "vm-a", "vm-b"} {
 		require.NoError(t, s.CreateExposure(ctx, Exposure{ID: "x" + string(rune('0'+i)), VMID: vm, HostID: "h1",
 			GuestPort: 80, HostPort: uint16(30000 + i), Protocol: "tcp", Scope: "lan", CreatedAt: t0}))

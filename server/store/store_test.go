@@ -41,6 +41,19 @@ func fixture(t testing.TB, s *Store) {
 	require.NoError(t, s.CreateHost(ctx, Host{ID: "h2", Name: "alpha", CredentialHash: hashOf("h2"), CreatedAt: t0}))
 }
 
+// mustCreateVM creates vm, holding CreateVM to its word: what it returns
+// is the row as stored.
+func mustCreateVM(t testing.TB, s *Store, vm VM) VM {
+	t.Helper()
+	ctx := context.Background()
+	got, err := s.CreateVM(ctx, vm)
+	require.NoError(t, err)
+	stored, err := s.GetVM(ctx, vm.ID)
+	require.NoError(t, err)
+	require.Equal(t, stored, got, "CreateVM returns the row as stored")
+	return got
+}
+
 func testVM(id, owner, host, name string, created time.Time) VM {
 	return VM{
 		ID: id, OwnerID: owner, HostID: host, Name: name,
@@ -223,7 +236,7 @@ func testDeleteHostRefusedWhileVMsRemain(t *testing.T, e engine) {
 	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
+	mustCreateVM(t, s, testVM("v1", "u1", "h1", "web", t0))
 	// Soft-deleted VMs still hold the host.
 	_, _, err := s.UpdateVM(ctx, "v1", func(vm *VM) error { vm.DeletedAt = ptr(t0); return nil })
 	require.NoError(t, err)
@@ -345,18 +358,19 @@ func testVMNamesUniquePerOwner(t *testing.T, e engine) {
 	ctx := context.Background()
 	fixture(t, s)
 
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("v2", "u2", "h1", "web", t0)), "another owner may reuse the name")
+	mustCreateVM(t, s, testVM("v1", "u1", "h1", "web", t0))
+	_, err := s.CreateVM(ctx, testVM("v2", "u2", "h1", "web", t0))
+	require.NoError(t, err, "another owner may reuse the name")
 
-	err := s.CreateVM(ctx, testVM("v3", "u1", "h2", "web", t0))
+	_, err = s.CreateVM(ctx, testVM("v3", "u1", "h2", "web", t0))
 	require.ErrorIs(t, err, ErrConflict)
 	assert.Contains(t, err.Error(), `"web"`)
 
-	err = s.CreateVM(ctx, testVM("v1", "u1", "h1", "other", t0))
+	_, err = s.CreateVM(ctx, testVM("v1", "u1", "h1", "other", t0))
 	assert.ErrorIs(t, err, ErrConflict, "id reuse")
 
 	// Renaming onto a taken name conflicts too, and writes nothing.
-	require.NoError(t, s.CreateVM(ctx, testVM("v4", "u1", "h1", "db", t0)))
+	mustCreateVM(t, s, testVM("v4", "u1", "h1", "db", t0))
 	_, _, err = s.UpdateVM(ctx, "v4", func(vm *VM) error { vm.Name = "web"; return nil })
 	require.ErrorIs(t, err, ErrConflict)
 	vm, err := s.GetVM(ctx, "v4")
@@ -382,7 +396,7 @@ func testCreateVMErrors(t *testing.T, e engine) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			err := s.CreateVM(ctx, tc.vm)
+			_, err := s.CreateVM(ctx, tc.vm)
 			require.Error(t, err)
 			if tc.is != nil {
 				assert.ErrorIs(t, err, tc.is)
@@ -394,7 +408,7 @@ func testCreateVMErrors(t *testing.T, e engine) {
 	assert.Empty(t, vms)
 
 	// An unplaced VM has no host.
-	require.NoError(t, s.CreateVM(ctx, testVM("v9", "u1", "", "pending", t0)))
+	mustCreateVM(t, s, testVM("v9", "u1", "", "pending", t0))
 	vm, err := s.GetVM(ctx, "v9")
 	require.NoError(t, err)
 	assert.Empty(t, vm.HostID)
@@ -409,9 +423,9 @@ func testListVMs(t *testing.T, e engine) {
 	ctx := context.Background()
 	fixture(t, s)
 	// Created out of order; v-b and v-a share a creation time (id breaks ties).
-	require.NoError(t, s.CreateVM(ctx, testVM("v-c", "u1", "h1", "c", t0.Add(2*time.Second))))
-	require.NoError(t, s.CreateVM(ctx, testVM("v-b", "u2", "h2", "b", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("v-a", "u1", "h1", "a", t0)))
+	mustCreateVM(t, s, testVM("v-c", "u1", "h1", "c", t0.Add(2*time.Second)))
+	mustCreateVM(t, s, testVM("v-b", "u2", "h2", "b", t0))
+	mustCreateVM(t, s, testVM("v-a", "u1", "h1", "a", t0))
 
 	ids := func(vms []VM) []string {
 		var out []string
@@ -441,7 +455,7 @@ func testUpdateVM(t *testing.T, e engine) {
 	ctx := context.Background()
 	fixture(t, s)
 	orig := testVM("v1", "u1", "h1", "web", t0)
-	require.NoError(t, s.CreateVM(ctx, orig))
+	mustCreateVM(t, s, orig)
 	created, err := s.GetVM(ctx, "v1")
 	require.NoError(t, err)
 	orig.DesiredGen = created.DesiredGen
@@ -531,9 +545,9 @@ func testExposures(t *testing.T, e engine) {
 	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("v2", "u1", "h1", "db", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("v3", "u1", "h2", "cache", t0)))
+	mustCreateVM(t, s, testVM("v1", "u1", "h1", "web", t0))
+	mustCreateVM(t, s, testVM("v2", "u1", "h1", "db", t0))
+	mustCreateVM(t, s, testVM("v3", "u1", "h2", "cache", t0))
 
 	e1 := testExposure("x-1", "v1", "h1", 80, 30080, "tcp", t0)
 	require.NoError(t, s.CreateExposure(ctx, e1))
@@ -605,8 +619,8 @@ func testVMEventsAndCascadeOnDeleteVM(t *testing.T, e engine) {
 	s, _ := e.open(t)
 	ctx := context.Background()
 	fixture(t, s)
-	require.NoError(t, s.CreateVM(ctx, testVM("v1", "u1", "h1", "web", t0)))
-	require.NoError(t, s.CreateVM(ctx, testVM("v2", "u1", "h1", "db", t0)))
+	mustCreateVM(t, s, testVM("v1", "u1", "h1", "web", t0))
+	mustCreateVM(t, s, testVM("v2", "u1", "h1", "db", t0))
 	require.NoError(t, s.CreateExposure(ctx, testExposure("x-1", "v1", "h1", 80, 30080, "tcp", t0)))
 	require.NoError(t, s.CreateExposure(ctx, testExposure("x-2", "v2", "h1", 80, 30081, "tcp", t0)))
 
@@ -641,7 +655,7 @@ func testVMEventsAndCascadeOnDeleteVM(t *testing.T, e engine) {
 	assert.NoError(t, err)
 
 	// The name is free again once the row is gone.
-	require.NoError(t, s.CreateVM(ctx, testVM("v3", "u1", "h1", "web", t0)))
+	mustCreateVM(t, s, testVM("v3", "u1", "h1", "web", t0))
 }
 
 func TestWriteHonoursContext(t *testing.T) { eachEngine(t, testWriteHonoursContext) }
@@ -660,9 +674,8 @@ func testWriteHonoursContext(t *testing.T, e engine) {
 func benchStore(b testing.TB, n int) *Store {
 	s, _ := openStore(b)
 	fixture(b, s)
-	ctx := context.Background()
 	for i := range n {
-		require.NoError(b, s.CreateVM(ctx, testVM(fmt.Sprintf("v%04d", i), "u1", "h1", fmt.Sprintf("vm-%d", i), t0.Add(time.Duration(i)))))
+		mustCreateVM(b, s, testVM(fmt.Sprintf("v%04d", i), "u1", "h1", fmt.Sprintf("vm-%d", i), t0.Add(time.Duration(i))))
 	}
 	return s
 }
@@ -700,7 +713,7 @@ func BenchmarkCreateVM(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		i++
-		if err := s.CreateVM(ctx, testVM(fmt.Sprintf("b%06d", i), "u1", "h1", fmt.Sprintf("bench-%d", i), t0)); err != nil {
+		if _, err := s.CreateVM(ctx, testVM(fmt.Sprintf("b%06d", i), "u1", "h1", fmt.Sprintf("bench-%d", i), t0)); err != nil {
 			b.Fatal(err)
 		}
 	}

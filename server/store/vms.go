@@ -125,10 +125,11 @@ func nameTaken(ctx context.Context, tx *sql.Tx, ownerID, name, exceptID string) 
 	return nil
 }
 
-// CreateVM inserts vm. Zero CreatedAt/UpdatedAt are set to now. A name the
-// owner already uses (soft-deleted VMs included) is ErrConflict; an unknown
-// owner or host is ErrNotFound.
-func (s *Store) CreateVM(ctx context.Context, vm VM) error {
+// CreateVM inserts vm and returns the row as stored. Zero
+// CreatedAt/UpdatedAt are set to now. A name the owner already uses
+// (soft-deleted VMs included) is ErrConflict; an unknown owner or host is
+// ErrNotFound.
+func (s *Store) CreateVM(ctx context.Context, vm VM) (VM, error) {
 	return s.CreateVMAdmitted(ctx, vm, nil)
 }
 
@@ -138,15 +139,16 @@ func (s *Store) CreateVM(ctx context.Context, vm VM) error {
 // written, whatever other replicas write meanwhile. An error from admit is
 // returned as is, with nothing written. admit may run more than once (see
 // writePostgres). A nil admit approves.
-func (s *Store) CreateVMAdmitted(ctx context.Context, vm VM, admit func(ctx context.Context, r Reader) error) error {
+func (s *Store) CreateVMAdmitted(ctx context.Context, vm VM, admit func(ctx context.Context, r Reader) error) (VM, error) {
 	if err := validVM(&vm); err != nil {
-		return err
+		return VM{}, err
 	}
 	vm.CreatedAt = s.orNow(vm.CreatedAt)
 	if vm.UpdatedAt.IsZero() {
 		vm.UpdatedAt = vm.CreatedAt
 	}
-	return s.write(ctx, func(tx *sql.Tx) error {
+	var out VM
+	err := s.write(ctx, func(tx *sql.Tx) error {
 		if admit != nil {
 			if err := admit(ctx, Reader{tx: tx}); err != nil {
 				return err
@@ -167,9 +169,18 @@ func (s *Store) CreateVMAdmitted(ctx context.Context, vm VM, admit func(ctx cont
 			return fmt.Errorf("%w: vm %s (%q) already exists", ErrConflict, vm.ID, vm.Name)
 		case isForeignKeyViolation(err):
 			return fmt.Errorf("%w: vm %q names an unknown owner %s or host %s", ErrNotFound, vm.Name, vm.OwnerID, vm.HostID)
+		case err != nil:
+			return err
 		}
+		// Read back what is stored, as updateVM does, so the caller holds
+		// exactly what a later GetVM returns (UTC, no monotonic clock).
+		out, err = getVM(ctx, tx, vm.ID)
 		return err
 	})
+	if err != nil {
+		return VM{}, err
+	}
+	return out, nil
 }
 
 func getVM(ctx context.Context, q queryer, id string) (VM, error) {
