@@ -4,9 +4,10 @@
 // job is to prove, over the network, that a VM booted with the seed it was
 // given. It loads the few drivers it needs, reads its NoCloud seed, leases an
 // address with busybox udhcpc, then serves its identity over HTTP on port 80
-// (and name lookups through its DHCP resolver, /resolve?name=), echoes UDP
-// on port 7, greets like sshd on port 22, and phones home when its seed
-// asks, as cloud-init would. The ACPI power button powers it off.
+// (and name lookups through its DHCP resolver, /resolve?name=; CPU load on
+// demand, /burn?seconds=), echoes UDP on port 7, greets like sshd on port
+// 22, and phones home when its seed asks, as cloud-init would. The ACPI
+// power button powers it off.
 package main
 
 import (

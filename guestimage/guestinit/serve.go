@@ -12,8 +12,14 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"runtime"
+	"strconv"
+	"sync"
 	"time"
 )
+
+// maxBurnSeconds bounds /burn, so a stray request cannot pin the guest.
+const maxBurnSeconds = 30
 
 // startServers binds both listeners before returning, then serves in the
 // background.
@@ -29,6 +35,7 @@ func startServers(id identity) error {
 		fmt.Fprint(w, body)
 	})
 	mux.HandleFunc("/resolve", resolve)
+	mux.HandleFunc("/burn", burn)
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -66,6 +73,29 @@ func resolve(w http.ResponseWriter, r *http.Request) {
 	for _, a := range addrs {
 		fmt.Fprintln(w, a)
 	}
+}
+
+// burn keeps every CPU of the guest busy for ?seconds= (1 to
+// maxBurnSeconds), then answers: the host's usage samples of a guest are
+// tested against a load the test turns on and off.
+func burn(w http.ResponseWriter, r *http.Request) {
+	secs, err := strconv.Atoi(r.URL.Query().Get("seconds"))
+	if err != nil || secs < 1 || secs > maxBurnSeconds {
+		http.Error(w, fmt.Sprintf("seconds: a whole number from 1 to %d", maxBurnSeconds), http.StatusBadRequest)
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), time.Duration(secs)*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	for range runtime.NumCPU() {
+		wg.Go(func() {
+			for ctx.Err() == nil {
+			}
+		})
+	}
+	wg.Wait()
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	fmt.Fprintf(w, "burned %d cpus for %ds\n", runtime.NumCPU(), secs)
 }
 
 // greet stands in for sshd: it sends an SSH identification line and hangs
