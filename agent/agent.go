@@ -96,6 +96,9 @@ type Config struct {
 	// UpgradeHealthBound is how long a new build has to reconnect before
 	// the host rolls it back (default upgrade.DefaultHealthBound).
 	UpgradeHealthBound time.Duration
+	// UsageEvery is how often the guests and the host are measured and the
+	// sample sent to the control plane.
+	UsageEvery time.Duration
 
 	Log *slog.Logger
 }
@@ -113,6 +116,7 @@ func Defaults() Config {
 		CreateAttempts:   5,
 		RetryBackoff:     20 * time.Second,
 		CacheBytes:       50 << 30,
+		UsageEvery:       10 * time.Second,
 	}
 }
 
@@ -264,6 +268,7 @@ func Run(ctx context.Context, cfg Config) error {
 				Os: runtime.GOOS, Arch: runtime.GOARCH}
 		},
 		Usage:      usageSampler(cfg.DataDir, eng, qb),
+		UsageEvery: cfg.UsageEvery,
 		ImageCache: cached.Report, ImageCacheChanged: cached.Changed(ctx),
 		// A snapshot applied is the control plane hearing this build: a
 		// new build on trial has proved itself.
