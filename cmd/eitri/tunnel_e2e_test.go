@@ -32,7 +32,8 @@ func TestTunnelsReachTheTestGuest(t *testing.T) {
 	}
 	dir := t.TempDir()
 	imgURL, imgSum := serveFile(t, os.Getenv("EITRI_GUEST_IMAGE"))
-	dev := startDev(t, dir)
+	// Usage every second: the usage subtest reads several samples in seconds.
+	dev := startDevWith(t, dir, "--usage-every", "1s")
 	defer func() { dev.stop(t) }()
 	vms := dev.vms(t, dir)
 	ctx := context.Background()
@@ -121,6 +122,8 @@ func TestTunnelsReachTheTestGuest(t *testing.T) {
 	t.Run("a real Prometheus sees the guest's CPU and its published ports' bytes", func(t *testing.T) {
 		prometheusSeesTheGuest(t, dir, id)
 	})
+
+	t.Run("usage samples follow the guest's CPU and its tap's bytes", func(t *testing.T) { usageFollowsTheGuest(t, dir, vm) })
 
 	r, err := vms.ListVMEvents(ctx, connect.NewRequest(&eitriv1.ListVMEventsRequest{VmId: id}))
 	require.NoError(t, err)
