@@ -552,7 +552,9 @@ func TestWaitFollowsARealCreate(t *testing.T) {
 	text := out.String()
 	t.Logf("\n%s", text)
 	require.NoError(t, err)
-	outputtest.LinesInOrder(t, text, []string{"creating: downloading image", "download ", "creating: preparing root disk", "creating: booting", "ready at 10.79.0."})
+	// booting lasts a moment and may be coalesced away before a watcher
+	// reads it; the steps that take time always show.
+	outputtest.LinesInOrder(t, text, []string{"creating: downloading image", "download ", "creating: preparing root disk", "ready at 10.79.0."})
 	assert.Regexp(t, `download \d+\.\d MiB / 72\.0 MiB \(\d+%\)`, text, "the download measured in bytes of the total, from VM.progress")
 	lines := strings.Split(strings.TrimSpace(text), "\n")
 	assert.Regexp(t, `ready at 10\.79\.0\.\d+$`, lines[len(lines)-1], "the address is the last line")

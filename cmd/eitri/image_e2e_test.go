@@ -55,7 +55,9 @@ func TestTheQuickstartCreatesTheTestGuestByName(t *testing.T) {
 	text := buf.String()
 	t.Logf("\n%s", text)
 	require.NoError(t, err)
-	outputtest.LinesInOrder(t, text, []string{"creating: preparing root disk", "creating: booting", "ready at 10.79.0."})
+	// Steps the host passes in a moment (booting) may be coalesced away
+	// by the time a watcher reads them; these two always show.
+	outputtest.LinesInOrder(t, text, []string{"creating: preparing root disk", "ready at 10.79.0."})
 	assert.NotContains(t, text, "downloading image", "the pulled image is in the host's cache")
 
 	out, err = eitriIn("", "vm", "get", "web-1")
