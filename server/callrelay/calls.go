@@ -257,8 +257,11 @@ func (r *Relay) call(ctx context.Context, hostID string, p auth.Principal, c *ei
 }
 
 // attach marks the call hostID was sent as answered, on a Tunnel stream
-// (tunnel) or a Console stream. The caller holds h.mu.
+// (tunnel) or a Console stream. A host answers only its own calls, once
+// each.
 func (h *calls) attach(hostID, callID string, tunnel bool) (*pendingCall, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
 	pc := h.pending[callID]
 	if pc == nil || pc.hostID != hostID || (pc.tunnel != nil) != tunnel {
 		return nil, errorf(NotFound, "no such call (it ended, was never made, or is answered on another stream)")

@@ -34,10 +34,7 @@ type ConsoleAnswer struct {
 // AnswerConsole matches an agent's Console stream to the call it names. A
 // host answers only its own calls, once each.
 func (r *Relay) AnswerConsole(hostID, callID string) (*ConsoleAnswer, error) {
-	h := &r.calls
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	pc, err := h.attach(hostID, callID, false)
+	pc, err := r.calls.attach(hostID, callID, false)
 	if err != nil {
 		return nil, err
 	}

@@ -291,10 +291,7 @@ type TunnelAnswer struct {
 // AnswerTunnel matches an agent's Tunnel stream to the tunnel call it
 // names. A host answers only its own calls, once each.
 func (r *Relay) AnswerTunnel(hostID, callID string) (*TunnelAnswer, error) {
-	h := &r.calls
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	pc, err := h.attach(hostID, callID, true)
+	pc, err := r.calls.attach(hostID, callID, true)
 	if err != nil {
 		return nil, err
 	}
