@@ -23,11 +23,8 @@ import (
 )
 
 // Mount registers every service on r, each under its /package.Service/
-// prefix. obs (nil for none) is told of every call.
+// prefix. obs is told of every call.
 func Mount(r chi.Router, f *fleet.Fleet, obs Observer, log *slog.Logger) {
-	if obs == nil {
-		obs = unobserved{}
-	}
 	opts := []connect.HandlerOption{
 		connect.WithCodec(protoCodec{}),
 		connect.WithCodec(jsonCodec{name: "json"}),

@@ -102,13 +102,3 @@ func observeUnrouted(obs Observer, next http.Handler) http.Handler {
 		next.ServeHTTP(w, r)
 	})
 }
-
-// unobserved is the Observer of a control plane that keeps no metrics.
-type unobserved struct{}
-
-func (unobserved) Finished(string, bool, error, time.Duration) {}
-func (unobserved) StreamOpened(string)                         {}
-func (unobserved) StreamClosed(string)                         {}
-func (unobserved) SyncOpened()                                 {}
-func (unobserved) SyncClosed()                                 {}
-func (unobserved) ReportApplied(time.Duration)                 {}
