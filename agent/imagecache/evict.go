@@ -99,19 +99,27 @@ func (c *Cache) evict(keep string) {
 		if e.sha == keep || c.pins[e.sha] > 0 {
 			continue
 		}
-		if err := os.Remove(e.path); err != nil {
-			c.log.Warn("imagecache: evict", "path", e.path, "err", err)
-			continue
+		if c.removeLocked(e, "evicted") {
+			total -= e.size
 		}
-		os.Remove(c.verifiedPath(e.sha))
-		delete(c.verified, e.sha)
-		total -= e.size
-		c.noteChangeLocked()
-		c.log.Info("imagecache: evicted", "sha256", e.sha, "bytes", e.size)
 	}
 	if total > c.maxBytes {
 		c.log.Warn("imagecache: over cap, the rest is in use", "bytes", total, "cap", c.maxBytes)
 	}
+}
+
+// removeLocked deletes a finished image and what the cache knows of it,
+// and says whether it went; c.mu is held. why is the log's word for it.
+func (c *Cache) removeLocked(e entry, why string) bool {
+	if err := os.Remove(e.path); err != nil {
+		c.log.Warn("imagecache: remove", "why", why, "path", e.path, "err", err)
+		return false
+	}
+	os.Remove(c.verifiedPath(e.sha))
+	delete(c.verified, e.sha)
+	c.noteChangeLocked()
+	c.log.Info("imagecache: "+why, "sha256", e.sha, "bytes", e.size)
+	return true
 }
 
 // allocated is the disk space a file takes, which for a sparse raw image is

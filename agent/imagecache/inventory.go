@@ -2,7 +2,6 @@ package imagecache
 
 import (
 	"context"
-	"os"
 	"slices"
 	"strings"
 	"time"
@@ -65,17 +64,9 @@ func (c *Cache) Prune(ctx context.Context, keep func(sha256 string) bool) ([]Ima
 		if c.pins[e.sha] > 0 || c.flights[e.sha] != nil || keep(e.sha) {
 			continue
 		}
-		if err := os.Remove(e.path); err != nil {
-			c.log.Warn("imagecache: prune", "path", e.path, "err", err)
-			continue
+		if c.removeLocked(e, "pruned") {
+			removed = append(removed, Image{SHA256: e.sha, Bytes: e.size, LastUsed: e.mtime})
 		}
-		os.Remove(c.verifiedPath(e.sha))
-		delete(c.verified, e.sha)
-		removed = append(removed, Image{SHA256: e.sha, Bytes: e.size, LastUsed: e.mtime})
-		c.log.Info("imagecache: pruned", "sha256", e.sha, "bytes", e.size)
-	}
-	if len(removed) > 0 {
-		c.noteChangeLocked()
 	}
 	return removed, nil
 }
