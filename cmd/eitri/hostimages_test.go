@@ -83,9 +83,9 @@ func TestHostImagesListsWhatTheHostHoldsAndPruneRemovesOnlyWhatNothingWants(t *t
 		return err == nil && bytes.Contains([]byte(out), []byte("web-1")) && bytes.Contains([]byte(out), []byte("pull of tools"))
 	}, 10*time.Second, 20*time.Millisecond, "the host's listing lands")
 	t.Logf("\n%s", out)
-	assert.Regexp(t, pulled[:12]+`\s+\S+ KiB\s+.*\s+pull of tools\s+—\s+tools v1 \(current\)`, out)
-	assert.Regexp(t, forVM[:12]+`\s+.*\s+no\s+web-1\s+debian-12 v1 \(current\)`, out)
-	assert.Regexp(t, unused[:12]+`\s+.*\s+no\s+—\s+—`, out)
+	assert.Regexp(t, pulled[:12]+`…\s+\S+ KiB\s+.*\s+pull of tools\s+—\s+tools v1 \(current\)`, out)
+	assert.Regexp(t, forVM[:12]+`…\s+.*\s+no\s+web-1\s+debian-12 v1 \(current\)`, out)
+	assert.Regexp(t, unused[:12]+`…\s+.*\s+no\s+—\s+—`, out)
 	assert.Contains(t, out, "3 image(s)")
 
 	freed := allocated(t, cache.Path(unused))

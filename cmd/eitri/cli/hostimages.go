@@ -73,18 +73,9 @@ on it was made from, and says what it removed and the space freed.`,
 func hostImageTable(w io.Writer, rows []*eitriv1.HostImage) {
 	fmt.Fprintln(w, "SHA256\tSIZE\tLAST USED\tPINNED\tVMS\tCATALOGUE")
 	for _, im := range rows {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", shortDigest(im.Sha256), humanBytes(float64(im.SizeBytes)),
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", short(im.Sha256), humanBytes(float64(im.SizeBytes)),
 			whenPB(im.LastUsed, "—"), pinnedBy(im), dash(imageVMs(im)), dash(catalogueNames(im.Catalogue)))
 	}
-}
-
-// shortDigest is enough of a digest to tell images apart at a glance; -o
-// json has the whole of it.
-func shortDigest(sha string) string {
-	if len(sha) > 12 {
-		return sha[:12]
-	}
-	return sha
 }
 
 func pinnedBy(im *eitriv1.HostImage) string {

@@ -194,6 +194,8 @@ func minimums(p *eitriv1.ImageProperties) string {
 	return fmt.Sprintf("%dM/%dG", p.GetMinMemMb(), p.GetMinDiskGb())
 }
 
+// short is enough of a digest to tell images apart at a glance; -o json
+// has the whole of it.
 func short(sha string) string {
 	if len(sha) > 12 {
 		return sha[:12] + "…"
