@@ -4,6 +4,7 @@
 package registry
 
 import (
+	"slices"
 	"sync"
 	"time"
 
@@ -180,15 +181,7 @@ func sameHeld(a, b []*eitriv1.QuarantinedVM) bool {
 }
 
 func sameImages(a, b []*eitriv1.ImageHeld) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if !proto.Equal(a[i], b[i]) {
-			return false
-		}
-	}
-	return true
+	return slices.EqualFunc(a, b, func(x, y *eitriv1.ImageHeld) bool { return proto.Equal(x, y) })
 }
 
 func changed[M proto.Message](old, cur map[string]M) []string {
