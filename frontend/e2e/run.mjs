@@ -1001,23 +1001,6 @@ async function slowImageServer(raw) {
 
 // One GET on a connection of its own that is closed once the answer is in:
 // no pooled keep-alive connection outlives it to count as an open session.
-function httpGet(url) {
-	return new Promise((res, rej) => {
-		const req = http.get(url, { agent: false, headers: { connection: 'close' }, timeout: 10_000 }, (r) => {
-			let body = '';
-			r.setEncoding('utf8');
-			r.on('data', (d) => (body += d));
-			r.on('end', () => {
-				r.socket.destroy();
-				res(body);
-			});
-			r.on('error', rej);
-		});
-		req.on('timeout', () => req.destroy(new Error(`GET ${url}: no answer in 10 s`)));
-		req.on('error', rej);
-	});
-}
-
 // rawGet asks the guest's web server for / over a plain socket and counts
 // the bytes each way, as the published port should.
 function rawGet(port) {
