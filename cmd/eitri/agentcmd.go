@@ -57,16 +57,14 @@ func (a *agentFlags) register(fs *pflag.FlagSet) {
 	fs.StringVar(&a.accel, "accel", string(d.Accel), "guest accelerator: auto (prove KVM with a probe guest, else TCG), kvm or tcg")
 	fs.Var(&a.releaseKey, "release-key", "release public key (or a .pub file) this host's own upgrades must be signed with (default: the one its join token carried)")
 	fs.DurationVar(&c.UpgradeHealthBound, "upgrade-health-bound", upgrade.DefaultHealthBound, "how long a new agent build has to reconnect before the host rolls it back")
-	fs.DurationVar(&c.UsageEvery, "usage-every", d.UsageEvery, "how often the guests' and the host's usage is measured and sent to the control plane")
+	c.UsageEvery = d.UsageEvery
+	fs.Var((*positiveDuration)(&c.UsageEvery), "usage-every", "how often the guests' and the host's usage is measured and sent to the control plane")
 	fs.Var(&a.imageAllow, "image-allow", "CIDR,... image downloads may also reach (your own mirrors); by default only public addresses, never loopback, private, link-local or the like")
 }
 
 // config is the agent's Config from the flags.
 func (a *agentFlags) config(log *slog.Logger) (agent.Config, error) {
 	c := a.cfg
-	if c.UsageEvery <= 0 {
-		return c, fmt.Errorf("--usage-every: %s is not a positive duration", c.UsageEvery)
-	}
 	prefix, err := netip.ParsePrefix(a.subnet)
 	if err != nil {
 		return c, fmt.Errorf("--subnet: %w", err)

@@ -3,8 +3,11 @@ package main
 import (
 	"testing"
 
+	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"github.com/stretchr/testify/assert"
+
+	"github.com/a73x/eitri/server/fleet"
 )
 
 func TestPortRangeFlag(t *testing.T) {
@@ -21,13 +24,26 @@ func TestUsageEveryFlagMustBePositive(t *testing.T) {
 		var a agentFlags
 		fs := pflag.NewFlagSet("agent", pflag.ContinueOnError)
 		a.register(fs)
-		assert.NoError(t, fs.Parse([]string{"--usage-every", arg}))
-		cfg, err := a.config(nil)
-		if ok {
-			assert.NoError(t, err, arg)
-			assert.Equal(t, arg, cfg.UsageEvery.String())
-		} else {
+		err := fs.Parse([]string{"--usage-every", arg})
+		if !ok {
 			assert.ErrorContains(t, err, "--usage-every", arg)
+			continue
 		}
+		assert.NoError(t, err, arg)
+		cfg, err := a.config(nil)
+		assert.NoError(t, err, arg)
+		assert.Equal(t, arg, cfg.UsageEvery.String())
+	}
+}
+
+func TestUpgradeStuckAfterMustBePositiveOnServerAndDev(t *testing.T) {
+	for _, cmd := range []*cobra.Command{newServerCmd(), newDevCmd()} {
+		for _, bad := range []string{"0s", "-1s", "soon"} {
+			assert.ErrorContains(t, cmd.Flags().Parse([]string{"--upgrade-stuck-after", bad}), "--upgrade-stuck-after", "%s %s", cmd.Name(), bad)
+		}
+		f := cmd.Flags().Lookup("upgrade-stuck-after")
+		assert.Equal(t, fleet.DefaultStuckAfter.String(), f.DefValue, "%s: the default is the fleet's", cmd.Name())
+		assert.NoError(t, cmd.Flags().Parse([]string{"--upgrade-stuck-after", "3s"}))
+		assert.Equal(t, "3s", f.Value.String())
 	}
 }

@@ -53,17 +53,10 @@ func (c *cpFlags) register(fs *pflag.FlagSet, d cpDefaults) {
 	fs.StringVar(&c.listen, "listen", d.listen, d.listenUsage)
 	fs.StringVar(&c.dataDir, "data-dir", d.dataDir, d.dataDirUsage)
 	fs.DurationVar(&c.grace, "delete-grace", d.grace, "how long a deleted VM stays restorable")
-	fs.DurationVar(&c.stuckAfter, "upgrade-stuck-after", fleet.DefaultStuckAfter, "how long a connected host may stay on its old agent version after an upgrade offer before it shows stuck")
+	c.stuckAfter = fleet.DefaultStuckAfter
+	fs.Var((*positiveDuration)(&c.stuckAfter), "upgrade-stuck-after", "how long a connected host may stay on its old agent version after an upgrade offer before it shows stuck")
 	fs.Var(&c.ports, "port-range", "host ports allocated to exposures that name none (default 30000-32767)")
 	fs.StringVar(&c.level, "log-level", "info", "debug, info, warn or error")
-}
-
-// check refuses flag values the control plane cannot run with.
-func (c *cpFlags) check() error {
-	if c.stuckAfter <= 0 {
-		return fmt.Errorf("--upgrade-stuck-after: want a positive duration, got %s", c.stuckAfter)
-	}
-	return nil
 }
 
 // serverFlags are eitri server's flags.
@@ -108,9 +101,6 @@ func newServerCmd() *cobra.Command {
 }
 
 func runServer(ctx context.Context, f serverFlags) error {
-	if err := f.check(); err != nil {
-		return err
-	}
 	log := newLogger(f.level)
 	db := f.db
 	if db == "" {
@@ -197,9 +187,6 @@ func newDevCmd() *cobra.Command {
 }
 
 func runDev(ctx context.Context, f devFlags) error {
-	if err := f.check(); err != nil {
-		return err
-	}
 	ac := f.agent
 	log := newLogger(f.level)
 	addr, err := loopbackAddr(ctx, f.listen, lookupHost)
@@ -402,6 +389,26 @@ func guestImage(dir string) (name, sum string, err error) {
 // consoleHandler is the embedded console, or nil (the server then says how
 // to build it).
 func consoleHandler() http.Handler { return frontend.Handler() }
+
+// positiveDuration is a duration flag that refuses zero and less, where
+// neither means anything (how often, how long before).
+type positiveDuration time.Duration
+
+func (d *positiveDuration) String() string { return time.Duration(*d).String() }
+
+func (d *positiveDuration) Type() string { return "duration" }
+
+func (d *positiveDuration) Set(s string) error {
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	if v <= 0 {
+		return fmt.Errorf("want a positive duration, got %s", v)
+	}
+	*d = positiveDuration(v)
+	return nil
+}
 
 // portRange is a "LOW-HIGH" flag.
 type portRange struct{ min, max uint16 }
