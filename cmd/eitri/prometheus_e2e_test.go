@@ -39,7 +39,7 @@ func prometheusSeesTheGuest(t *testing.T, dir, vmID string) {
 	prom := promtest.Start(t, target, token, time.Second)
 	ctx := context.Background()
 
-	// The agent samples every 10 s: the first value, then a later, larger one.
+	// The agent samples every second (dev runs with --usage-every 1s): the first value, then a later, larger one.
 	cpu := fmt.Sprintf(`eitri_vm_cpu_seconds_total{vm=%q}`, vmID)
 	var first float64
 	require.Eventually(t, func() bool {
