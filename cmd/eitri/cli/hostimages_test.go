@@ -22,7 +22,7 @@ func TestHostImagesSaysWhatPinsEachImageAndWhatUsesIt(t *testing.T) {
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
 	require.Len(t, lines, 4)
 	assert.Contains(t, lines[0], "PINNED")
-	assert.Contains(t, lines[1], "aaaaaaaaaaaa\t")
+	assert.Contains(t, lines[1], "aaaaaaaaaaaa…\t")
 	assert.Contains(t, lines[1], "3.0 MiB")
 	assert.Contains(t, lines[1], "pull of tools")
 	assert.Contains(t, lines[1], "tools v2 (current), tools-old v1")
