@@ -136,7 +136,7 @@ func hostNotes(h *eitriv1.Host) string {
 }
 
 func exposureTable(w io.Writer, exps ...*eitriv1.Exposure) {
-	fmt.Fprintln(w, "ID\tVM\tPUBLISHED\tGUEST\tSTATE\tTRAFFIC")
+	fmt.Fprintln(w, "ID\tVM\tPUBLISHED\tGUEST\tSTATE\tIN\tOUT\tSESSIONS")
 	for _, e := range exps {
 		addr := e.HostAddr
 		if strings.Contains(addr, ":") {
@@ -146,15 +146,26 @@ func exposureTable(w io.Writer, exps ...*eitriv1.Exposure) {
 		if e.Reason != "" {
 			state += " (" + e.Reason + ")"
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s:%d/%s\t%d\t%s\t%s\n", e.Id, e.VmId, dash(addr), e.HostPort, e.Protocol, e.GuestPort, state, sessions(e.Sessions))
+		in, out := carried(e.Sessions.GetCarried())
+		fmt.Fprintf(w, "%s\t%s\t%s:%d/%s\t%d\t%s\t%s\t%s\t%s\n", e.Id, e.VmId, dash(addr), e.HostPort, e.Protocol, e.GuestPort, state,
+			in, out, sessions(e.Sessions))
 	}
 }
 
-// sessions words an exposure's counters, or nothing when its host did not
+// carried words the bytes a published port moved each way, or dashes when
+// its host did not count them: null is never shown as zero.
+func carried(b *eitriv1.ExposureBytes) (in, out string) {
+	if b == nil {
+		return "—", "—"
+	}
+	return humanBytes(float64(b.In)), humanBytes(float64(b.Out))
+}
+
+// sessions words an exposure's counters, or a dash when its host did not
 // count: null is never shown as zeros.
 func sessions(s *eitriv1.ExposureSessions) string {
 	if s == nil {
-		return ""
+		return "—"
 	}
 	return fmt.Sprintf("%d open · %d refused, %d dropped since agent start", s.Active, s.Refused, s.Dropped)
 }
