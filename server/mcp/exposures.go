@@ -32,6 +32,15 @@ type ExposureSessions struct {
 	Active  int64 `json:"active" jsonschema:"conversations held now"`
 	Refused int64 `json:"refused" jsonschema:"callers turned away at the cap since the host's agent started"`
 	Dropped int64 `json:"dropped" jsonschema:"conversations the host could not carry to the guest since its agent started"`
+	// A pointer, so a host that counts sessions but not bytes says null
+	// rather than a zero nobody measured.
+	Carried *ExposureBytes `json:"carried" jsonschema:"payload bytes carried since the host's agent started; null when the host does not count bytes"`
+}
+
+// ExposureBytes is the payload a published port carried each way.
+type ExposureBytes struct {
+	In  int64 `json:"in" jsonschema:"bytes from callers to the guest"`
+	Out int64 `json:"out" jsonschema:"bytes from the guest back to callers"`
 }
 
 // ExposureCreateIn is exposure_create's input: every field CreateExposure
@@ -85,8 +94,10 @@ func (t *tools) registerExposures(s *mcp.Server) {
 		}),
 	}, t.exposureCreate)
 	addTool(t, s, &mcp.Tool{
-		Name:        "exposure_list",
-		Description: "List the exposures of one VM, or every exposure you can see, with their state and address.",
+		Name: "exposure_list",
+		Description: "List the exposures of one VM, or every exposure you can see, with their state, address and traffic: " +
+			"sessions open, refused and dropped, and payload bytes carried in and out since the host's agent started " +
+			"(null where the host has not counted).",
 		InputSchema: schemaFor[ExposureListIn](func(p map[string]*jsonschema.Schema) {
 			length(p["vm_id"], 0, bounds.MaxIDLen)
 			p["vm_id"].Examples = []any{exampleVMID}
@@ -138,6 +149,9 @@ func exposureOut(e *eitriv1.Exposure) Exposure {
 	}
 	if s := e.GetSessions(); s != nil {
 		out.Sessions = &ExposureSessions{Active: s.GetActive(), Refused: s.GetRefused(), Dropped: s.GetDropped()}
+		if b := s.GetCarried(); b != nil {
+			out.Sessions.Carried = &ExposureBytes{In: b.GetIn(), Out: b.GetOut()}
+		}
 	}
 	return out
 }
