@@ -96,22 +96,47 @@ type LiveReport struct {
 // replica no longer holds (another took the host over): their streams here
 // are stale.
 func (s *Store) WriteLive(ctx context.Context, reps []LiveReport, ttl time.Duration) (lost []string, err error) {
-	err = s.liveWrite(ctx, func(tx *sql.Tx) error {
-		lost = lost[:0]
-		for _, r := range reps {
-			res, err := tx.ExecContext(ctx, `UPDATE host_live SET report = $1, usage = COALESCE($6, usage), rev = nextval('host_live_rev'),
-				expires_at = `+dbNow+` + $2
-				WHERE host_id = $3 AND replica = $4 AND conn = $5 AND connected`, r.Report, ttl.Nanoseconds(), r.HostID, s.replica, r.Conn, r.Usage)
-			if err != nil {
-				return err
-			}
-			if n, _ := res.RowsAffected(); n == 0 {
-				lost = append(lost, r.HostID)
-			}
+	if !s.pg {
+		return nil, errors.New("store: live state is shared only on PostgreSQL")
+	}
+	ids := make([]string, len(reps))
+	conns := make([]int64, len(reps))
+	reports := make([][]byte, len(reps))
+	usages := make([][]byte, len(reps))
+	for i, r := range reps {
+		ids[i], conns[i], reports[i], usages[i] = r.HostID, r.Conn, r.Report, r.Usage
+	}
+	// One statement, its own transaction, for every host whatever their
+	// number: a flush is one round trip. The lock is taken before any row
+	// is numbered (each joined row needs the lock's), as liveWrite's is.
+	rows, err := s.db.QueryContext(ctx, `WITH live_lock AS MATERIALIZED (
+			SELECT pg_advisory_xact_lock($7), set_config('synchronous_commit', 'off', true), pg_notify($8, ''))
+		UPDATE host_live SET report = w.report, usage = COALESCE(w.usage, host_live.usage),
+			rev = nextval('host_live_rev'), expires_at = `+dbNow+` + $5
+		FROM unnest($1::text[], $2::bigint[], $3::bytea[], $4::bytea[]) AS w(host_id, conn, report, usage), live_lock
+		WHERE host_live.host_id = w.host_id AND host_live.replica = $6 AND host_live.conn = w.conn AND host_live.connected
+		RETURNING host_live.host_id`, ids, conns, reports, usages, ttl.Nanoseconds(), s.replica, liveLock, LiveChannel)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	written := make(map[string]bool, len(reps))
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
 		}
-		return nil
-	})
-	return lost, err
+		written[id] = true
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	for _, id := range ids {
+		if !written[id] {
+			lost = append(lost, id)
+		}
+	}
+	return lost, nil
 }
 
 // WriteLiveImageCache keeps the image cache listing hostID sent on its

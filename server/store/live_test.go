@@ -80,3 +80,44 @@ func TestAClaimOnAnUnknownHostIsNotFound(t *testing.T) {
 	_, err := a.ClaimHost(context.Background(), "h-gone", "agent-1", nil, time.Minute)
 	assert.ErrorIs(t, err, ErrNotFound)
 }
+
+// One flush carries several hosts: each is written or named lost on its
+// own, and a host without a new usage sample keeps the one it had.
+func TestOneLiveWriteCarriesSeveralHostsEachOnItsOwnTerms(t *testing.T) {
+	a, b := replicas(t)
+	ctx := context.Background()
+	fixture(t, a)
+	const ttl = time.Minute
+	c1, err := a.ClaimHost(ctx, "h1", "agent-1", nil, ttl)
+	require.NoError(t, err)
+	c2, err := a.ClaimHost(ctx, "h2", "agent-2", nil, ttl)
+	require.NoError(t, err)
+	lost, err := a.WriteLive(ctx, []LiveReport{
+		{HostID: "h1", Conn: c1, Report: []byte("r1"), Usage: []byte("u1")},
+		{HostID: "h2", Conn: c2, Report: []byte("r2"), Usage: []byte("u2")},
+	}, ttl)
+	require.NoError(t, err)
+	assert.Empty(t, lost)
+
+	// h2 moves to b; a's next flush still lands h1's report, keeps h1's
+	// usage (none came) and names h2 lost.
+	_, err = b.ClaimHost(ctx, "h2", "agent-2", nil, ttl)
+	require.NoError(t, err)
+	lost, err = a.WriteLive(ctx, []LiveReport{
+		{HostID: "h1", Conn: c1, Report: []byte("r1b")},
+		{HostID: "h2", Conn: c2, Report: []byte("stale"), Usage: []byte("stale")},
+	}, ttl)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"h2"}, lost)
+	rows, err := b.LiveAll(ctx)
+	require.NoError(t, err)
+	got := map[string]HostLive{}
+	for _, r := range rows {
+		got[r.HostID] = r
+	}
+	assert.Equal(t, []byte("r1b"), got["h1"].Report)
+	assert.Equal(t, []byte("u1"), got["h1"].Usage, "a flush without a sample keeps the last one")
+	assert.Equal(t, b.Replica(), got["h2"].Replica)
+	assert.Nil(t, got["h2"].Report, "the stale stream's report did not land")
+	assert.Nil(t, got["h2"].Usage)
+}
