@@ -33,7 +33,7 @@ const (
 	renewEvery = claimTTL / 3
 	// liveFlush is how often the reports of hosts held here are shared: a
 	// watcher on another replica sees narration this much later at most.
-	liveFlush = 50 * time.Millisecond
+	liveFlush = 15 * time.Millisecond
 	// followPoll catches up even when no notification arrives.
 	followPoll = time.Second
 	// changesKept is how long the change feed is kept; a follower that has
@@ -195,8 +195,7 @@ func (f *Fleet) shareLive(ctx context.Context) {
 	r := &f.replicas
 	renew := time.NewTicker(renewEvery)
 	defer renew.Stop()
-	pace := time.NewTicker(liveFlush)
-	defer pace.Stop()
+	var last time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -208,12 +207,19 @@ func (f *Fleet) shareLive(ctx context.Context) {
 			continue
 		case <-r.flush:
 		}
-		// At most one write per liveFlush, carrying every host's newest.
-		select {
-		case <-ctx.Done():
-			return
-		case <-pace.C:
+		// At most one write per liveFlush, carrying every host's newest: the
+		// first after a quiet spell goes at once, later ones wait out the
+		// interval.
+		if wait := liveFlush - time.Since(last); wait > 0 {
+			t := time.NewTimer(wait)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return
+			case <-t.C:
+			}
 		}
+		last = time.Now()
 		r.mu.Lock()
 		dirty, usage := r.dirty, r.usage
 		r.dirty, r.usage = nil, nil
