@@ -6,6 +6,9 @@
 #                    same bytes from /dev/shm: the hash limit, one core's
 #                    sha256 with no network or disk at all
 #   qcow2 -> raw     imagecache DecodeQcow2   vs  qemu-img convert -O raw
+# and, beside the download rounds, what the machine does with no hashing at
+# all (curl to /dev/null, curl to a file): the floors the download shares
+# two cores with.
 # over a loopback HTTP server. Row ratios are ours / theirs in time: below 1
 # is faster. The summary says the download's speed as a fraction of the
 # hash limit's and of curl + openssl's (above 1 is faster), the numbers the
@@ -78,6 +81,10 @@ theirs_fetch() {
 	rm -f "$work/curl.raw"
 	curl -sf -o "$work/curl.raw" "$url" && openssl dgst -sha256 -r "$work/curl.raw" | grep -q "^$sha "
 }
+# The machine's floors with no hashing at all: the loopback download alone,
+# and the download written to a file (curl's own write, no fsync).
+net_floor() { curl -sf -o /dev/null "$url"; }
+write_floor() { rm -f "$work/floor.raw"; curl -sf -o "$work/floor.raw" "$url"; }
 hash_limit() { openssl dgst -sha256 -r "$shm/disk.raw" | grep -q "^$sha "; }
 ours_decode() { rm -f "$work/out.raw"; "$work/icbench" decode -in "$1" -out "$work/out.raw"; }
 theirs_decode() { rm -f "$work/qemu.raw"; qemu-img convert -f qcow2 -O raw "$1" "$work/qemu.raw"; }
@@ -99,16 +106,19 @@ done
 for _ in $(seq "$RUNS"); do
 	o=$(once ours_fetch); t=$(once theirs_fetch); h=$(once hash_limit); b=0
 	if [[ -n ${BASE_ICBENCH:-} ]]; then b=$(once ours_fetch "$BASE_ICBENCH"); fi
-	echo "$o $t $h $b" >>"$work/rounds"
+	n=$(once net_floor); w=$(once write_floor)
+	echo "$o $t $h $b $n $w" >>"$work/rounds"
 done
 col() { awk -v c="$1" '{print $c}' "$work/rounds" | sort -g | head -1; }
 o=$(col 1); t=$(col 2); h=$(col 3)
 row "download+sha256" "$o" "$t"
 row "  vs sha256 in memory" "$o" "$h"
 median() { sort -g | awk '{v[NR]=$1} END{print (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2)}'; }
-awk -v mib="$SIZE_MIB" '{printf "  round: ours %6.0f  curl+openssl %6.0f  sha256 %6.0f MiB/s%s\n", mib/$1, mib/$2, mib/$3, ($4>0 ? sprintf("  base %6.0f", mib/$4) : "")}' "$work/rounds"
+awk -v mib="$SIZE_MIB" '{printf "  round: ours %6.0f  curl+openssl %6.0f  sha256 %6.0f  curl>/dev/null %6.0f  curl>file %6.0f MiB/s%s\n", mib/$1, mib/$2, mib/$3, mib/$5, mib/$6, ($4>0 ? sprintf("  base %6.0f", mib/$4) : "")}' "$work/rounds"
 echo "download speed (median of rounds): $(awk '{print $3/$1}' "$work/rounds" | median | xargs printf %.2f)x the sha256 limit," \
 	"$(awk '{print $2/$1}' "$work/rounds" | median | xargs printf %.2f)x curl + openssl"
+echo "no hashing at all, as a fraction of the sha256 limit (median of rounds): the download alone $(awk '{print $3/$5}' "$work/rounds" | median | xargs printf %.2f)x," \
+	"the download written to a file $(awk '{print $3/$6}' "$work/rounds" | median | xargs printf %.2f)x"
 if [[ -n ${BASE_ICBENCH:-} ]]; then
 	echo "  and $(awk '{print $4/$1}' "$work/rounds" | median | xargs printf %.2f)x the base ($BASE_ICBENCH)"
 fi
