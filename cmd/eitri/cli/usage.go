@@ -373,6 +373,11 @@ func (c *client) top(ctx context.Context, req *eitriv1.WatchUsageRequest, once b
 	}
 }
 
+// statsLine lays out vm stats by fixed widths, not a tabwriter: lines go
+// out as samples arrive, so no later line can widen a column. The widths
+// hold the widest figure each column prints ("1023.9 KiB/s / 1023.9 KiB/s").
+const statsLine = "%-8s  %7s  %10s  %-27s  %s\n"
+
 // vmStats prints one line per sample of one VM: the window, then each new
 // one.
 func (c *client) vmStats(ctx context.Context, id string, noFollow bool) error {
@@ -388,7 +393,7 @@ func (c *client) vmStats(ctx context.Context, id string, noFollow bool) error {
 			p[0] = nil
 		}
 		r := vmRatesOf(p)
-		fmt.Fprintf(c.out, "%s\t%s\t%s\t%s\t%s\n", u.GetAt().AsTime().Local().Format(time.TimeOnly), pct(r.cpu, r.cpuOK),
+		fmt.Fprintf(c.out, statsLine, u.GetAt().AsTime().Local().Format(time.TimeOnly), pct(r.cpu, r.cpuOK),
 			sizeOf(r.rss), pairPerSec(r.diskR, r.diskW, r.diskOK), pairPerSec(r.netRx, r.netTx, r.netOK))
 		last = u
 	}
@@ -401,7 +406,7 @@ func (c *client) vmStats(ctx context.Context, id string, noFollow bool) error {
 			}
 			_, _ = c.out.Write(b)
 		} else if w := m.GetWindow(); w != nil {
-			fmt.Fprintln(c.out, "TIME\tCPU\tMEMORY\tDISK R/W\tNET IN/OUT")
+			fmt.Fprintf(c.out, statsLine, "TIME", "CPU", "MEMORY", "DISK R/W", "NET IN/OUT")
 			for _, u := range w.GetVms() {
 				line(u)
 			}
