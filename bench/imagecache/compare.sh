@@ -58,9 +58,14 @@ for _ in $(seq 50); do [[ -s $work/url ]] && break; sleep 0.1; done
 url="$(cat "$work/url")/disk.raw"
 
 now() { date +%s.%N; }
-# once CMD...: wall time of one run, in seconds.
+# once CMD...: wall time of one run, in seconds. What earlier downloads wrote
+# is removed and the page cache flushed first, outside the timing: a contender
+# that fsyncs (ours) would otherwise also wait for the writeback and the
+# freeing of files the one before it left.
 once() {
 	local s e
+	rm -rf "$work/cache" "$work/curl.raw" "$work/floor.raw"
+	sync
 	s=$(now)
 	"$@" >/dev/null
 	e=$(now)
@@ -76,15 +81,14 @@ best() {
 	echo "$b"
 }
 
-ours_fetch() { rm -rf "$work/cache"; "${1:-$work/icbench}" fetch -dir "$work/cache" -url "$url" -sha "$sha"; }
+ours_fetch() { "${1:-$work/icbench}" fetch -dir "$work/cache" -url "$url" -sha "$sha"; }
 theirs_fetch() {
-	rm -f "$work/curl.raw"
 	curl -sf -o "$work/curl.raw" "$url" && openssl dgst -sha256 -r "$work/curl.raw" | grep -q "^$sha "
 }
 # The machine's floors with no hashing at all: the loopback download alone,
 # and the download written to a file (curl's own write, no fsync).
 net_floor() { curl -sf -o /dev/null "$url"; }
-write_floor() { rm -f "$work/floor.raw"; curl -sf -o "$work/floor.raw" "$url"; }
+write_floor() { curl -sf -o "$work/floor.raw" "$url"; }
 hash_limit() { openssl dgst -sha256 -r "$shm/disk.raw" | grep -q "^$sha "; }
 ours_decode() { rm -f "$work/out.raw"; "$work/icbench" decode -in "$1" -out "$work/out.raw"; }
 theirs_decode() { rm -f "$work/qemu.raw"; qemu-img convert -f qcow2 -O raw "$1" "$work/qemu.raw"; }
