@@ -58,20 +58,21 @@ for _ in $(seq 50); do [[ -s $work/url ]] && break; sleep 0.1; done
 url="$(cat "$work/url")/disk.raw"
 
 now() { date +%s.%N; }
-# once CMD...: wall time of one run, in seconds. What earlier downloads wrote
-# is removed and the page cache flushed first, outside the timing: a contender
-# that fsyncs (ours) would otherwise also wait for the writeback and the
-# freeing of files the one before it left.
+# once OUT CMD...: wall time of one run, in seconds. OUT, what the run
+# writes, is removed and the page cache flushed first, outside the timing: a
+# contender that fsyncs (ours) would otherwise also wait for the writeback
+# and the freeing of files the one before it left.
 once() {
 	local s e
-	rm -rf "$work/cache" "$work/curl.raw" "$work/floor.raw"
+	rm -rf "$1"
+	shift
 	sync
 	s=$(now)
 	"$@" >/dev/null
 	e=$(now)
 	awk -v s="$s" -v e="$e" 'BEGIN{printf "%.3f", e-s}'
 }
-# best CMD...: fastest wall time of RUNS runs, in seconds.
+# best OUT CMD...: fastest wall time of RUNS runs, in seconds.
 best() {
 	local b= t
 	for _ in $(seq "$RUNS"); do
@@ -90,8 +91,8 @@ theirs_fetch() {
 net_floor() { curl -sf -o /dev/null "$url"; }
 write_floor() { curl -sf -o "$work/floor.raw" "$url"; }
 hash_limit() { openssl dgst -sha256 -r "$shm/disk.raw" | grep -q "^$sha "; }
-ours_decode() { rm -f "$work/out.raw"; "$work/icbench" decode -in "$1" -out "$work/out.raw"; }
-theirs_decode() { rm -f "$work/qemu.raw"; qemu-img convert -f qcow2 -O raw "$1" "$work/qemu.raw"; }
+ours_decode() { "$work/icbench" decode -in "$1" -out "$work/out.raw"; }
+theirs_decode() { qemu-img convert -f qcow2 -O raw "$1" "$work/qemu.raw"; }
 
 row() { # name ours theirs
 	awk -v n="$1" -v o="$2" -v t="$3" -v mib="$SIZE_MIB" 'BEGIN{
@@ -108,9 +109,9 @@ done
 # median over rounds of each round's ratio, beside each one's best time.
 : >"$work/rounds"
 for _ in $(seq "$RUNS"); do
-	o=$(once ours_fetch); t=$(once theirs_fetch); h=$(once hash_limit); b=0
-	if [[ -n ${BASE_ICBENCH:-} ]]; then b=$(once ours_fetch "$BASE_ICBENCH"); fi
-	n=$(once net_floor); w=$(once write_floor)
+	o=$(once "$work/cache" ours_fetch); t=$(once "$work/curl.raw" theirs_fetch); h=$(once "" hash_limit); b=0
+	if [[ -n ${BASE_ICBENCH:-} ]]; then b=$(once "$work/cache" ours_fetch "$BASE_ICBENCH"); fi
+	n=$(once "" net_floor); w=$(once "$work/floor.raw" write_floor)
 	echo "$o $t $h $b $n $w" >>"$work/rounds"
 done
 col() { awk -v c="$1" '{print $c}' "$work/rounds" | sort -g | head -1; }
@@ -127,7 +128,7 @@ if [[ -n ${BASE_ICBENCH:-} ]]; then
 	echo "  and $(awk '{print $4/$1}' "$work/rounds" | median | xargs printf %.2f)x the base ($BASE_ICBENCH)"
 fi
 for f in plain zlib zstd; do
-	o=$(best ours_decode "$work/$f.qcow2"); t=$(best theirs_decode "$work/$f.qcow2")
+	o=$(best "$work/out.raw" ours_decode "$work/$f.qcow2"); t=$(best "$work/qemu.raw" theirs_decode "$work/$f.qcow2")
 	cmp -s "$work/out.raw" "$work/qemu.raw" || { echo "decode of $f.qcow2 differs from qemu-img" >&2; exit 1; }
 	row "qcow2 $f -> raw" "$o" "$t"
 done
