@@ -128,7 +128,10 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 	// A checkpoint's fsync runs beside the writer, which goes on past it:
 	// the record says only that the bytes up to the mark are on disk, and
 	// those written after it are synced too, or are cut off on a resume.
-	// One at a time: a checkpoint waits for the one before.
+	// One at a time, and never waited for: a mark that comes while the last
+	// checkpoint is still syncing is held (a newer one replaces it) and
+	// starts once that sync ends. Waiting instead stalled the writer for the
+	// length of a sync at every mark, and with it the whole pipeline.
 	var syncing chan error
 	synced := func() error {
 		if syncing == nil {
@@ -138,12 +141,46 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 		syncing = nil
 		return err
 	}
+	// idle reports whether no checkpoint is syncing, collecting the result
+	// of one that has ended.
+	idle := func() (bool, error) {
+		if syncing == nil {
+			return true, nil
+		}
+		select {
+		case err := <-syncing:
+			syncing = nil
+			return true, err
+		default:
+			return false, nil
+		}
+	}
+	var held *chunk // the latest mark not yet checkpointed
+	var heldN int64 // p.n just after held was written
 	fail := func(err error) error {
 		p.broken = true
 		close(stop)
 		abort()
 		synced()
 		return &localError{err}
+	}
+	checkpoint := func() error {
+		<-held.hashed // the hasher is never stopped while the writer runs
+		if held.stateErr != nil {
+			return held.stateErr
+		}
+		// Extended here, not beside the writer: a truncate racing a
+		// write past it would cut that write off.
+		if err := p.extend(); err != nil {
+			return err
+		}
+		rec, n, state := p.rec, heldN, held.state
+		held = nil
+		done := make(chan error, 1)
+		syncing = done
+		go func() { done <- p.record(rec, n, state) }()
+		p.unsynced = p.n - n
+		return nil
 	}
 	for c := range toWrite {
 		if c.n > 0 {
@@ -155,23 +192,18 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 			}
 		}
 		if c.mark {
-			<-c.hashed // the hasher is never stopped while the writer runs
-			if c.stateErr != nil {
-				return fail(c.stateErr)
-			}
-			if err := synced(); err != nil {
+			held, heldN = c, p.n
+		}
+		if held != nil {
+			ok, err := idle()
+			if err != nil {
 				return fail(err)
 			}
-			// Extended here, not beside the writer: a truncate racing a
-			// write past it would cut that write off.
-			if err := p.extend(); err != nil {
-				return fail(err)
+			if ok {
+				if err := checkpoint(); err != nil {
+					return fail(err)
+				}
 			}
-			rec, n, state := p.rec, p.n, c.state
-			done := make(chan error, 1)
-			syncing = done
-			go func() { done <- p.record(rec, n, state) }()
-			p.unsynced = 0
 		}
 		release(c)
 		if c.err != nil {

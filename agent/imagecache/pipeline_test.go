@@ -13,6 +13,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -236,4 +238,52 @@ func TestPumpCheckpointFailureEndsTheDownload(t *testing.T) {
 	assert.ErrorContains(t, err, "input/output error")
 	_, err = os.Stat(c.resumePath(p.sha))
 	assert.ErrorIs(t, err, os.ErrNotExist, "nothing was recorded")
+}
+
+// closeAtWriter closes reached once n bytes have passed it.
+type closeAtWriter struct {
+	n, at   int64
+	reached chan struct{}
+}
+
+func (w *closeAtWriter) Write(p []byte) (int, error) {
+	w.n += int64(len(p))
+	if w.n >= w.at && w.n-int64(len(p)) < w.at {
+		close(w.reached)
+	}
+	return len(p), nil
+}
+
+// A checkpoint's sync never holds up the writer: marks that come while it
+// runs wait for it (the latest one is kept), and the bytes go on to disk.
+// Here the first checkpoint's sync cannot end before every byte has been
+// written, which a writer that waited for it at the next mark never does.
+func TestPumpWritesOnWhileACheckpointSyncs(t *testing.T) {
+	body := testImage(8 << 20)
+	progress := &closeAtWriter{at: int64(len(body)), reached: make(chan struct{})}
+	var waited atomic.Bool
+	var first sync.Once
+	orig := fsync
+	fsync = func(f *os.File) error {
+		if strings.HasSuffix(f.Name(), ".download.part") {
+			first.Do(func() {
+				select {
+				case <-progress.reached:
+				case <-time.After(10 * time.Second):
+					waited.Store(true)
+				}
+			})
+		}
+		return orig(f)
+	}
+	t.Cleanup(func() { fsync = orig })
+
+	c, p := openTestPartial(t, digest(body))
+	p.every = 1 << 20 // a mark every MiB: several come during the first sync
+	require.NoError(t, p.pump(choppy(body, io.EOF), func() {}, progress))
+	assert.False(t, waited.Load(), "the writer stopped at a mark until the sync before it ended")
+	assert.Equal(t, int64(len(body)), progress.n)
+	assert.Equal(t, digest(body), p.sum())
+	rec := requireRecordTrue(t, c, p.sha, body)
+	assert.GreaterOrEqual(t, rec.Synced, int64(1<<20), "the first mark was recorded")
 }
