@@ -17,8 +17,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// checkpointEvery is how many downloaded bytes may pass between syncs of a
-// partial download and its record: what a power loss can cost a resume.
+// checkpointEvery is how many downloaded bytes pass between checkpoints (a
+// sync of the partial download and its record), unless a sync outlasts
+// them: the next starts when it ends. What a power loss can cost a resume
+// is this plus what arrives during one sync.
 const checkpointEvery = 64 << 20
 
 // writebackEvery is how many written bytes may wait in the page cache before
