@@ -82,6 +82,7 @@ type config struct {
 	bin                  string
 	hosts, vms, watchers int
 	every, dur, drain    time.Duration
+	warmup               time.Duration
 	verbose, floor       bool
 	// replicas on db ("sqlite" or "postgres"); compare measures one
 	// replica on SQLite first, with the same load.
@@ -103,6 +104,7 @@ func main() {
 	flag.IntVar(&c.watchers, "watchers", 1000, "watch streams (a quarter each: WatchVMs Connect/gRPC, WatchExposures Connect/gRPC)")
 	flag.DurationVar(&c.every, "every", 2*time.Second, "how often each agent's narration moves (one changed report)")
 	flag.DurationVar(&c.dur, "for", 20*time.Second, "how long to measure")
+	flag.DurationVar(&c.warmup, "warmup", 5*time.Second, "how long the agents narrate before the window opens; changes sent before it are not measured")
 	flag.DurationVar(&c.drain, "drain", 10*time.Second, "how long after the last change to wait for the latest state to arrive")
 	flag.BoolVar(&c.verbose, "v", false, "show the server's output")
 	flag.BoolVar(&c.floor, "floor", true, "then measure the floor server (bare net/http HTTP/2 + TLS, same pacing) with the same load and watchers")
@@ -520,6 +522,16 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 		}
 		return out
 	}
+	// The window opens once the load has run for a while: it measures the
+	// steady state, not the first seconds after the setup's thousands of
+	// creates and watch snapshots.
+	select {
+	case <-ctx.Done():
+		ncancel()
+		nwg.Wait()
+		return result{}, ctx.Err()
+	case <-time.After(c.warmup):
+	}
 	var db0, db1 dbStats
 	if t.pg != nil {
 		db0 = t.pg.stats(ctx)
@@ -534,6 +546,7 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 	selfWait0 := runWait(os.Getpid())
 	r0, n0 := reports.Load(), tr.n.Load()
 	from := time.Now()
+	tr.from.Store(from.UnixNano())
 	time.Sleep(c.dur)
 	ncancel()
 	nwg.Wait()
@@ -638,12 +651,7 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 	for _, q := range quarters {
 		slices.Sort(q)
 	}
-	changes := int64(0)
-	tr.mu.Lock()
-	for _, m := range tr.at {
-		changes += int64(len(m))
-	}
-	tr.mu.Unlock()
+	changes := n1 - n0
 	res := result{
 		rate: float64(r1-r0) / window.Seconds(), p50: pct(lat, 50), p99: pct(lat, 99),
 		crossP50: pct(cross, 50), crossP99: pct(cross, 99), crossN: len(cross),

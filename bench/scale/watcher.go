@@ -25,6 +25,9 @@ type tracks struct {
 	kind   map[string]string // object → "vms" or "exposures"
 	home   map[string]int    // object → the replica its agent reports to
 	n      atomic.Int64      // changes sent so far
+	// from is when the window opened (unix ns): changes sent before it
+	// are delivered and tracked, but not measured.
+	from atomic.Int64
 }
 
 func newTracks() *tracks {
@@ -98,7 +101,7 @@ func (w *watcher) saw(t *tracks, obj string, seq uint64, now time.Time) {
 		return
 	}
 	w.seen[obj] = seq
-	if at, home, ok := t.when(obj, seq); ok {
+	if at, home, ok := t.when(obj, seq); ok && at.UnixNano() >= t.from.Load() {
 		d := now.Sub(at)
 		w.lat = append(w.lat, d)
 		if home != w.replica {
