@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -31,7 +32,9 @@ type tracks struct {
 }
 
 func newTracks() *tracks {
-	return &tracks{at: map[string]map[uint64]time.Time{}, latest: map[string]uint64{}, kind: map[string]string{}, home: map[string]int{}}
+	t := &tracks{at: map[string]map[uint64]time.Time{}, latest: map[string]uint64{}, kind: map[string]string{}, home: map[string]int{}}
+	t.from.Store(math.MaxInt64) // nothing is measured until the window opens
+	return t
 }
 
 // sent records that change seq of obj left an agent connected to replica
