@@ -104,7 +104,7 @@ func main() {
 	flag.IntVar(&c.watchers, "watchers", 1000, "watch streams (a quarter each: WatchVMs Connect/gRPC, WatchExposures Connect/gRPC)")
 	flag.DurationVar(&c.every, "every", 2*time.Second, "how often each agent's narration moves (one changed report)")
 	flag.DurationVar(&c.dur, "for", 20*time.Second, "how long to measure")
-	flag.DurationVar(&c.warmup, "warmup", 5*time.Second, "how long the agents narrate before the window opens; changes sent before it are not measured")
+	flag.DurationVar(&c.warmup, "warmup", 20*time.Second, "how long the agents narrate before the window opens; changes sent before it are not measured")
 	flag.DurationVar(&c.drain, "drain", 10*time.Second, "how long after the last change to wait for the latest state to arrive")
 	flag.BoolVar(&c.verbose, "v", false, "show the server's output")
 	flag.BoolVar(&c.floor, "floor", true, "then measure the floor server (bare net/http HTTP/2 + TLS, same pacing) with the same load and watchers")
