@@ -133,27 +133,23 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 	// starts once that sync ends. Waiting instead stalled the writer for the
 	// length of a sync at every mark, and with it the whole pipeline.
 	var syncing chan error
-	synced := func() error {
-		if syncing == nil {
-			return nil
-		}
-		err := <-syncing
-		syncing = nil
-		return err
-	}
-	// idle reports whether no checkpoint is syncing, collecting the result
-	// of one that has ended.
-	idle := func() (bool, error) {
+	// settle collects the running checkpoint's result, waiting for it if
+	// wait; without wait, done is false while it still runs.
+	settle := func(wait bool) (done bool, err error) {
 		if syncing == nil {
 			return true, nil
 		}
-		select {
-		case err := <-syncing:
-			syncing = nil
-			return true, err
-		default:
-			return false, nil
+		if wait {
+			err = <-syncing
+		} else {
+			select {
+			case err = <-syncing:
+			default:
+				return false, nil
+			}
 		}
+		syncing = nil
+		return true, err
 	}
 	var held *chunk // the latest mark not yet checkpointed
 	var heldN int64 // p.n just after held was written
@@ -161,7 +157,7 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 		p.broken = true
 		close(stop)
 		abort()
-		synced()
+		settle(true)
 		return &localError{err}
 	}
 	checkpoint := func() error {
@@ -195,7 +191,7 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 			held, heldN = c, p.n
 		}
 		if held != nil {
-			ok, err := idle()
+			ok, err := settle(false)
 			if err != nil {
 				return fail(err)
 			}
@@ -207,7 +203,7 @@ func (p *partial) pump(body io.Reader, abort func(), progress io.Writer) error {
 		}
 		release(c)
 		if c.err != nil {
-			if err := synced(); err != nil {
+			if _, err := settle(true); err != nil {
 				return fail(err)
 			}
 			if err := p.extend(); err != nil {
