@@ -657,7 +657,7 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 		crossP50: pct(cross, 50), crossP99: pct(cross, 99), crossN: len(cross),
 		delivered: 100 * float64(got) / float64(max(pairs, 1)), crossDelivered: 100 * float64(crossGot) / float64(max(crossPairs, 1)),
 		pgCPU:     (pg1 - pg0).Seconds() / window.Seconds(),
-		perChange: float64((cpu + pg1 - pg0).Microseconds()) / float64(max(n1-n0, 1)),
+		perChange: float64((cpu + pg1 - pg0).Microseconds()) / float64(max(changes, 1)),
 		load:      loadavg(),
 	}
 	for i := range after {
@@ -720,7 +720,7 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 		} else {
 			fmt.Printf("  PostgreSQL CPU          none (SQLite, in the control plane's process)\n")
 		}
-		fmt.Printf("  CPU per change          %.1f µs (control plane + database CPU / %d changes made in the window)\n", res.perChange, n1-n0)
+		fmt.Printf("  CPU per change          %.1f µs (control plane + database CPU / %d changes made in the window)\n", res.perChange, changes)
 		for i, s := range srvs {
 			if n := warn1[i] - warn0[i]; n > 0 {
 				_, kinds := s.warnings()
