@@ -190,7 +190,7 @@ func Run(ctx context.Context, cfg Config) error {
 	hc := syncclient.HTTPClient(id)
 	capacity := hostCapacity(cfg.DataDir)
 	eng, err := reconcile.New(reconcile.Config{
-		Hyper: hv, Images: images.Resolve, Seed: hv.WriteSeed, St: st,
+		Hyper: hv, Images: images.Resolve, ImageCached: cache.Holds, Seed: hv.WriteSeed, St: st,
 		VMTimeout: cfg.VMTimeout, MaxConcurrentCreates: cfg.MaxCreates, Log: log,
 		MaxCreateAttempts: cfg.CreateAttempts, RetryBackoff: cfg.RetryBackoff,
 		// Guests' host keys are certified before their seed is written.

@@ -2,6 +2,7 @@ package imagecache
 
 import (
 	"context"
+	"os"
 	"slices"
 	"strings"
 	"time"
@@ -82,4 +83,22 @@ func (c *Cache) noteChangeLocked() {
 	case c.changed <- struct{}{}:
 	default:
 	}
+}
+
+// Holds says whether the image with this digest is in the cache now, so an
+// Ensure for it would be a hit. It is a look, not a promise: the image may
+// be evicted, or found torn, before the Ensure; that Ensure downloads it
+// and reports its progress as any other.
+func (c *Cache) Holds(sha256 string) bool {
+	if !validDigest(sha256) {
+		return false
+	}
+	c.mu.Lock()
+	_, downloading := c.flights[sha256]
+	c.mu.Unlock()
+	if downloading {
+		return false
+	}
+	fi, err := os.Stat(c.Path(sha256))
+	return err == nil && fi.Mode().IsRegular()
 }

@@ -142,3 +142,30 @@ func TestChangedSignalsWhatAReportWouldShow(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, drain(), "a prune that removed nothing")
 }
+
+// Holds is what the engine asks before a create's image step says what it
+// does: true only for a finished image, never while it is being fetched,
+// and false again once it is gone.
+func TestHoldsOnlyAFinishedImage(t *testing.T) {
+	body := testImage(256 << 10)
+	sum := digest(body)
+	ts, open, _ := gatedServer(t, body)
+	c := loopbackCache(t.TempDir())
+
+	assert.False(t, c.Holds(sum), "nothing fetched yet")
+	assert.False(t, c.Holds("../../etc/passwd"), "not a digest")
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Ensure(context.Background(), ts.URL, sum, nil)
+		done <- err
+	}()
+	require.Eventually(t, func() bool { return waiters(c, sum) == 1 }, 5*time.Second, time.Millisecond)
+	assert.False(t, c.Holds(sum), "a download under way is not held")
+	close(open)
+	require.NoError(t, <-done)
+	assert.True(t, c.Holds(sum))
+
+	_, err := c.Prune(context.Background(), func(string) bool { return false })
+	require.NoError(t, err)
+	assert.False(t, c.Holds(sum), "pruned")
+}

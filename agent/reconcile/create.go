@@ -38,8 +38,8 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 		if s.when != nil && !s.when(c) {
 			continue
 		}
-		if s.says != "" {
-			c.say(s.says + c.takeNote())
+		if says := s.word(c); says != "" {
+			c.say(says + c.takeNote())
 		}
 		if err := s.run(c); err != nil {
 			return c.fail(err)
@@ -51,12 +51,25 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 // createStep is one step of a create: its name (for people and tests), the
 // word a VM's row says while it runs ("" says nothing new: the steps before
 // the create slot are quick, and a create they refuse should not look
-// started), and, when it does not always run, when it does.
+// started), what it says instead when this create's case is known to be
+// another (instead returns "" when it is not), and, when it does not always
+// run, when it does.
 type createStep struct {
-	name string
-	says string
-	when func(*createRun) bool
-	run  func(*createRun) error
+	name    string
+	says    string
+	instead func(*createRun) string
+	when    func(*createRun) bool
+	run     func(*createRun) error
+}
+
+// word is what s says as it begins for c.
+func (s createStep) word(c *createRun) string {
+	if s.instead != nil {
+		if w := s.instead(c); w != "" {
+			return w
+		}
+	}
+	return s.says
 }
 
 // createRun is one create attempt, shared by its steps: the record they

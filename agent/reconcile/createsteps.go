@@ -21,7 +21,7 @@ var createSteps = []createStep{
 	// has no room for fails now, with the numbers, not after its download.
 	{name: "admission", run: (*createRun).admission},
 	{name: "create slot", says: sayWaitingForSlot, run: (*createRun).createSlot},
-	{name: "image", says: sayDownloading, run: (*createRun).image},
+	{name: "image", says: sayDownloading, instead: (*createRun).cachedImage, run: (*createRun).image},
 	{name: "root disk", says: sayPreparingDisk, run: (*createRun).rootDisk},
 	{name: "certify", says: sayCertifying, when: (*createRun).uncertified, run: (*createRun).certify},
 	{name: "seed", says: sayBuildingSeed, run: (*createRun).seed},
@@ -90,6 +90,17 @@ func (c *createRun) image() error {
 	}
 	c.base, c.releaseImage = base, release
 	return c.ctx.Err()
+}
+
+// cachedImage is the image step's word when the cache already holds the
+// image: nothing will be downloaded, so "downloading image" would be untrue.
+// Should the image go before the step runs, the download's own progress
+// says so at once.
+func (c *createRun) cachedImage() string {
+	if c.e.cfg.ImageCached != nil && c.e.cfg.ImageCached(c.rec.Spec.ImageSHA256) {
+		return sayCachedImage
+	}
+	return ""
 }
 
 // rootDisk builds the VM's root disk on the image.

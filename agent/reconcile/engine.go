@@ -116,6 +116,11 @@ type Config struct {
 	Seed   Seeder
 	St     *state.Store
 
+	// ImageCached says whether Images already holds an image (by digest),
+	// so a create whose image is cached says so instead of "downloading
+	// image". nil: every create's image step says it downloads.
+	ImageCached func(sha256 string) bool
+
 	// VMTimeout bounds one pass; 0 means passes are unbounded.
 	VMTimeout time.Duration
 	// MaxConcurrentCreates caps creates in flight on this host (default 2).

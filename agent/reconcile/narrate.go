@@ -14,6 +14,7 @@ import (
 const (
 	sayWaitingForSlot = "waiting for a create slot on this host"
 	sayDownloading    = "downloading image"
+	sayCachedImage    = "using the cached image"
 	sayPreparingDisk  = "preparing root disk"
 	sayCertifying     = "certifying the SSH host key"
 	sayUncertified    = "SSH host key not certified, the guest boots without a host certificate: "

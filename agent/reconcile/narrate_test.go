@@ -73,6 +73,40 @@ func TestCreateStepsRunInOrderEachSayingItsWord(t *testing.T) {
 	}, got)
 }
 
+// A create whose image the cache already holds downloads nothing, so its
+// row says so; should the image go before the step runs, the download's
+// own count follows at once.
+func TestCreateOfACachedImageSaysItUsesIt(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		evicted  bool
+		expected []string
+	}{
+		{"held", false, []string{"waiting for a create slot on this host", "using the cached image",
+			"preparing root disk", "building the cloud-init seed", "booting"}},
+		{"gone before the step ran", true, []string{"waiting for a create slot on this host", "using the cached image",
+			"downloading image 1.0/4.0 MiB", "preparing root disk", "building the cloud-init seed", "booting"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var asked []string
+			f := setup(t, func(c *Config) {
+				c.ImageCached = func(sha string) bool { asked = append(asked, sha); return true }
+				c.Images = unpinned(func(_ context.Context, _, sha string, progress func(done, total int64)) (string, error) {
+					if tc.evicted {
+						progress(1<<20, 4<<20)
+					}
+					return "/cache/" + sha + ".raw", nil
+				})
+			})
+			d := vm("vm1")
+			rows, out := narrate(t, f, context.Background(), d)
+			assert.Equal(t, tc.expected, details(rows))
+			assert.Equal(t, []string{d.GetImageSha256()}, asked, "asked once, of the VM's own image")
+			assert.Equal(t, "ready", out.row.GetPhase())
+		})
+	}
+}
+
 // A record the store cannot keep is the store's fault: the attempt ends at
 // the host key step, before anything is done or said for the VM, and spends
 // none of its budget.
