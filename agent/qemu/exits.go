@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -166,11 +167,42 @@ func reap(pid int) string {
 }
 
 // reapDaemonizeParents reaps the middle processes of -daemonize's double
-// fork that the subreaper inherits as zombies. They are found as zombie
-// QEMU children of this process that lead their own session, which nothing
-// else here starts: the QEMU os/exec waits for leads no session, and a
-// guest's QEMU belongs to the session its middle process made.
-func reapDaemonizeParents() {
+// fork that the subreaper inherits as zombies, and returns their pids: each
+// is the session of the QEMU it forked. They are found as zombie QEMU
+// children of this process that lead their own session, which nothing else
+// here starts: the QEMU os/exec waits for leads no session, and a guest's
+// QEMU belongs to the session its middle process made.
+func reapDaemonizeParents() (sessions []int) {
+	self := os.Getpid()
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		st, ok := readStat(pid)
+		if ok && st.state == 'Z' && st.ppid == self && st.session == pid && strings.HasPrefix(st.comm, "qemu-system") {
+			reap(pid)
+			sessions = append(sessions, pid)
+		}
+	}
+	return sessions
+}
+
+// reapFailedStart ends what a failed start of VM id left in the sessions
+// its -daemonize made: the daemonized QEMU, if it died (a KVM abort at
+// start) or is dying, is reaped, and one that still runs as this VM is
+// killed first. Nothing else would ever wait for it: it was never watched,
+// so without this it stays a zombie for the agent's life. A QEMU of another
+// VM that happens to share the sessions (launched at the same moment) is
+// left alone while it runs.
+func (b *Backend) reapFailedStart(id string, sessions []int) {
+	if len(sessions) == 0 {
+		return
+	}
 	self := os.Getpid()
 	ents, err := os.ReadDir("/proc")
 	if err != nil {
@@ -182,9 +214,19 @@ func reapDaemonizeParents() {
 			continue
 		}
 		st, ok := readStat(pid)
-		if ok && st.state == 'Z' && st.ppid == self && st.session == pid && strings.HasPrefix(st.comm, "qemu-system") {
-			reap(pid)
+		if !ok || st.ppid != self || !strings.HasPrefix(st.comm, "qemu-system") || !slices.Contains(sessions, st.session) {
+			continue
 		}
+		if st.state != 'Z' && b.isOurs(pid, id) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			// Reapable only once it has let go of its command line.
+			for deadline := time.Now().Add(10 * time.Second); b.isOurs(pid, id) && time.Now().Before(deadline); {
+				time.Sleep(5 * time.Millisecond)
+			}
+		} else if cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline"); st.state != 'Z' && len(cmdline) > 0 {
+			continue // another VM's, running
+		}
+		reap(pid)
 	}
 }
 

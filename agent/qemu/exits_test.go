@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/a73x/eitri/agent/hosttest"
+	"github.com/a73x/eitri/agent/qemu/qemutest"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -128,4 +129,29 @@ func TestTheLastBootsSerialLogIsKeptAndBounded(t *testing.T) {
 	require.NoError(t, b.Kill(ctx, vm.ID))
 	require.NoError(t, b.Start(ctx, vm))
 	assert.Equal(t, "Kernel panic - not syncing: Attempted to kill init!", b.PreviousSerialTail(vm.ID, 1))
+}
+
+// A QEMU that daemonizes and then fails to set up the machine (KVM's MSR
+// abort on some hosts; here a device whose drive does not exist) dies as
+// this process's child and was never watched: the failed start reaps it,
+// and leaves no QEMU of it running.
+func TestAStartThatFailsAfterDaemonizingLeavesNoZombie(t *testing.T) {
+	hosttest.NeedQEMU(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	bin, calls := qemutest.Wrap(t, `[ -n "$vm" ] && set -- "$@" -device virtio-blk-pci,drive=nosuchdrive`)
+	b, err := New(Config{Dir: t.TempDir(), Log: hosttest.Logger(t), Binary: bin, Accel: AccelTCG})
+	require.NoError(t, err)
+	vm := blankVM(t, b, "vm-dies")
+	t.Cleanup(func() { _ = b.Destroy(context.Background(), vm.ID) })
+
+	err = b.Start(ctx, vm)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "nosuchdrive", "the start failed where the test made it fail")
+	data, rerr := os.ReadFile(calls)
+	require.NoError(t, rerr)
+	require.Contains(t, string(data), "-daemonize", "precondition: the failing QEMU daemonized")
+	assert.Empty(t, zombieQEMUChildren(t))
+	_, ok := b.PID(vm.ID)
+	assert.False(t, ok)
 }

@@ -120,16 +120,18 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 	// against a child that keeps our pipe open anyway.
 	cmd.WaitDelay = 5 * time.Second
 	out, err := cmd.CombinedOutput()
-	reapDaemonizeParents()
+	sessions := reapDaemonizeParents()
 	// QEMU has opened the pipe, or never will: reading it now ends at once
 	// when it is gone.
 	b.runSerial(vm.ID, capture)
 	if err != nil {
+		b.reapFailedStart(vm.ID, sessions)
 		text := strings.TrimSpace(string(out) + "\n" + b.qemuLog(vm.ID))
 		return kvmFault(text, fmt.Errorf("qemu: start vm %s: %w: %s", vm.ID, err, text))
 	}
 	pid, ok := b.alive(vm.ID)
 	if !ok {
+		b.reapFailedStart(vm.ID, sessions)
 		b.settleSerial(vm.ID)
 		logText, serial := b.qemuLog(vm.ID), b.SerialTail(vm.ID, 20)
 		return kvmFault(logText+"\n"+serial,
@@ -138,7 +140,8 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 	st, err := b.status(ctx, vm.ID)
 	if err != nil {
 		// Half-started is worse than not started: the caller retries Start.
-		_ = syscall.Kill(pid, syscall.SIGKILL)
+		_ = b.killLocked(ctx, vm.ID, pid)
+		reap(pid) // never watched, so killLocked left it
 		return fmt.Errorf("qemu: vm %s started but QMP does not answer: %w", vm.ID, err)
 	}
 	if kvm && st.Status == statusInternalError {
@@ -146,6 +149,7 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 		if err := b.killLocked(ctx, vm.ID, pid); err != nil {
 			return err
 		}
+		reap(pid) // never watched, so killLocked left it
 		return &kvmStartFault{cause: cause, err: fmt.Errorf("qemu: vm %s stopped at start: %s", vm.ID, cause)}
 	}
 	b.watch(vm.ID, pid)
