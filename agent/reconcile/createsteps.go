@@ -97,10 +97,15 @@ func (c *createRun) image() error {
 // Should the image go before the step runs, the download's own progress
 // says so at once.
 func (c *createRun) cachedImage() string {
-	if c.e.cfg.ImageCached != nil && c.e.cfg.ImageCached(c.rec.Spec.ImageSHA256) {
+	if c.e.imageCached(c.rec.Spec.ImageSHA256) {
 		return sayCachedImage
 	}
 	return ""
+}
+
+// imageCached says whether the cache holds the image now (Config.ImageCached).
+func (e *Engine) imageCached(sha string) bool {
+	return e.cfg.ImageCached != nil && e.cfg.ImageCached(sha)
 }
 
 // rootDisk builds the VM's root disk on the image.

@@ -106,3 +106,28 @@ func TestAFailedPullSaysWhy(t *testing.T) {
 	assert.False(t, r.GetHeld())
 	assert.Empty(t, r.GetStatusDetail())
 }
+
+// A pull of an image the cache already holds downloads nothing, and its
+// row says so until the image is held.
+func TestAPullOfACachedImageSaysItUsesIt(t *testing.T) {
+	gate := make(chan struct{})
+	f := setup(t, func(c *Config) {
+		c.ImageCached = func(string) bool { return true }
+		c.Images = func(ctx context.Context, _, sha string, _ func(done, total int64)) (string, func(), error) {
+			select {
+			case <-gate:
+			case <-ctx.Done():
+				return "", nil, ctx.Err()
+			}
+			return "/cache/" + sha + ".raw", func() {}, nil
+		}
+	})
+	sha := strings.Repeat("cd", 32)
+	require.True(t, f.eng.Apply(&eitriv1.DesiredStateSnapshot{Generation: 1, Images: []*eitriv1.ImageWanted{{Url: "http://images.test/d.raw", Sha256: sha}}}))
+	require.Eventually(t, func() bool { return imageRow(f.eng.Report(), sha).GetStatusDetail() != "" }, 5*time.Second, time.Millisecond)
+	r := imageRow(f.eng.Report(), sha)
+	assert.Equal(t, "using the cached image", r.GetStatusDetail())
+	assert.Nil(t, r.GetProgress(), "nothing to count")
+	close(gate)
+	require.Eventually(t, func() bool { return imageRow(f.eng.Report(), sha).GetHeld() }, 5*time.Second, time.Millisecond)
+}
