@@ -345,7 +345,23 @@ func (f *fleetRun) serveImage(t *testing.T) {
 	ln, err := net.Listen("tcp", cpIP+":0")
 	require.NoError(t, err)
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		http.ServeContent(w, r, "guest.raw", time.Time{}, bytes.NewReader(data))
+		if r.Header.Get("Range") != "" {
+			http.ServeContent(w, r, "guest.raw", time.Time{}, bytes.NewReader(data))
+			return
+		}
+		// Paced (about 0.4 s for the test guest): a download on loopback
+		// is over in milliseconds, so a watcher on another replica, which
+		// hears the latest state, could miss the step the tests require
+		// it to see.
+		w.Header().Set("Content-Length", strconv.Itoa(len(data)))
+		const chunk = 4 << 20
+		for off := 0; off < len(data); off += chunk {
+			if _, err := w.Write(data[off:min(off+chunk, len(data))]); err != nil {
+				return
+			}
+			w.(http.Flusher).Flush()
+			time.Sleep(100 * time.Millisecond)
+		}
 	})}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { srv.Close() })

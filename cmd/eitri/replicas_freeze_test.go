@@ -97,11 +97,19 @@ func TestAFrozenReplicaComesBackWithoutActingForHostsItLost(t *testing.T) {
 		return out
 	}
 	require.NoError(t, a.cmd.Process.Signal(syscall.SIGCONT))
+	resumed := time.Now()
 
 	// Resumed, a serves again, shows the host connected (through b), and a
-	// change made through it reaches the agent on b.
-	require.Eventually(t, func() bool { return connectedOn(hostsA) }, 20*time.Second, 100*time.Millisecond,
-		"the resumed a shows the host b holds")
+	// change made through it reaches the agent on b. Until a has read what
+	// b wrote, it still shows its own dead stream from before the freeze
+	// (seen last before it): a create through it could then find the host
+	// gone or not yet reported.
+	require.Eventually(t, func() bool {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		h, err := hostsA.GetHost(ctx, connect.NewRequest(&eitriv1.GetHostRequest{Id: id.HostID}))
+		return err == nil && h.Msg.Host.Connected && h.Msg.Host.Capacity != nil && h.Msg.Host.LastSeenAt.AsTime().After(resumed)
+	}, 20*time.Second, 100*time.Millisecond, "the resumed a shows the host b holds, as b last heard it")
 	vm, err := vmsA.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{Name: "after-freeze", HostId: id.HostID,
 		ImageUrl: "http://images.test/g.raw", ImageSha256: strings.Repeat("ab", 32), Vcpus: 1, MemMb: 256, DiskGb: 1}))
 	require.NoError(t, err)
