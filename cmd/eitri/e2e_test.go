@@ -67,23 +67,27 @@ func slowImage(t *testing.T, path string) (url, sum string) {
 	}
 	s := sha256.Sum256(data)
 	mux := http.NewServeMux()
-	mux.HandleFunc("/guest.raw", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Length", strconv.Itoa(len(data)))
-		const chunk = 4 << 20
-		for off := 0; off < len(data); off += chunk {
-			if _, err := w.Write(data[off:min(off+chunk, len(data))]); err != nil {
-				return
-			}
-			w.(http.Flusher).Flush()
-			time.Sleep(100 * time.Millisecond)
-		}
-	})
+	mux.HandleFunc("/guest.raw", func(w http.ResponseWriter, r *http.Request) { servePaced(w, data) })
 	srv := &http.Server{Handler: mux}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { srv.Close() })
 	return "http://" + ln.Addr().String() + "/guest.raw", hex.EncodeToString(s[:])
+}
+
+// servePaced writes data with its length declared, 4 MiB every 100 ms:
+// slow enough that a download's progress is seen, whoever watches.
+func servePaced(w http.ResponseWriter, data []byte) {
+	w.Header().Set("Content-Length", strconv.Itoa(len(data)))
+	const chunk = 4 << 20
+	for off := 0; off < len(data); off += chunk {
+		if _, err := w.Write(data[off:min(off+chunk, len(data))]); err != nil {
+			return
+		}
+		w.(http.Flusher).Flush()
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 type devInstance struct {

@@ -353,15 +353,7 @@ func (f *fleetRun) serveImage(t *testing.T) {
 		// is over in milliseconds, so a watcher on another replica, which
 		// hears the latest state, could miss the step the tests require
 		// it to see.
-		w.Header().Set("Content-Length", strconv.Itoa(len(data)))
-		const chunk = 4 << 20
-		for off := 0; off < len(data); off += chunk {
-			if _, err := w.Write(data[off:min(off+chunk, len(data))]); err != nil {
-				return
-			}
-			w.(http.Flusher).Flush()
-			time.Sleep(100 * time.Millisecond)
-		}
+		servePaced(w, data)
 	})}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { srv.Close() })
