@@ -293,6 +293,13 @@ func runUpgrade(t *testing.T, base string) {
 
 	t.Run("each host narrated its upgrade and says it is done", func(t *testing.T) {
 		for _, h := range []string{"a", "b"} {
+			// The rollout is done once each host has reconnected as build B;
+			// the host says it is done once it has also applied a snapshot,
+			// a moment later, in its next report.
+			waitUntil(t, 30*time.Second, "host-"+h+" says its upgrade is done", func() (bool, string) {
+				x, _ := u.hosts.get(hostIDs[h])
+				return x.GetUpgrade().GetStep() == "done", x.GetUpgrade().GetStep() + ": " + x.GetUpgrade().GetDetail()
+			})
 			seen := strings.Join(said.of(hostIDs[h]), " | ")
 			t.Logf("host-%s said: %s", h, seen)
 			assert.Contains(t, seen, "reconnected as "+versionB)
