@@ -93,12 +93,8 @@ func (c *Cache) Holds(sha256 string) bool {
 	if !validDigest(sha256) {
 		return false
 	}
-	c.mu.Lock()
-	_, downloading := c.flights[sha256]
-	c.mu.Unlock()
-	if downloading {
-		return false
-	}
+	// A download lands there only once whole and verified (place), and a
+	// torn image is removed before it is fetched again.
 	fi, err := os.Stat(c.Path(sha256))
 	return err == nil && fi.Mode().IsRegular()
 }

@@ -51,23 +51,20 @@ func (e *Engine) create(ctx context.Context, d *eitriv1.VMDesired, rec state.Rec
 // createStep is one step of a create: its name (for people and tests), the
 // word a VM's row says while it runs ("" says nothing new: the steps before
 // the create slot are quick, and a create they refuse should not look
-// started), what it says instead when this create's case is known to be
-// another (instead returns "" when it is not), and, when it does not always
-// run, when it does.
+// started), sayFor when that word depends on the create (then says is the
+// usual one), and, when it does not always run, when it does.
 type createStep struct {
-	name    string
-	says    string
-	instead func(*createRun) string
-	when    func(*createRun) bool
-	run     func(*createRun) error
+	name   string
+	says   string
+	sayFor func(*createRun) string
+	when   func(*createRun) bool
+	run    func(*createRun) error
 }
 
 // word is what s says as it begins for c.
 func (s createStep) word(c *createRun) string {
-	if s.instead != nil {
-		if w := s.instead(c); w != "" {
-			return w
-		}
+	if s.sayFor != nil {
+		return s.sayFor(c)
 	}
 	return s.says
 }

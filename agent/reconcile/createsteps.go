@@ -21,7 +21,7 @@ var createSteps = []createStep{
 	// has no room for fails now, with the numbers, not after its download.
 	{name: "admission", run: (*createRun).admission},
 	{name: "create slot", says: sayWaitingForSlot, run: (*createRun).createSlot},
-	{name: "image", says: sayDownloading, instead: (*createRun).cachedImage, run: (*createRun).image},
+	{name: "image", says: sayDownloading, sayFor: func(c *createRun) string { return c.e.imageWord(c.rec.Spec.ImageSHA256) }, run: (*createRun).image},
 	{name: "root disk", says: sayPreparingDisk, run: (*createRun).rootDisk},
 	{name: "certify", says: sayCertifying, when: (*createRun).uncertified, run: (*createRun).certify},
 	{name: "seed", says: sayBuildingSeed, run: (*createRun).seed},
@@ -92,20 +92,14 @@ func (c *createRun) image() error {
 	return c.ctx.Err()
 }
 
-// cachedImage is the image step's word when the cache already holds the
-// image: nothing will be downloaded, so "downloading image" would be untrue.
-// Should the image go before the step runs, the download's own progress
-// says so at once.
-func (c *createRun) cachedImage() string {
-	if c.e.imageCached(c.rec.Spec.ImageSHA256) {
+// imageWord is what fetching an image says as it begins: a cached image is
+// only checked, not downloaded. Should the image go before it is fetched,
+// the download's own progress says so at once.
+func (e *Engine) imageWord(sha string) string {
+	if e.cfg.ImageCached != nil && e.cfg.ImageCached(sha) {
 		return sayCachedImage
 	}
-	return ""
-}
-
-// imageCached says whether the cache holds the image now (Config.ImageCached).
-func (e *Engine) imageCached(sha string) bool {
-	return e.cfg.ImageCached != nil && e.cfg.ImageCached(sha)
+	return sayDownloading
 }
 
 // rootDisk builds the VM's root disk on the image.

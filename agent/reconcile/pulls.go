@@ -77,11 +77,7 @@ func (e *Engine) applyPullsLocked(wanted []*eitriv1.ImageWanted) {
 // a failure after pullRetry.
 func (e *Engine) runPull(ctx context.Context, p *pull, url, sha string) {
 	for {
-		// A held image is only checked, not downloaded: say which.
-		word := sayDownloading
-		if e.imageCached(sha) {
-			word = sayCachedImage
-		}
+		word := e.imageWord(sha)
 		p.set(func(r *eitriv1.ImageHeld) { r.StatusDetail, r.Progress = word, nil })
 		e.notify()
 		_, release, err := e.cfg.Images(ctx, url, sha, func(done, total int64) {
