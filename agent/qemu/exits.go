@@ -1,6 +1,7 @@
 package qemu
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -166,6 +167,27 @@ func reap(pid int) string {
 	return ""
 }
 
+// qemuChildren lists this process's QEMU children (the subreaper inherits
+// every daemonized QEMU and its middle process), with their stat.
+func qemuChildren() map[int]procStat {
+	self := os.Getpid()
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	out := map[int]procStat{}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if st, ok := readStat(pid); ok && st.ppid == self && strings.HasPrefix(st.comm, "qemu-system") {
+			out[pid] = st
+		}
+	}
+	return out
+}
+
 // reapDaemonizeParents reaps the middle processes of -daemonize's double
 // fork that the subreaper inherits as zombies, and returns their pids: each
 // is the session of the QEMU it forked. They are found as zombie QEMU
@@ -173,18 +195,8 @@ func reap(pid int) string {
 // here starts: the QEMU os/exec waits for leads no session, and a guest's
 // QEMU belongs to the session its middle process made.
 func reapDaemonizeParents() (sessions []int) {
-	self := os.Getpid()
-	ents, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		st, ok := readStat(pid)
-		if ok && st.state == 'Z' && st.ppid == self && st.session == pid && strings.HasPrefix(st.comm, "qemu-system") {
+	for pid, st := range qemuChildren() {
+		if st.state == 'Z' && st.session == pid {
 			reap(pid)
 			sessions = append(sessions, pid)
 		}
@@ -199,35 +211,33 @@ func reapDaemonizeParents() (sessions []int) {
 // so without this it stays a zombie for the agent's life. A QEMU of another
 // VM that happens to share the sessions (launched at the same moment) is
 // left alone while it runs.
-func (b *Backend) reapFailedStart(id string, sessions []int) {
+func (b *Backend) reapFailedStart(ctx context.Context, id string, sessions []int) {
 	if len(sessions) == 0 {
 		return
 	}
-	self := os.Getpid()
-	ents, err := os.ReadDir("/proc")
-	if err != nil {
-		return
-	}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		st, ok := readStat(pid)
-		if !ok || st.ppid != self || !strings.HasPrefix(st.comm, "qemu-system") || !slices.Contains(sessions, st.session) {
+	for pid, st := range qemuChildren() {
+		if !slices.Contains(sessions, st.session) {
 			continue
 		}
 		if st.state != 'Z' && b.isOurs(pid, id) {
-			_ = syscall.Kill(pid, syscall.SIGKILL)
-			// Reapable only once it has let go of its command line.
-			for deadline := time.Now().Add(10 * time.Second); b.isOurs(pid, id) && time.Now().Before(deadline); {
-				time.Sleep(5 * time.Millisecond)
-			}
-		} else if cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline"); st.state != 'Z' && len(cmdline) > 0 {
+			_ = b.killUnwatched(ctx, id, pid)
+			continue
+		}
+		if cmdline, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline"); st.state != 'Z' && len(cmdline) > 0 {
 			continue // another VM's, running
 		}
 		reap(pid)
 	}
+}
+
+// killUnwatched kills a QEMU this Backend started but never watched (its
+// start failed) and reaps it: no Exited will ever ask for its status. The
+// kill goes on when ctx has ended (a cancelled start), so nothing of it is
+// left running.
+func (b *Backend) killUnwatched(ctx context.Context, id string, pid int) error {
+	err := b.killLocked(context.WithoutCancel(ctx), id, pid)
+	reap(pid)
+	return err
 }
 
 type procStat struct {

@@ -5,7 +5,6 @@ import (
 	"context"
 	"os"
 	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -20,15 +19,9 @@ import (
 // zombieQEMUChildren lists this process's zombie QEMU children.
 func zombieQEMUChildren(t *testing.T) []int {
 	t.Helper()
-	ents, err := os.ReadDir("/proc")
-	require.NoError(t, err)
 	var out []int
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if st, ok := readStat(pid); ok && st.state == 'Z' && st.ppid == os.Getpid() && strings.HasPrefix(st.comm, "qemu-system") {
+	for pid, st := range qemuChildren() {
+		if st.state == 'Z' {
 			t.Logf("zombie %d: %+v", pid, st)
 			out = append(out, pid)
 		}

@@ -125,13 +125,13 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 	// when it is gone.
 	b.runSerial(vm.ID, capture)
 	if err != nil {
-		b.reapFailedStart(vm.ID, sessions)
+		b.reapFailedStart(ctx, vm.ID, sessions)
 		text := strings.TrimSpace(string(out) + "\n" + b.qemuLog(vm.ID))
 		return kvmFault(text, fmt.Errorf("qemu: start vm %s: %w: %s", vm.ID, err, text))
 	}
 	pid, ok := b.alive(vm.ID)
 	if !ok {
-		b.reapFailedStart(vm.ID, sessions)
+		b.reapFailedStart(ctx, vm.ID, sessions)
 		b.settleSerial(vm.ID)
 		logText, serial := b.qemuLog(vm.ID), b.SerialTail(vm.ID, 20)
 		return kvmFault(logText+"\n"+serial,
@@ -140,16 +140,14 @@ func (b *Backend) launch(ctx context.Context, bin string, vm VM, accel Accel, ro
 	st, err := b.status(ctx, vm.ID)
 	if err != nil {
 		// Half-started is worse than not started: the caller retries Start.
-		_ = b.killLocked(ctx, vm.ID, pid)
-		reap(pid) // never watched, so killLocked left it
+		_ = b.killUnwatched(ctx, vm.ID, pid)
 		return fmt.Errorf("qemu: vm %s started but QMP does not answer: %w", vm.ID, err)
 	}
 	if kvm && st.Status == statusInternalError {
 		cause := b.internalErrorCause(vm.ID)
-		if err := b.killLocked(ctx, vm.ID, pid); err != nil {
+		if err := b.killUnwatched(ctx, vm.ID, pid); err != nil {
 			return err
 		}
-		reap(pid) // never watched, so killLocked left it
 		return &kvmStartFault{cause: cause, err: fmt.Errorf("qemu: vm %s stopped at start: %s", vm.ID, cause)}
 	}
 	b.watch(vm.ID, pid)
