@@ -66,12 +66,16 @@ func TestAFrozenReplicaComesBackWithoutActingForHostsItLost(t *testing.T) {
 	agentCtx, stopAgent := context.WithCancel(ctx)
 	defer stopAgent()
 	startAgentStream(agentCtx, quickAgent(id, src, "agent-1"))
-	connectedOn := func(c eitriv1connect.HostServiceClient) bool {
+	hostOn := func(c eitriv1connect.HostServiceClient) *eitriv1.Host {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		h, err := c.GetHost(ctx, connect.NewRequest(&eitriv1.GetHostRequest{Id: id.HostID}))
-		return err == nil && h.Msg.Host.Connected
+		if err != nil {
+			return nil
+		}
+		return h.Msg.Host
 	}
+	connectedOn := func(c eitriv1connect.HostServiceClient) bool { return hostOn(c).GetConnected() }
 	require.Eventually(t, func() bool { return connectedOn(hostsB) && src.last() != nil }, 20*time.Second, 50*time.Millisecond,
 		"the agent is on a, and b shows it")
 	connectsB := func() int { return strings.Count(b.logSince(0), "host connected") }
@@ -105,10 +109,8 @@ func TestAFrozenReplicaComesBackWithoutActingForHostsItLost(t *testing.T) {
 	// (seen last before it): a create through it could then find the host
 	// gone or not yet reported.
 	require.Eventually(t, func() bool {
-		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		defer cancel()
-		h, err := hostsA.GetHost(ctx, connect.NewRequest(&eitriv1.GetHostRequest{Id: id.HostID}))
-		return err == nil && h.Msg.Host.Connected && h.Msg.Host.Capacity != nil && h.Msg.Host.LastSeenAt.AsTime().After(resumed)
+		h := hostOn(hostsA)
+		return h.GetConnected() && h.GetCapacity() != nil && h.GetLastSeenAt().AsTime().After(resumed)
 	}, 20*time.Second, 100*time.Millisecond, "the resumed a shows the host b holds, as b last heard it")
 	vm, err := vmsA.CreateVM(ctx, connect.NewRequest(&eitriv1.CreateVMRequest{Name: "after-freeze", HostId: id.HostID,
 		ImageUrl: "http://images.test/g.raw", ImageSha256: strings.Repeat("ab", 32), Vcpus: 1, MemMb: 256, DiskGb: 1}))
