@@ -109,6 +109,11 @@ func openSQLite(ctx context.Context, path string) (*Store, error) {
 	// transaction can never fail midway on a lock upgrade.
 	q.Set("_txlock", "immediate")
 
+	unlock, err := lockOpening(ctx, path)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	db, err := sql.Open("sqlite", path+"?"+q.Encode())
 	if err != nil {
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
