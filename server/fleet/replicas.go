@@ -497,9 +497,19 @@ func (fl *follower) followLive(ctx context.Context) {
 	}
 }
 
+// mirrorRow makes this replica's registry show a host whose stream another
+// replica holds, as that replica last wrote it.
 func (fl *follower) mirrorRow(ctx context.Context, row store.HostLive) {
 	f := fl.f
 	now := f.now()
+	var rep *eitriv1.ActualStateReport
+	if row.Report != nil {
+		rep = &eitriv1.ActualStateReport{}
+		if err := proto.Unmarshal(row.Report, rep); err != nil {
+			f.log.Warn("another replica's host report does not decode", "host", row.HostID, "err", err)
+			return
+		}
+	}
 	r := &f.replicas
 	r.mu.Lock()
 	m, ok := r.mirrors[row.HostID]
@@ -512,22 +522,26 @@ func (fl *follower) mirrorRow(ctx context.Context, row store.HostLive) {
 		}
 		var d registry.Diff
 		m.remote = row.Conn
-		m.local, d = f.reg.Connect(row.HostID, hello, now)
+		// The new stream and its report land together, so no request here
+		// finds the host connected but without capacity in between.
+		if rep != nil {
+			m.local, d = f.reg.ConnectReporting(row.HostID, hello, rep, now)
+		} else {
+			m.local, d = f.reg.Connect(row.HostID, hello, now)
+		}
 		if r.mirrors == nil {
 			r.mirrors = map[string]mirror{}
 		}
 		r.mirrors[row.HostID] = m
 		r.mu.Unlock()
 		f.publishDiff(ctx, row.HostID, d)
-	} else {
-		r.mu.Unlock()
-	}
-	if row.Report == nil {
+		if rep != nil {
+			fl.takeUsage(ctx, row)
+		}
 		return
 	}
-	rep := &eitriv1.ActualStateReport{}
-	if err := proto.Unmarshal(row.Report, rep); err != nil {
-		f.log.Warn("another replica's host report does not decode", "host", row.HostID, "err", err)
+	r.mu.Unlock()
+	if rep == nil {
 		return
 	}
 	if d, ok := f.reg.Apply(row.HostID, m.local, rep, now); ok {

@@ -109,6 +109,43 @@ func everything(l *Live) Diff {
 // returns which objects changed. ok is false when conn is not the host's
 // current stream.
 func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateReport, now time.Time) (Diff, bool) {
+	vms, exps := index(rep)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	l, ok := r.hosts[hostID]
+	if !ok || l.conn != conn {
+		return Diff{}, false
+	}
+	nl, d := applied(l, rep, vms, exps, now)
+	r.hosts[hostID] = nl
+	return d, true
+}
+
+// ConnectReporting is Connect and then Apply of rep, in one step: a stream
+// that arrives with its report already known (another replica's, mirrored
+// here) is never seen connected without it, so no caller in between is told
+// the host "has not reported its capacity yet".
+func (r *Registry) ConnectReporting(hostID string, hello *eitriv1.Hello, rep *eitriv1.ActualStateReport, now time.Time) (uint64, Diff) {
+	vms, exps := index(rep)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.seq++
+	var gone Diff
+	if old, ok := r.hosts[hostID]; ok {
+		gone = everything(old)
+	}
+	nl, d := applied(&Live{HostID: hostID, Hello: hello, ConnectedAt: now, LastSeen: now, conn: r.seq}, rep, vms, exps, now)
+	r.hosts[hostID] = nl
+	d.VMs = union(gone.VMs, d.VMs)
+	d.Durable = union(gone.Durable, d.Durable)
+	d.Exposures = union(gone.Exposures, d.Exposures)
+	d.Images = d.Images || gone.Images
+	d.Host = true
+	return r.seq, d
+}
+
+// index maps a report's VMs and exposures by id, outside the lock.
+func index(rep *eitriv1.ActualStateReport) (map[string]*eitriv1.ActualVM, map[string]*eitriv1.ExposureActual) {
 	vms := make(map[string]*eitriv1.ActualVM, len(rep.GetVms()))
 	for _, v := range rep.GetVms() {
 		vms[v.GetVmId()] = v
@@ -117,13 +154,11 @@ func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateRep
 	for _, e := range rep.GetExposures() {
 		exps[e.GetId()] = e
 	}
+	return vms, exps
+}
 
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	l, ok := r.hosts[hostID]
-	if !ok || l.conn != conn {
-		return Diff{}, false
-	}
+// applied returns l with rep as its report, and what that changed.
+func applied(l *Live, rep *eitriv1.ActualStateReport, vms map[string]*eitriv1.ActualVM, exps map[string]*eitriv1.ExposureActual, now time.Time) (*Live, Diff) {
 	var d Diff
 	d.VMs = changed(l.vms, vms)
 	for _, id := range d.VMs {
@@ -154,8 +189,18 @@ func (r *Registry) Apply(hostID string, conn uint64, rep *eitriv1.ActualStateRep
 	case nl.RefusedSince.IsZero():
 		nl.RefusedSince = now
 	}
-	r.hosts[hostID] = &nl
-	return d, true
+	return &nl, d
+}
+
+// union is a and b with each id once.
+func union(a, b []string) []string {
+	out := slices.Clone(a)
+	for _, id := range b {
+		if !slices.Contains(a, id) {
+			out = append(out, id)
+		}
+	}
+	return out
 }
 
 // sameDurable says whether two rows for one VM agree on everything the

@@ -138,3 +138,73 @@ func TestImageRowsThatMoveAreNewsAndAHostLeavingTakesThemAway(t *testing.T) {
 	require.True(t, ok)
 	assert.True(t, d.Images, "the images it held are no longer said to be held")
 }
+
+// A mirrored stream replaces the host's old one and brings its report in
+// the same step: the diff names what left with the old stream and what the
+// new report holds, and a reader never finds the host without a report.
+func TestAStreamThatArrivesWithItsReportIsNeverSeenWithoutIt(t *testing.T) {
+	r := New()
+	now := time.Now()
+	old, _ := r.Connect("h1", &eitriv1.Hello{HostId: "h1"}, now)
+	r.Apply("h1", old, &eitriv1.ActualStateReport{
+		Vms:       []*eitriv1.ActualVM{{VmId: "a", Phase: "ready"}, {VmId: "gone", Phase: "ready"}},
+		Exposures: []*eitriv1.ExposureActual{{Id: "e-old", State: "active"}},
+	}, now)
+
+	stop := make(chan struct{})
+	bare := make(chan int, 1)
+	go func() {
+		n := 0
+		for {
+			select {
+			case <-stop:
+				bare <- n
+				return
+			default:
+			}
+			if l, ok := r.Host("h1"); ok && l.Report == nil {
+				n++
+			}
+		}
+	}()
+	var conn uint64
+	var d Diff
+	for range 2000 {
+		conn, d = r.ConnectReporting("h1", &eitriv1.Hello{HostId: "h1"}, &eitriv1.ActualStateReport{
+			Capacity:  &eitriv1.Capacity{},
+			Vms:       []*eitriv1.ActualVM{{VmId: "a", Phase: "ready"}, {VmId: "new", Phase: "creating"}},
+			Exposures: []*eitriv1.ExposureActual{{Id: "e-new", State: "active"}},
+		}, now)
+	}
+	close(stop)
+	assert.Zero(t, <-bare, "the host was seen connected with no report")
+
+	assert.True(t, d.Host)
+	assert.ElementsMatch(t, []string{"a", "new"}, d.VMs, "the last hand-over: what the old stream had and the new one reports")
+	assert.ElementsMatch(t, []string{"a", "new"}, d.Durable)
+	assert.ElementsMatch(t, []string{"e-new"}, d.Exposures)
+	_, ok := r.Apply("h1", old, &eitriv1.ActualStateReport{}, now)
+	assert.False(t, ok, "the replaced stream no longer applies")
+	_, ok = r.Apply("h1", conn, &eitriv1.ActualStateReport{}, now)
+	assert.True(t, ok)
+}
+
+func TestTheFirstHandOverNamesWhatTheOldStreamHeld(t *testing.T) {
+	r := New()
+	now := time.Now()
+	old, _ := r.Connect("h1", nil, now)
+	r.Apply("h1", old, &eitriv1.ActualStateReport{
+		Vms:       []*eitriv1.ActualVM{{VmId: "gone", Phase: "ready"}},
+		Exposures: []*eitriv1.ExposureActual{{Id: "e-old", State: "active"}},
+		Images:    []*eitriv1.ImageHeld{{Sha256: "aa"}},
+	}, now)
+	_, d := r.ConnectReporting("h1", nil, &eitriv1.ActualStateReport{Vms: []*eitriv1.ActualVM{{VmId: "new"}}}, now)
+	assert.ElementsMatch(t, []string{"gone", "new"}, d.VMs)
+	assert.ElementsMatch(t, []string{"gone", "new"}, d.Durable)
+	assert.ElementsMatch(t, []string{"e-old"}, d.Exposures)
+	assert.True(t, d.Images, "the old stream's images went with it")
+	assert.True(t, d.Host)
+	row, reporting := r.VM("h1", "new")
+	assert.True(t, reporting)
+	assert.Equal(t, "new", row.GetVmId())
+}
