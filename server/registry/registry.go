@@ -194,9 +194,11 @@ func applied(l *Live, rep *eitriv1.ActualStateReport, vms map[string]*eitriv1.Ac
 
 // union is a and b with each id once.
 func union(a, b []string) []string {
-	out := slices.Clone(a)
-	for _, id := range b {
-		if !slices.Contains(a, id) {
+	seen := make(map[string]bool, len(a)+len(b))
+	out := make([]string, 0, len(a)+len(b))
+	for _, id := range slices.Concat(a, b) {
+		if !seen[id] {
+			seen[id] = true
 			out = append(out, id)
 		}
 	}
