@@ -120,6 +120,8 @@ type Proxy struct {
 	// backoff sequence instead of sleeping through it. Returns false when the
 	// proxy is closing.
 	sleep func(ctx context.Context, d time.Duration) bool
+	// now is the clock that spaces out repeated warnings; a field for tests.
+	now func() time.Time
 
 	mu        sync.Mutex
 	closed    bool
@@ -156,6 +158,7 @@ func New(cfg Config) *Proxy {
 		ctx:       ctx,
 		cancel:    cancel,
 		sleep:     sleepCtx,
+		now:       time.Now,
 		exposures: make(map[string]*exposure),
 	}
 }

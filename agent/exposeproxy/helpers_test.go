@@ -71,6 +71,50 @@ func (h *logs) count(level slog.Level, substr string) int {
 	return n
 }
 
+// attr is key's value on the last record at level whose message holds
+// substr, and whether there is one.
+func (h *logs) attr(level slog.Level, substr, key string) (slog.Value, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for i := len(h.recs) - 1; i >= 0; i-- {
+		r := h.recs[i]
+		if r.Level != level || !strings.Contains(r.Message, substr) {
+			continue
+		}
+		var v slog.Value
+		found := false
+		r.Attrs(func(a slog.Attr) bool {
+			if a.Key == key {
+				v, found = a.Value, true
+				return false
+			}
+			return true
+		})
+		return v, found
+	}
+	return slog.Value{}, false
+}
+
+// clock is a settable time for the proxy's warning spacing.
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newClock() *clock { return &clock{t: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
+
+func (c *clock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *clock) advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
 type testProxy struct {
 	*Proxy
 	logs *logs

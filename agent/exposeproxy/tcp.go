@@ -29,8 +29,8 @@ const (
 func (p *Proxy) serveTCP(ex *exposure, b *binding, ln acceptor) {
 	defer p.wg.Done()
 	var (
-		capped  bool // inside a streak of refusals at the cap
-		starved bool // inside a streak of descriptor exhaustion
+		capped  streak // refusals at the cap
+		starved streak // descriptor exhaustion
 		backoff time.Duration
 	)
 	for {
@@ -44,10 +44,9 @@ func (p *Proxy) serveTCP(ex *exposure, b *binding, ln acceptor) {
 				// fail again at once: without a pause this loop burns a core
 				// exactly when the host is already in trouble.
 				backoff = min(max(2*backoff, acceptBackoffMin), acceptBackoffMax)
-				if !starved {
-					starved = true
+				if warn, unlogged := starved.begin(p.now()); warn {
 					p.log.Warn("exposure out of file descriptors, backing off accept",
-						"exposure", ex.id, "err", err)
+						"exposure", ex.id, "err", err, "unlogged_streaks", unlogged)
 				}
 				if !p.sleep(p.ctx, backoff) {
 					return
@@ -60,7 +59,8 @@ func (p *Proxy) serveTCP(ex *exposure, b *binding, ln acceptor) {
 			p.log.Warn("exposure listener failed", "exposure", ex.id, "err", err)
 			return
 		}
-		backoff, starved = 0, false
+		backoff = 0
+		starved.end()
 
 		t := ex.tgt.Load()
 		// Count first, then compare: a burst of accepts cannot all read a
@@ -70,17 +70,16 @@ func (p *Proxy) serveTCP(ex *exposure, b *binding, ln acceptor) {
 			ex.refused.Add(1)
 			p.log.Debug("exposure refused a connection at its cap",
 				"exposure", ex.id, "cap", t.max, "client", c.RemoteAddr())
-			if !capped {
-				capped = true
+			if warn, unlogged := capped.begin(p.now()); warn {
 				p.log.Warn("exposure at its connection cap, refusing callers",
-					"exposure", ex.id, "cap", t.max)
+					"exposure", ex.id, "cap", t.max, "unlogged_streaks", unlogged)
 			}
 			// Closed after the log lines, so whoever sees the close can also
 			// see why.
 			c.Close()
 			continue
 		}
-		capped = false
+		capped.end()
 		if !ex.track(c) {
 			ex.active.Add(-1)
 			c.Close()

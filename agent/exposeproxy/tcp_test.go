@@ -103,10 +103,13 @@ func TestTCPCarriesBothWays(t *testing.T) {
 
 // TestTCPCapRefusesAndWarnsOncePerStreak: callers past the cap are accepted
 // and closed, each counted, and a saturated port warns once per streak rather
-// than once per caller.
+// than once per caller, and at most once per warnEvery however often callers
+// end a streak by closing a connection.
 func TestTCPCapRefusesAndWarnsOncePerStreak(t *testing.T) {
 	port := holdingGuest(t)
 	p := newTestProxy(t, newGuests("vm1", loopback), func(c *Config) { c.MaxConns = 1 })
+	clk := newClock()
+	p.now = clk.now
 	bound := p.converge(t, tcpSpec("e1", "vm1", port))["e1"].Bound
 
 	held := dialTCP(t, bound)
@@ -121,15 +124,34 @@ func TestTCPCapRefusesAndWarnsOncePerStreak(t *testing.T) {
 	assert.Equal(t, 1, p.logs.count(slog.LevelWarn, "connection cap"), "one warning for the streak")
 	assert.Equal(t, 3, p.logs.count(slog.LevelDebug, "refused a connection"), "a debug line per refusal")
 
-	// The streak ends when a caller gets through; the next saturation warns again.
-	held.Close()
-	p.waitActive(t, "e1", 0)
-	_ = dialTCP(t, bound)
-	p.waitActive(t, "e1", 1)
-	expectClosed(t, dialTCP(t, bound))
+	// The streak ends when a caller gets through; the next saturation warns
+	// again once warnEvery has passed.
+	saturateAgain := func() {
+		t.Helper()
+		held.Close()
+		p.waitActive(t, "e1", 0)
+		held = dialTCP(t, bound)
+		p.waitActive(t, "e1", 1)
+		expectClosed(t, dialTCP(t, bound))
+	}
+	clk.advance(warnEvery)
+	saturateAgain()
 	got = p.status(t, "e1")
 	assert.Equal(t, int64(4), got.Refused, "refusals are a running total")
 	assert.Equal(t, 2, p.logs.count(slog.LevelWarn, "connection cap"))
+
+	// Streaks inside warnEvery are counted, not logged, and the next warning
+	// says how many there were.
+	saturateAgain()
+	saturateAgain()
+	assert.Equal(t, int64(6), p.status(t, "e1").Refused)
+	assert.Equal(t, 2, p.logs.count(slog.LevelWarn, "connection cap"), "a caller cannot force a warning per close")
+	clk.advance(warnEvery)
+	saturateAgain()
+	assert.Equal(t, 3, p.logs.count(slog.LevelWarn, "connection cap"))
+	v, ok := p.logs.attr(slog.LevelWarn, "connection cap", "unlogged_streaks")
+	require.True(t, ok)
+	assert.Equal(t, int64(2), v.Int64())
 }
 
 // TestTCPSpecCapOverridesDefault: a per-exposure cap beats the proxy default.
@@ -334,6 +356,9 @@ func TestAcceptBacksOffWhenOutOfDescriptors(t *testing.T) {
 	real := func() (*net.TCPConn, error) { return ln.AcceptTCP() }
 
 	p := newTestProxy(t, newGuests(), nil) // no guest address: the one real caller is dropped
+	// Each streak is warnEvery after the last, so each may warn.
+	clk := newClock()
+	p.now = func() time.Time { clk.advance(warnEvery); return clk.now() }
 	var slept []time.Duration
 	p.sleep = func(_ context.Context, d time.Duration) bool {
 		slept = append(slept, d)

@@ -48,7 +48,7 @@ func (p *Proxy) serveUDP(ex *exposure, b *binding) {
 	defer p.wg.Done()
 	r := newReader(b.prc)
 	defer r.release()
-	full := false // inside a streak of refusals at the cap
+	var full streak // refusals at the cap
 	for {
 		bt, err := r.read()
 		if err != nil {
@@ -81,7 +81,7 @@ func transientRecv(err error) bool {
 // forward sends one client's datagrams of a batch to the guest, in the order
 // they came, through the client's session, opening one if needed. Each
 // datagram is either sent or counted (refused or dropped).
-func (p *Proxy) forward(ex *exposure, b *binding, bt *batch, g *group, full *bool) {
+func (p *Proxy) forward(ex *exposure, b *binding, bt *batch, g *group, full *streak) {
 	for i := 0; i < g.n; {
 		s := b.lookup(g.from)
 		for s == nil && i < g.n {
@@ -162,7 +162,7 @@ func (b *binding) lookup(from netip.AddrPort) *session {
 // exposure's own limit and counts as refused; everything else (no guest
 // address, no socket) is the guest being unreachable and counts as dropped.
 func (p *Proxy) openSession(ex *exposure, b *binding, from netip.AddrPort,
-	name *unix.RawSockaddrInet6, namelen uint32, full *bool) *session {
+	name *unix.RawSockaddrInet6, namelen uint32, full *streak) *session {
 	t := ex.tgt.Load()
 	// Only this goroutine adds sessions, so a count taken here can only be
 	// too high (a session expiring meanwhile), never let the table overfill.
@@ -172,14 +172,13 @@ func (p *Proxy) openSession(ex *exposure, b *binding, from netip.AddrPort,
 	if n >= t.max {
 		ex.refused.Add(1)
 		p.log.Debug("exposure refused a session at its cap", "exposure", ex.id, "cap", t.max, "client", from)
-		if !*full {
-			*full = true
+		if warn, unlogged := full.begin(p.now()); warn {
 			p.log.Warn("exposure at its UDP session cap, discarding new clients",
-				"exposure", ex.id, "cap", t.max)
+				"exposure", ex.id, "cap", t.max, "unlogged_streaks", unlogged)
 		}
 		return nil
 	}
-	*full = false
+	full.end()
 
 	ip, ok := p.cfg.Resolve(t.vmID)
 	if !ok {
