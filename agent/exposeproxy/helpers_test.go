@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -95,25 +96,12 @@ func (h *logs) attr(level slog.Level, substr, key string) (slog.Value, bool) {
 	return slog.Value{}, false
 }
 
-// clock is a settable time for the proxy's warning spacing.
-type clock struct {
-	mu sync.Mutex
-	t  time.Time
-}
+// clock is a settable time for the proxy's warning spacing, read by its
+// serve loops while a test moves it.
+type clock struct{ ns atomic.Int64 }
 
-func newClock() *clock { return &clock{t: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
-
-func (c *clock) now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *clock) advance(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
+func (c *clock) now() time.Time          { return time.Unix(0, c.ns.Load()) }
+func (c *clock) advance(d time.Duration) { c.ns.Add(int64(d)) }
 
 type testProxy struct {
 	*Proxy

@@ -108,7 +108,7 @@ func TestTCPCarriesBothWays(t *testing.T) {
 func TestTCPCapRefusesAndWarnsOncePerStreak(t *testing.T) {
 	port := holdingGuest(t)
 	p := newTestProxy(t, newGuests("vm1", loopback), func(c *Config) { c.MaxConns = 1 })
-	clk := newClock()
+	clk := &clock{}
 	p.now = clk.now
 	bound := p.converge(t, tcpSpec("e1", "vm1", port))["e1"].Bound
 
@@ -357,7 +357,7 @@ func TestAcceptBacksOffWhenOutOfDescriptors(t *testing.T) {
 
 	p := newTestProxy(t, newGuests(), nil) // no guest address: the one real caller is dropped
 	// Each streak is warnEvery after the last, so each may warn.
-	clk := newClock()
+	clk := &clock{}
 	p.now = func() time.Time { clk.advance(warnEvery); return clk.now() }
 	var slept []time.Duration
 	p.sleep = func(_ context.Context, d time.Duration) bool {

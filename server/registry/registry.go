@@ -68,14 +68,21 @@ func New() *Registry { return &Registry{hosts: make(map[string]*Live)} }
 func (r *Registry) Connect(hostID string, hello *eitriv1.Hello, now time.Time) (uint64, Diff) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.seq++
-	var d Diff
-	if old, ok := r.hosts[hostID]; ok {
-		d = everything(old)
-	}
-	r.hosts[hostID] = &Live{HostID: hostID, Hello: hello, ConnectedAt: now, LastSeen: now, conn: r.seq}
+	l, d := r.replace(hostID, hello, now)
+	r.hosts[hostID] = l
 	d.Host = true
-	return r.seq, d
+	return l.conn, d
+}
+
+// replace returns a fresh stream's state for hostID under a new token, and
+// everything the stream it replaces (if any) held. r.mu must be held.
+func (r *Registry) replace(hostID string, hello *eitriv1.Hello, now time.Time) (*Live, Diff) {
+	r.seq++
+	var gone Diff
+	if old, ok := r.hosts[hostID]; ok {
+		gone = everything(old)
+	}
+	return &Live{HostID: hostID, Hello: hello, ConnectedAt: now, LastSeen: now, conn: r.seq}, gone
 }
 
 // Disconnect forgets hostID's live state if conn is still its current stream.
@@ -129,19 +136,15 @@ func (r *Registry) ConnectReporting(hostID string, hello *eitriv1.Hello, rep *ei
 	vms, exps := index(rep)
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.seq++
-	var gone Diff
-	if old, ok := r.hosts[hostID]; ok {
-		gone = everything(old)
-	}
-	nl, d := applied(&Live{HostID: hostID, Hello: hello, ConnectedAt: now, LastSeen: now, conn: r.seq}, rep, vms, exps, now)
+	fresh, gone := r.replace(hostID, hello, now)
+	nl, d := applied(fresh, rep, vms, exps, now)
 	r.hosts[hostID] = nl
 	d.VMs = union(gone.VMs, d.VMs)
 	d.Durable = union(gone.Durable, d.Durable)
 	d.Exposures = union(gone.Exposures, d.Exposures)
 	d.Images = d.Images || gone.Images
 	d.Host = true
-	return r.seq, d
+	return nl.conn, d
 }
 
 // index maps a report's VMs and exposures by id, outside the lock.
