@@ -17,13 +17,16 @@ type streak struct {
 	quiet  int       // streaks begun since then that were not
 }
 
-// begin notes that the condition holds at now. It says whether to log, and
-// if so how many streaks since the last logged one went unlogged.
-func (s *streak) begin(now time.Time) (warn bool, unlogged int) {
+// begin notes that the condition holds. It says whether to log, and if so
+// how many streaks since the last logged one went unlogged. The clock is read
+// only when a streak starts: a refusal inside one (a datagram flood at the
+// cap) costs nothing more than the check.
+func (s *streak) begin(clock func() time.Time) (warn bool, unlogged int) {
 	if s.on {
 		return false, 0
 	}
 	s.on = true
+	now := clock()
 	if !s.logged.IsZero() && now.Sub(s.logged) < warnEvery {
 		s.quiet++
 		return false, 0

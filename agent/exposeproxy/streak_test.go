@@ -44,10 +44,26 @@ func TestStreakWarnsAtMostOncePerInterval(t *testing.T) {
 					s.end()
 					continue
 				}
-				warn, unlogged := s.begin(t0.Add(st.at))
+				at := t0.Add(st.at)
+				warn, unlogged := s.begin(func() time.Time { return at })
 				assert.Equal(t, st.warn, warn, "step %d", i)
 				assert.Equal(t, st.unlogged, unlogged, "step %d", i)
 			}
 		})
 	}
+}
+
+// TestStreakReadsTheClockOnlyWhenOneStarts: every refusal inside a streak
+// calls begin, so on a datagram flood at the cap the clock must stay unread.
+func TestStreakReadsTheClockOnlyWhenOneStarts(t *testing.T) {
+	reads := 0
+	clock := func() time.Time { reads++; return time.Unix(0, 0) }
+	var s streak
+	for range 1000 {
+		s.begin(clock)
+	}
+	assert.Equal(t, 1, reads)
+	s.end()
+	s.begin(clock)
+	assert.Equal(t, 2, reads)
 }

@@ -44,7 +44,7 @@ func (p *Proxy) serveTCP(ex *exposure, b *binding, ln acceptor) {
 				// fail again at once: without a pause this loop burns a core
 				// exactly when the host is already in trouble.
 				backoff = min(max(2*backoff, acceptBackoffMin), acceptBackoffMax)
-				if warn, unlogged := starved.begin(p.now()); warn {
+				if warn, unlogged := starved.begin(p.now); warn {
 					p.log.Warn("exposure out of file descriptors, backing off accept",
 						"exposure", ex.id, "err", err, "unlogged_streaks", unlogged)
 				}
@@ -70,7 +70,7 @@ func (p *Proxy) serveTCP(ex *exposure, b *binding, ln acceptor) {
 			ex.refused.Add(1)
 			p.log.Debug("exposure refused a connection at its cap",
 				"exposure", ex.id, "cap", t.max, "client", c.RemoteAddr())
-			if warn, unlogged := capped.begin(p.now()); warn {
+			if warn, unlogged := capped.begin(p.now); warn {
 				p.log.Warn("exposure at its connection cap, refusing callers",
 					"exposure", ex.id, "cap", t.max, "unlogged_streaks", unlogged)
 			}

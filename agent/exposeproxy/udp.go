@@ -172,7 +172,7 @@ func (p *Proxy) openSession(ex *exposure, b *binding, from netip.AddrPort,
 	if n >= t.max {
 		ex.refused.Add(1)
 		p.log.Debug("exposure refused a session at its cap", "exposure", ex.id, "cap", t.max, "client", from)
-		if warn, unlogged := full.begin(p.now()); warn {
+		if warn, unlogged := full.begin(p.now); warn {
 			p.log.Warn("exposure at its UDP session cap, discarding new clients",
 				"exposure", ex.id, "cap", t.max, "unlogged_streaks", unlogged)
 		}
