@@ -191,9 +191,11 @@ func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *par
 	p.restarted = false
 
 	var pw io.Writer
+	var meter *progressWriter
 	if progress != nil {
-		pw = &progressWriter{done: p.n, marked: p.n, total: total,
+		meter = &progressWriter{done: p.n, marked: p.n, total: total,
 			step: c.progressStep, every: c.progressEvery, now: time.Now, markedAt: time.Now(), report: progress}
+		pw = meter
 	}
 	var body io.Reader = wd.reader(resp.Body)
 	if c.maxBytes > 0 {
@@ -201,6 +203,10 @@ func (c *Cache) fetchOnce(ctx context.Context, u *neturl.URL, url string, p *par
 		body = io.LimitReader(body, c.maxBytes+1-p.n)
 	}
 	err = p.pump(body, func() { cancel(nil) }, pw)
+	if err == nil && meter != nil {
+		// The body's last bytes are rarely a whole step: say where it ended.
+		meter.flush()
+	}
 	n := p.n
 	if err != nil {
 		if _, ok := errors.AsType[*localError](err); ok {
@@ -251,4 +257,13 @@ func (w *progressWriter) Write(p []byte) (int, error) {
 		w.report(w.done, w.total)
 	}
 	return len(p), nil
+}
+
+// flush reports the count if it moved since the last report: called once
+// the body has ended, so the last report says where it ended.
+func (w *progressWriter) flush() {
+	if w.done > w.marked {
+		w.marked = w.done
+		w.report(w.done, w.total)
+	}
 }

@@ -417,10 +417,12 @@ func TestEnsureProgress(t *testing.T) {
 			}
 			assert.Equal(t, report{0, wantTotal}, reports[0], "the answer is reported before any byte, total and all")
 			assert.LessOrEqual(t, len(reports), 1+4, "then at most one report per step")
+			last := len(reports) - 1
+			assert.Equal(t, int64(len(body)), reports[last].done, "the last report is where the body ended")
 			for i, r := range reports {
 				assert.Equal(t, wantTotal, r.total)
 				assert.LessOrEqual(t, r.done, int64(len(body)))
-				if i > 0 {
+				if i > 0 && i < last {
 					assert.GreaterOrEqual(t, r.done-reports[i-1].done, int64(4<<10), "reports are a step apart")
 				}
 			}
@@ -436,6 +438,65 @@ func TestProgressWriterThrottles(t *testing.T) {
 		require.NoError(t, err)
 	}
 	assert.Equal(t, []int64{100, 200, 300, 400}, calls)
+}
+
+// A body whose last bytes come after a report, and are fewer than a step,
+// still ends on a report of the whole body: the server holds them back until
+// the first half has been reported, so the download's last chunk is short.
+func TestEnsureReportsWhereTheBodyEnded(t *testing.T) {
+	const half = pipeBufSize / 2
+	body := testImage(half + 10)
+	reported := make(chan struct{})
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+		_, _ = w.Write(body[:half])
+		w.(http.Flusher).Flush()
+		select {
+		case <-reported:
+		case <-r.Context().Done():
+			return
+		}
+		_, _ = w.Write(body[half:])
+	}))
+	t.Cleanup(ts.Close)
+	c := loopbackCache(t.TempDir(), WithProgressStep(4<<10), WithProgressInterval(time.Hour))
+	var dones []int64
+	_, err := c.Ensure(context.Background(), ts.URL, digest(body), func(done, _ int64) {
+		dones = append(dones, done)
+		if done == half {
+			close(reported)
+		}
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []int64{0, half, half + 10}, dones)
+}
+
+// The body rarely ends on a step: flush says where it ended, once, and
+// says nothing when the last step already did.
+func TestProgressWriterFlushSaysWhereTheBodyEnded(t *testing.T) {
+	cases := []struct {
+		name   string
+		writes []int
+		want   []int64
+	}{
+		{"ends between steps", []int{100, 30}, []int64{100, 130}},
+		{"ends on a step", []int{100, 100}, []int64{100, 200}},
+		{"shorter than a step", []int{40}, []int64{40}},
+		{"empty", nil, nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var calls []int64
+			w := &progressWriter{total: -1, step: 100, report: func(done, _ int64) { calls = append(calls, done) }}
+			for _, n := range tc.writes {
+				_, err := w.Write(make([]byte, n))
+				require.NoError(t, err)
+			}
+			w.flush()
+			w.flush()
+			assert.Equal(t, tc.want, calls)
+		})
+	}
 }
 
 // A slow download is reported every interval even when no step has passed,
