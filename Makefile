@@ -110,3 +110,9 @@ bench-scale:
 bench-scale-replicas:
 	$(GO) build -o $(BIN) ./cmd/eitri
 	$(GO) run ./bench/scale -bin $(BIN) -compare -db postgres -replicas $${REPLICAS:-3} -hosts $${HOSTS:-200} -vms $${VMS:-20} -watchers $${WATCHERS:-300} -for $${FOR:-20s} -floor=false
+
+# issue 37: two builds' hot paths alternately in one run, with ratios:
+# make bench-compare BASE=<commit> (default HEAD, i.e. the work tree's change).
+.PHONY: bench-compare
+bench-compare:
+	BASE="$(or $(BASE),HEAD)" bench/compare/compare.sh

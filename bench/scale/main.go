@@ -90,6 +90,12 @@ type config struct {
 	db       string
 	compare  bool
 	dbprobe  bool
+	// cpuprofile: a path prefix; each replica writes its whole life's CPU
+	// profile to PREFIX-<db>-<replicas>-<n>.pprof (EITRI_CPUPROFILE).
+	cpuprofile string
+	// benchfmt: a file the results are appended to in Go's benchmark
+	// format, for benchstat (make bench-compare).
+	benchfmt string
 }
 
 // multi: the run is about databases and replicas, so each block says what
@@ -112,6 +118,8 @@ func main() {
 	flag.StringVar(&c.db, "db", "sqlite", "the control plane's database: sqlite (in its data dir) or postgres (a throwaway cluster of Debian's PostgreSQL, fsync off)")
 	flag.BoolVar(&c.compare, "compare", false, "first measure 1 replica on SQLite with the same load, then -replicas on -db, and print both side by side")
 	flag.BoolVar(&c.dbprobe, "dbprobe", false, "with PostgreSQL, also time each change from its agent to the database (host_live, polled every 10 ms)")
+	flag.StringVar(&c.cpuprofile, "cpuprofile", "", "path prefix: each replica writes a CPU profile of its whole run to PREFIX-<db>-<replicas>-<n>.pprof")
+	flag.StringVar(&c.benchfmt, "benchfmt", "", "also append each control plane's results to this file in Go's benchmark format (for benchstat)")
 	serve := flag.Bool("serve-floor", false, "(internal) be the floor server: the child process -floor starts")
 	flag.Parse()
 	switch {
@@ -238,7 +246,11 @@ func runControlPlane(ctx context.Context, c config, v variant, echo io.Writer) (
 		if err := os.Mkdir(rdir, 0o700); err != nil {
 			return result{}, err
 		}
-		s, err := start(ctx, c.bin, rdir, dsn, echo)
+		profile := ""
+		if c.cpuprofile != "" {
+			profile = fmt.Sprintf("%s-%s-%d-%d.pprof", c.cpuprofile, v.db, v.replicas, i+1)
+		}
+		s, err := start(ctx, c.bin, rdir, dsn, profile, echo)
 		if err != nil {
 			return result{}, fmt.Errorf("replica %d: %w", i+1, err)
 		}
@@ -389,7 +401,8 @@ func runControlPlane(ctx context.Context, c config, v variant, echo io.Writer) (
 			return result{}, fmt.Errorf("only %d of %d hosts got their VMs in a snapshot", n, len(hosts))
 		}
 	}
-	fmt.Fprintf(os.Stderr, "created %d VMs and %d exposures in %s\n", c.hosts*c.vms, c.hosts, time.Since(t0).Round(time.Millisecond))
+	created := time.Since(t0)
+	fmt.Fprintf(os.Stderr, "created %d VMs and %d exposures in %s\n", c.hosts*c.vms, c.hosts, created.Round(time.Millisecond))
 
 	steps := make([]func(), len(hosts))
 	for i, h := range hosts {
@@ -405,6 +418,12 @@ func runControlPlane(ctx context.Context, c config, v variant, echo io.Writer) (
 		return result{}, err
 	}
 	res.title = v.String()
+	res.created = created
+	if c.benchfmt != "" {
+		if err := writeBench(c, v, res); err != nil {
+			return result{}, err
+		}
+	}
 	stop()
 	return res, nil
 }
@@ -437,6 +456,12 @@ type result struct {
 	pgCPU                        float64 // cores; 0 without PostgreSQL
 	perChange                    float64 // µs of server-side CPU per change made
 	load                         string
+	// For -benchfmt: the whole control plane's cores and RSS, how long
+	// the hosts' VMs took to create and the watchers to open (each got
+	// every VM or exposure in its first message).
+	cores           float64
+	rss             int64
+	created, opened time.Duration
 }
 
 // measure opens the watchers on t, narrates for c.dur, waits for the
@@ -466,7 +491,8 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 			return result{}, fmt.Errorf("watcher (%s, grpc=%v): %w", w.kind, w.grpc, w.err)
 		}
 	}
-	fmt.Fprintf(os.Stderr, "opened %d watchers in %s\n", c.watchers, time.Since(t0).Round(time.Millisecond))
+	opened := time.Since(t0)
+	fmt.Fprintf(os.Stderr, "opened %d watchers in %s\n", c.watchers, opened.Round(time.Millisecond))
 
 	var probe *watcher
 	if c.dbprobe && t.pg != nil {
@@ -659,6 +685,9 @@ func measure(ctx context.Context, c config, t target) (result, error) {
 		pgCPU:     (pg1 - pg0).Seconds() / window.Seconds(),
 		perChange: float64((cpu + pg1 - pg0).Microseconds()) / float64(max(changes, 1)),
 		load:      loadavg(),
+		cores:     cpu.Seconds() / window.Seconds(),
+		rss:       rss,
+		opened:    opened,
 	}
 	for i := range after {
 		res.cpu = append(res.cpu, (after[i].cpu-before[i].cpu).Seconds()/window.Seconds())
@@ -865,4 +894,32 @@ func selfCPU() time.Duration {
 		return 0
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// writeBench appends r to c.benchfmt as Go benchmark lines, one per thing
+// measured, so that benchstat compares two builds' files: the fan-out
+// (latency, CPU, memory, delivery), the creates and the watchers' opening.
+// Lower is better in every unit but delivered-%.
+func writeBench(c config, v variant, r result) error {
+	f, err := os.OpenFile(c.benchfmt, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	name := fmt.Sprintf("hosts=%d/vms=%d/watchers=%d/db=%s/replicas=%d", c.hosts, c.vms, c.watchers, v.db, v.replicas)
+	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	lines := []string{
+		fmt.Sprintf("BenchmarkScaleFanOut/%s 1 %.3f p50-ms %.3f p99-ms %.3f cores %d RSS-MiB %.2f µs/change %.2f delivered-%%",
+			name, ms(r.p50), ms(r.p99), r.cores, r.rss>>20, r.perChange, r.delivered),
+		fmt.Sprintf("BenchmarkScaleCreateVM/%s 1 %.3f ms/vm", name, ms(r.created)/float64(max(c.hosts*c.vms, 1))),
+		fmt.Sprintf("BenchmarkScaleOpenWatch/%s 1 %.3f ms/watcher", name, ms(r.opened)/float64(max(c.watchers, 1))),
+	}
+	if v.replicas > 1 {
+		lines = append(lines, fmt.Sprintf("BenchmarkScaleCrossReplica/%s 1 %.3f p50-ms %.3f p99-ms %.2f delivered-%%",
+			name, ms(r.crossP50), ms(r.crossP99), r.crossDelivered))
+	}
+	_, err = fmt.Fprintln(f, strings.Join(lines, "\n"))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }

@@ -53,7 +53,7 @@ type gcLine struct {
 // allocates are read from outside without any debug endpoint. The first
 // admin's token is read when this one made it (token stays empty on a
 // replica that found the admin made).
-func start(ctx context.Context, bin, dir, db string, echo io.Writer) (*server, error) {
+func start(ctx context.Context, bin, dir, db, cpuprofile string, echo io.Writer) (*server, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
@@ -66,6 +66,13 @@ func start(ctx context.Context, bin, dir, db string, echo io.Writer) (*server, e
 		args = append(args, "--db", db)
 	}
 	cmd := exec.CommandContext(ctx, bin, args...)
+	// Ended by ctx, it still shuts down as on a signal (and writes its
+	// profile); killed only if it does not.
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 10 * time.Second
+	if cpuprofile != "" {
+		cmd.Env = append(os.Environ(), "EITRI_CPUPROFILE="+cpuprofile)
+	}
 	s, _, err := launch(cmd, echo, nil)
 	if err != nil {
 		return nil, err
@@ -120,7 +127,10 @@ func fingerprint(url string) (string, error) {
 // any) is handed over on the channel, the rest is kept for error messages
 // and echoed.
 func launch(cmd *exec.Cmd, echo io.Writer, ready *regexp.Regexp) (*server, <-chan []string, error) {
-	cmd.Env = append(os.Environ(), "GODEBUG=gctrace=1")
+	if cmd.Env == nil {
+		cmd.Env = os.Environ()
+	}
+	cmd.Env = append(cmd.Env, "GODEBUG=gctrace=1")
 	s := &server{cmd: cmd, done: make(chan struct{})}
 	found := make(chan []string, 1)
 	pr, pw := io.Pipe()

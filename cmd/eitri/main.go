@@ -13,6 +13,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"syscall"
 
 	"github.com/a73x/eitri/agent/upgrade"
@@ -51,6 +52,15 @@ func main() {
 func run(args []string, out io.Writer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if path := os.Getenv("EITRI_CPUPROFILE"); path != "" {
+		// For benchmarks (bench/scale -cpuprofile): the process's whole
+		// life, written when it ends on a signal or by itself.
+		stopProfile, err := startCPUProfile(path)
+		if err != nil {
+			return err
+		}
+		defer stopProfile()
+	}
 	return execute(ctx, args, cli.IO{In: os.Stdin, Out: out, Err: os.Stderr})
 }
 
@@ -65,4 +75,19 @@ func newLogger(level string) *slog.Logger {
 		l = slog.LevelInfo
 	}
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: l}))
+}
+
+func startCPUProfile(path string) (func(), error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("EITRI_CPUPROFILE: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("EITRI_CPUPROFILE: %w", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
 }
