@@ -203,6 +203,7 @@ type Fleet struct {
 	tunnelEvents tunnelEvents // tunnels the VMs' timelines heard of (tunnelevents.go)
 
 	userCerts certLimits // SSH certificates per user (sshcerts.go)
+	caLines   keyLines   // parsed user CA lines, for every VM view (sshcerts.go)
 
 	replicas replicas // the other replicas sharing the database (replicas.go)
 

@@ -164,14 +164,12 @@ func (f *Fleet) userCATrust(seeded []string) ([]*eitriv1.TrustedCA, bool, string
 	if len(seeded) == 0 || f.cfg.SSHCA == nil {
 		return nil, false, ""
 	}
-	current := sshca.AuthorizedKey(f.cfg.SSHCA.PublicKey(sshca.User))
+	current := f.caLines.current(f.cfg.SSHCA.PublicKey(sshca.User))
 	out := make([]*eitriv1.TrustedCA, 0, len(seeded))
 	stale := true
 	for _, line := range seeded {
-		ca := &eitriv1.TrustedCA{PublicKey: line, Current: sameKey(line, current)}
-		if k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(line)); err == nil {
-			ca.Fingerprint = ssh.FingerprintSHA256(k)
-		}
+		k := f.caLines.parse(line)
+		ca := &eitriv1.TrustedCA{PublicKey: line, Current: k.key != "" && k.key == current, Fingerprint: k.fingerprint}
 		if ca.Current {
 			stale = false
 		}
@@ -184,14 +182,69 @@ func (f *Fleet) userCATrust(seeded []string) ([]*eitriv1.TrustedCA, bool, string
 		"add the current user CA (eitri ssh-ca) to " + seedUserCAPath + " in the guest (log in with the VM's own key), or recreate the VM"
 }
 
+// keyLines keeps what userCATrust derives from authorized_keys lines: every
+// VM view asks it, and a watcher's first message holds every VM, so
+// parsing and hashing each line each time cost more than the rest of the
+// view. The lines are the user CA's own keys (seeded into guests), so
+// there are a handful; the map is cleared should it ever grow past that.
+type keyLines struct {
+	mu   sync.Mutex
+	wire string // the current key's wire form, and
+	line string // its key part ("type base64"), as last rendered
+	seen map[string]parsedLine
+}
+
+// parsedLine is an authorized_keys line's key part ("type base64", no
+// comment; "" when it has fewer than two fields) and its fingerprint (""
+// when it does not parse).
+type parsedLine struct{ key, fingerprint string }
+
+const keyLinesKept = 64
+
+// current returns k's key part, rendered again only when the CA rotated.
+func (c *keyLines) current(k ssh.PublicKey) string {
+	wire := string(k.Marshal())
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if wire != c.wire {
+		c.wire, c.line = wire, keyPart(sshca.AuthorizedKey(k))
+	}
+	return c.line
+}
+
+func (c *keyLines) parse(line string) parsedLine {
+	c.mu.Lock()
+	p, ok := c.seen[line]
+	c.mu.Unlock()
+	if ok {
+		return p
+	}
+	p.key = keyPart(line)
+	if k, _, _, _, err := ssh.ParseAuthorizedKey([]byte(line)); err == nil {
+		p.fingerprint = ssh.FingerprintSHA256(k)
+	}
+	c.mu.Lock()
+	if c.seen == nil || len(c.seen) >= keyLinesKept {
+		c.seen = map[string]parsedLine{}
+	}
+	c.seen[line] = p
+	c.mu.Unlock()
+	return p
+}
+
+// keyPart is an authorized_keys line's type and key, without its comment
+// ("" when it has fewer than two fields): two lines name the same key
+// when their key parts are equal.
+func keyPart(line string) string {
+	fs := strings.Fields(line)
+	if len(fs) < 2 {
+		return ""
+	}
+	return fs[0] + " " + fs[1]
+}
+
 // seedUserCAPath is where a guest's seed puts the user CA keys sshd trusts.
 const seedUserCAPath = "/etc/ssh/eitri_user_ca.pub"
-
-// sameKey compares two authorized_keys lines by their key, not comment.
-func sameKey(a, b string) bool {
-	fa, fb := strings.Fields(a), strings.Fields(b)
-	return len(fa) >= 2 && len(fb) >= 2 && fa[0] == fb[0] && fa[1] == fb[1]
-}
 
 // trustedUserCAKeys is what every guest's seed trusts (VMDesired): empty
 // without a CA.
