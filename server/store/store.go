@@ -114,7 +114,7 @@ func openSQLite(ctx context.Context, path string) (*Store, error) {
 		return nil, err
 	}
 	defer unlock()
-	db, err := sql.Open("sqlite", path+"?"+q.Encode())
+	db, err := openSQLiteDB(path + "?" + q.Encode())
 	if err != nil {
 		return nil, fmt.Errorf("store: open %s: %w", path, err)
 	}
