@@ -1,10 +1,11 @@
 package fleet
 
 import (
-	"strings"
-	"unicode/utf8"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	eitriv1 "github.com/a73x/eitri/gen/go/eitri/v1"
+	"github.com/a73x/eitri/server/intake"
 )
 
 // Bounds on what an agent says in words. An enrolled host is trusted to run
@@ -16,87 +17,73 @@ const (
 	maxAgentLine   = 512  // narration and the accelerator's reason
 	maxAgentError  = 4096 // last_error may carry a serial tail
 	maxAgentPubkey = 8192 // an authorized_keys line
+	// maxAgentItems bounds each list a host sends (VMs, ports, images),
+	// far above what one machine runs; maxAgentBytes each bytes field.
+	maxAgentItems = 4096
+	maxAgentBytes = 64 << 10
 )
 
 // clip cuts s to at most n bytes on a rune boundary, ending in "…".
-func clip(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	cut := n - len("…")
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return s[:cut] + "…"
-}
+func clip(s string, n int) string { return intake.Clip(s, n) }
 
 // printable drops the control characters from an agent's text but
-// newlines and tabs: the rest of C0, DEL, and C1 (U+0080–U+009F, which
-// some terminals obey as escapes: U+009B is CSI, U+009D OSC). What a host
-// copies from a guest's console reaches the timeline, `eitri vm events` in
-// a terminal and every console; a guest tells none of them to move a
-// cursor, retitle a window or change colour.
-func printable(s string) string {
-	if strings.IndexFunc(s, control) < 0 {
-		return s
-	}
-	return strings.Map(func(r rune) rune {
-		if control(r) {
-			return -1
-		}
-		return r
-	}, s)
-}
-
-func control(r rune) bool {
-	return r < 0x20 && r != '\n' && r != '\t' || r >= 0x7f && r <= 0x9f
-}
+// newlines and tabs (see intake.Printable).
+func printable(s string) string { return intake.Printable(s, true) }
 
 // clipFront is clip for text whose end matters most (a console's last
 // lines): it keeps the last n bytes, starting with "…".
-func clipFront(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	cut := len(s) - (n - len("…"))
-	for cut < len(s) && !utf8.RuneStart(s[cut]) {
-		cut++
-	}
-	return "…" + s[cut:]
+func clipFront(s string, n int) string { return intake.ClipFront(s, n) }
+
+// fromHost is the one rule for everything a host sends (see package
+// intake): unknown fields dropped, every string bounded and stripped of
+// control characters, every bytes and repeated field bounded. Fields not
+// named here are short words: versions, names, addresses, ids, states.
+var fromHost = intake.Rules{
+	DefaultText:  intake.Text{Max: maxAgentShort},
+	DefaultItems: maxAgentItems,
+	DefaultBytes: maxAgentBytes,
+	Text: map[protoreflect.FullName]intake.Text{
+		"eitri.v1.Hello.accelerator_reason":             {Max: maxAgentLine, Lines: true},
+		"eitri.v1.ActualStateReport.accelerator_reason": {Max: maxAgentLine, Lines: true},
+		"eitri.v1.ActualVM.status_detail":               {Max: maxAgentLine, Lines: true},
+		"eitri.v1.ActualVM.last_error":                  {Max: maxAgentError, Lines: true},
+		"eitri.v1.ActualVM.ssh_host_pubkey":             {Max: maxAgentPubkey, Lines: true},
+		"eitri.v1.GuestExit.reason":                     {Max: maxAgentLine, Lines: true},
+		"eitri.v1.GuestExit.serial_tail":                {Max: maxAgentError, Lines: true, Tail: true},
+		"eitri.v1.ExposureActual.reason":                {Max: maxAgentLine, Lines: true},
+		"eitri.v1.SnapshotRefusal.reason":               {Max: maxAgentLine, Lines: true},
+		"eitri.v1.AgentUpgradeStatus.step":              {Max: maxAgentWord},
+		"eitri.v1.AgentUpgradeStatus.detail":            {Max: maxAgentLine, Lines: true},
+		"eitri.v1.AgentUpgradeStatus.error":             {Max: maxAgentError, Lines: true},
+		"eitri.v1.ImageHeld.sha256":                     {Max: 64},
+		"eitri.v1.ImageHeld.status_detail":              {Max: maxAgentLine, Lines: true},
+		"eitri.v1.ImageHeld.error":                      {Max: maxAgentError, Lines: true},
+		"eitri.v1.CachedImage.sha256":                   {Max: 64},
+		"eitri.v1.Progress.step":                        {Max: maxAgentWord},
+	},
+	Items: map[protoreflect.FullName]int{
+		// Counted in "more" by ImageCache, which cuts them first.
+		"eitri.v1.ImageCacheReport.images": maxCacheRows,
+		"eitri.v1.CachedImage.vm_ids":      maxCacheRowVMs,
+	},
 }
 
-// clipHello bounds the free text of a Hello in place.
-func clipHello(h *eitriv1.Hello) {
-	h.AgentVersion = clip(h.GetAgentVersion(), maxAgentShort)
-	h.Hostname = clip(h.GetHostname(), maxAgentShort)
-	h.Address = clip(h.GetAddress(), maxAgentShort)
-	h.Accelerator = clip(h.GetAccelerator(), maxAgentShort)
-	h.AcceleratorReason = clip(printable(h.GetAcceleratorReason()), maxAgentLine)
-	h.InstanceId = clip(h.GetInstanceId(), maxAgentShort)
-}
+// cleanFromHost applies fromHost to a message from a host, in place.
+func cleanFromHost(m proto.Message) { fromHost.Clean(m) }
 
-// clipReport bounds the free text of a report in place.
+// clipHello bounds and cleans a Hello in place.
+func clipHello(h *eitriv1.Hello) { cleanFromHost(h) }
+
+// clipReport bounds and cleans a report in place, and drops a progress
+// total it cannot believe.
 func clipReport(r *eitriv1.ActualStateReport) {
-	r.Accelerator = clip(r.GetAccelerator(), maxAgentShort)
-	r.AcceleratorReason = clip(printable(r.GetAcceleratorReason()), maxAgentLine)
+	cleanFromHost(r)
 	for _, v := range r.GetVms() {
-		v.Power = clip(v.GetPower(), maxAgentShort)
-		v.Phase = clip(v.GetPhase(), maxAgentShort)
-		v.Ip = clip(v.GetIp(), maxAgentShort)
-		v.StatusDetail = clip(printable(v.GetStatusDetail()), maxAgentLine)
-		v.LastError = clip(printable(v.GetLastError()), maxAgentError)
-		v.SshHostPubkey = clip(v.GetSshHostPubkey(), maxAgentPubkey)
-		v.LoginUser = clip(v.GetLoginUser(), maxAgentShort)
-		v.ReadySignal = clip(v.GetReadySignal(), maxAgentShort)
-		if x := v.GetLastExit(); x != nil {
-			x.Reason = clip(printable(x.GetReason()), maxAgentLine)
-			x.SerialTail = clipFront(printable(x.GetSerialTail()), maxAgentError)
-		}
 		boundProgress(v.GetProgress())
 	}
-	for _, e := range r.GetExposures() {
-		e.State = clip(e.GetState(), maxAgentShort)
-		e.Reason = clip(printable(e.GetReason()), maxAgentLine)
+	boundProgress(r.GetUpgrade().GetProgress())
+	for _, im := range r.GetImages() {
+		boundProgress(im.GetProgress())
 	}
 }
 

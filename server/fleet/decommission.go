@@ -70,6 +70,8 @@ func (f *Fleet) ForceDecommissionHost(ctx context.Context, id string) (*eitriv1.
 		f.exposureRemoved(e, owners[e.VMID])
 	}
 	f.Hosts.Publish(watch.Event[*eitriv1.Host]{ID: id, Removed: true})
+	// What it measured goes with it, not an hour later.
+	f.Usage.DropHost(id)
 	return resp, nil
 }
 

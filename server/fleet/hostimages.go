@@ -37,12 +37,12 @@ func (s *Session) ImageCache(c *eitriv1.ImageCacheReport) {
 		c.Images = c.Images[:maxCacheRows]
 	}
 	for _, im := range c.GetImages() {
-		im.Sha256 = clip(im.GetSha256(), 64)
 		if n := len(im.GetVmIds()); n > maxCacheRowVMs {
 			im.MoreVms += uint32(n - maxCacheRowVMs)
 			im.VmIds = im.VmIds[:maxCacheRowVMs]
 		}
 	}
+	cleanFromHost(c) // after the cuts above, which count what they cut
 	f := s.f
 	now := f.now()
 	f.mu.Lock()

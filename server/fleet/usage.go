@@ -12,6 +12,7 @@ import (
 // for itself and for the VMs it reports holding, each placed on it; a
 // sample of any other VM is dropped.
 func (s *Session) Usage(ctx context.Context, u *eitriv1.UsageSample) {
+	cleanFromHost(u)
 	kept := s.f.addUsage(ctx, s.hostID, u)
 	s.f.shareUsage(s, kept)
 }

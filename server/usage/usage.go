@@ -206,6 +206,19 @@ func (st *Store) Latest() ([]VMLatest, []*eitriv1.HostUsage) {
 	return vms, hosts
 }
 
+// DropHost forgets the host's series and those of every VM measured on
+// it: a decommissioned host's windows go with it.
+func (st *Store) DropHost(hostID string) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	delete(st.hosts, hostID)
+	for id, s := range st.vms {
+		if s.host == hostID {
+			delete(st.vms, id)
+		}
+	}
+}
+
 // expireLocked forgets series that have been silent for the span.
 func (st *Store) expireLocked() {
 	cut := st.now().Add(-st.span)
