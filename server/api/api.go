@@ -43,6 +43,8 @@ func Mount(r chi.Router, f *fleet.Fleet, obs Observer, log *slog.Logger) {
 	h := handlers{f: f, log: log, obs: obs}
 	// After auth, so the principal whose streams are counted is known.
 	opts = append(opts, connect.WithInterceptors(streamQuota{h}))
+	// After auth too: a caller who may not call learns nothing from it.
+	opts = append(opts, connect.WithInterceptors(plainText{}))
 	for _, mount := range []func() (string, http.Handler){
 		func() (string, http.Handler) { return eitriv1connect.NewVMServiceHandler(vmService{h}, opts...) },
 		func() (string, http.Handler) {
