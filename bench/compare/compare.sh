@@ -117,8 +117,8 @@ val() { sed -n "s/.*$1=\([0-9.]*\).*/\1/p"; }
 port=24000
 ports() { # who
 	local p=$((port += 10)) proxy_pids=() mbps pps s
-	"$work/$1/exposeproxy-bench" proxy -proto tcp -listen 127.0.0.1:$((p + 1)) -to 127.0.0.1:$SINK & proxy_pids+=($!)
-	"$work/$1/exposeproxy-bench" proxy -proto udp -listen 127.0.0.1:$((p + 2)) -to 127.0.0.1:$UECHO & proxy_pids+=($!)
+	"$work/$1/exposeproxy-bench" proxy -proto tcp -listen 127.0.0.1:$((p + 1)) -to 127.0.0.1:$SINK >>"$OUT/$1.log" 2>&1 & proxy_pids+=($!)
+	"$work/$1/exposeproxy-bench" proxy -proto udp -listen 127.0.0.1:$((p + 2)) -to 127.0.0.1:$UECHO >>"$OUT/$1.log" 2>&1 & proxy_pids+=($!)
 	sleep 0.5
 	for s in 1 8; do
 		mbps=$("$tools/exposeproxy-bench" tcpsend -to 127.0.0.1:$((p + 1)) -streams $s -dur "$DUR" | val mbps)

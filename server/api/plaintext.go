@@ -26,7 +26,7 @@ type plainText struct{}
 
 func (plainText) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		if !req.Spec().IsClient && !fromHost(req.Spec().Procedure) {
+		if !fromHost(req.Spec().Procedure) {
 			if err := refuseNUL(req.Any()); err != nil {
 				return nil, err
 			}

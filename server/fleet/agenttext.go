@@ -68,11 +68,9 @@ var fromHost = intake.Rules{
 	},
 }
 
-// cleanFromHost applies fromHost to a message from a host, in place.
+// cleanFromHost applies fromHost to a message from a host (a Hello, a
+// usage sample, an image-cache listing), in place.
 func cleanFromHost(m proto.Message) { fromHost.Clean(m) }
-
-// clipHello bounds and cleans a Hello in place.
-func clipHello(h *eitriv1.Hello) { cleanFromHost(h) }
 
 // clipReport bounds and cleans a report in place, and drops a progress
 // total it cannot believe.

@@ -32,7 +32,7 @@ func TestClipCutsOnARuneBoundaryAndMarksTheCut(t *testing.T) {
 func TestAHostileAgentsTextIsBounded(t *testing.T) {
 	huge := strings.Repeat("x", 1<<20)
 	h := &eitriv1.Hello{AgentVersion: huge, Hostname: huge, Address: huge, Accelerator: huge, AcceleratorReason: huge, InstanceId: huge}
-	clipHello(h)
+	cleanFromHost(h)
 	for _, s := range []string{h.AgentVersion, h.Hostname, h.Address, h.Accelerator, h.InstanceId} {
 		assert.LessOrEqual(t, len(s), maxAgentShort)
 	}

@@ -50,7 +50,7 @@ type Session struct {
 // error that says what to do, and the open stream is kept: flapping between
 // two agents would let both of them act on the host's desired state.
 func (f *Fleet) OpenSession(ctx context.Context, hostID string, hello *eitriv1.Hello, peer string) (*Session, error) {
-	clipHello(hello)
+	cleanFromHost(hello)
 	now := f.now()
 	if err := f.refuseDuplicate(ctx, hostID, hello, peer, now); err != nil {
 		return nil, err
